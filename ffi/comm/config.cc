@@ -1,0 +1,64 @@
+#include "comm/config.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace arx {
+namespace {
+
+Status parse_u64(const std::string& key, const std::string& v, uint64_t& out) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+  if (errno || end == v.c_str() || *end || v[0] == '-')
+    return Status::Error(strf("jax_arx: option %s=%s is not a non-negative integer", key.c_str(), v.c_str()));
+  out = x;
+  return Status::Ok();
+}
+
+Status parse_i64(const std::string& key, const std::string& v, int64_t& out) {
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (errno || end == v.c_str() || *end)
+    return Status::Error(strf("jax_arx: option %s=%s is not an integer", key.c_str(), v.c_str()));
+  out = x;
+  return Status::Ok();
+}
+
+Status parse_f64(const std::string& key, const std::string& v, double& out) {
+  char* end = nullptr;
+  errno = 0;
+  const double x = std::strtod(v.c_str(), &end);
+  if (errno || end == v.c_str() || *end || !(x > 0))
+    return Status::Error(strf("jax_arx: option %s=%s is not a positive number", key.c_str(), v.c_str()));
+  out = x;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) {
+  Config c;
+  for (const auto& [k, v] : kv) {
+    if (k == "slot_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.slot_bytes));
+    else if (k == "send_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.send_bytes));
+    else if (k == "timeout_s") ARX_RETURN_IF_ERROR(parse_f64(k, v, c.timeout_s));
+    else if (k == "idle_spin_ms") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_spin_ms));
+    else if (k == "idle_nap_us") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_nap_us));
+    else if (k == "stall_report_s") ARX_RETURN_IF_ERROR(parse_f64(k, v, c.stall_report_s));
+    else if (k == "abort_on_failure") c.abort_on_failure = v == "1" || v == "true";
+    else if (k == "tcp_addr") c.tcp_addr = v;
+    else if (k == "ib_hca") c.ib_hca = v;
+    else if (k == "ib_gid_index") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.ib_gid_index));
+    else if (k == "verbose") c.verbose = v == "1" || v == "true";
+    else return Status::Error(strf("jax_arx: unknown endpoint option '%s'", k.c_str()));
+  }
+  if (c.slot_bytes == 0 || c.slot_bytes % 16 || c.send_bytes % 16)
+    return Status::Error(strf("jax_arx: slot_bytes (%llu) and send_bytes (%llu) must be positive multiples of 16",
+                              (unsigned long long)c.slot_bytes, (unsigned long long)c.send_bytes));
+  out = c;
+  return Status::Ok();
+}
+
+}  // namespace arx

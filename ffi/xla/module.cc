@@ -1,0 +1,173 @@
+// jax_arx._core: the endpoint lifecycle (create: buffers and this rank's
+// connection details; connect: wire the peers and start the proxy; close)
+// and the handler capsules jax_arx registers with jax.ffi at import.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "comm/endpoint.h"
+#include "xla/handlers.h"
+
+#if ARX_HAVE_CUDA
+#include "cuda/device_side.h"
+#include "xla/handlers_cuda.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace arx {
+namespace {
+
+template <typename T>
+nb::capsule capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>, "an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+void check(const Status& s) {
+  if (!s.ok()) throw std::runtime_error(s.message());
+}
+
+TransportKind parse_transport(const std::string& s) {
+  if (s == "shm") return TransportKind::kShm;
+  if (s == "tcp") return TransportKind::kTcp;
+  if (s == "verbs") return TransportKind::kVerbs;
+  throw std::invalid_argument("jax_arx: unknown transport '" + s + "'; use shm, tcp or verbs");
+}
+
+Platform parse_platform(const std::string& s) {
+  if (s == "cpu") return Platform::kHost;
+  if (s == "cuda") return Platform::kCuda;
+  throw std::invalid_argument("jax_arx: unknown platform '" + s + "'; use cpu or cuda");
+}
+
+// Python's handle on one endpoint. connect() registers it for the handlers;
+// close() (or garbage collection) unregisters and stops it.
+class PyEndpoint {
+ public:
+  PyEndpoint(int64_t comm_id, int device_ordinal, int rank, int world, const std::string& transport,
+             const std::string& platform, const std::string& name, nb::bytes secret,
+             const std::map<std::string, std::string>& options) {
+    EndpointSpec spec;
+    spec.comm_id = comm_id;
+    spec.device_ordinal = device_ordinal;
+    spec.rank = rank;
+    spec.world = world;
+    spec.transport = parse_transport(transport);
+    spec.platform = parse_platform(platform);
+    spec.name = name;
+    spec.secret = std::string(secret.c_str(), secret.size());
+    check(Config::parse(options, spec.config));
+#if !ARX_HAVE_CUDA
+    if (spec.platform == Platform::kCuda)
+      throw std::runtime_error("jax_arx was built without CUDA (no nvcc at build time); rebuild it where nvcc is "
+                               "installed to run on GPUs");
+#endif
+    nb::gil_scoped_release release;
+    check(Endpoint::create(spec, ep_));
+  }
+  ~PyEndpoint() { close(); }
+
+  nb::bytes details() const {
+    const std::string d = ep_->details();
+    return nb::bytes(d.data(), d.size());
+  }
+
+  void connect(const std::vector<nb::bytes>& all) {
+    std::vector<std::string> v;
+    for (const nb::bytes& b : all) v.emplace_back(b.c_str(), b.size());
+    {
+      nb::gil_scoped_release release;
+      check(ep_->connect(v));
+#if ARX_HAVE_CUDA
+      if (ep_->spec().platform == Platform::kCuda) {
+        const Status s = cuda::attach(*ep_);
+        if (!s.ok()) {
+          ep_->close();
+          check(s);
+        }
+      }
+#endif
+    }
+    register_endpoint(ep_);
+    registered_ = true;
+  }
+
+  void close() {
+    if (!ep_) return;
+    if (registered_) unregister_endpoint(ep_->spec().comm_id, ep_->spec().device_ordinal);
+    registered_ = false;
+    nb::gil_scoped_release release;
+    ep_->close();
+  }
+
+  nb::object failure() {
+    const std::string f = ep_->failure();
+    if (f.empty()) return nb::none();
+    return nb::str(f.c_str());
+  }
+
+  const std::shared_ptr<Endpoint>& endpoint() const { return ep_; }
+
+ private:
+  std::shared_ptr<Endpoint> ep_;
+  bool registered_ = false;
+};
+
+}  // namespace
+}  // namespace arx
+
+NB_MODULE(_core, m) {
+  using arx::PyEndpoint;
+  m.doc() = "jax_arx's C++ core: endpoints, carriers, proxies and the XLA FFI handlers";
+  m.def("version", [] { return std::string(arx::version()); });
+  m.def("has_cuda", [] {
+#if ARX_HAVE_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("registrations", [] {
+    nb::dict platforms, cpu;
+    cpu["jax_arx_psum"] = arx::capsule(arx_psum_host);
+    platforms["cpu"] = cpu;
+#if ARX_HAVE_CUDA
+    nb::dict gpu;
+    arx::xla::add_cuda_registrations(gpu);
+    platforms["CUDA"] = gpu;
+#endif
+    return platforms;
+  }, "Handler capsules by platform and target name, for jax.ffi.register_ffi_target.");
+  m.def("failures", [] {
+    std::vector<std::string> out;
+    for (auto& ep : arx::all_endpoints())
+      if (ep->failed()) out.push_back(ep->failure());
+    return out;
+  }, "The failure message of every registered endpoint that has failed.");
+
+  nb::class_<PyEndpoint>(m, "Endpoint")
+      .def(nb::init<int64_t, int, int, int, const std::string&, const std::string&, const std::string&, nb::bytes,
+                    const std::map<std::string, std::string>&>(),
+           nb::arg("comm_id"), nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("world"), nb::arg("transport"),
+           nb::arg("platform"), nb::arg("name"), nb::arg("secret"), nb::arg("options"),
+           "Allocates one rank's buffers and opens its carrier. Raises RuntimeError saying what was wrong.")
+      .def("details", &PyEndpoint::details, "This rank's connection details, to send to every peer.")
+      .def("connect", &PyEndpoint::connect, nb::arg("all_details"),
+           "Checks every rank's details (index = rank), wires the peers, starts the proxy and registers the "
+           "endpoint for the handlers. Call a barrier after it, before the first collective.")
+      .def("close", &PyEndpoint::close, "Stops the proxy and the carrier and unregisters. Idempotent.")
+      .def("failure", &PyEndpoint::failure, "The failure message, or None while healthy.")
+      .def_prop_ro("rank", [](const PyEndpoint& p) { return p.endpoint()->spec().rank; })
+      .def_prop_ro("world", [](const PyEndpoint& p) { return p.endpoint()->spec().world; })
+      .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
+      .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
+      .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
+      .def_prop_ro("oneshot_max_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().slot_bytes; });
+}

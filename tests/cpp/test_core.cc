@@ -1,0 +1,313 @@
+// The C++ core end to end, ranks as threads of one process: endpoints,
+// proxies, carriers and the host device side, against an independent
+// reference (double-free fp32 sum in rank order computed here, from the
+// inputs, not from the library's buffers). Also runs under ThreadSanitizer.
+//
+// usage: test_core [--quick] [carrier ...]   (default: shm tcp)
+// --quick: fewer and smaller calls, for sanitizer builds.
+//
+// ThreadSanitizer and shm: with ranks as threads, a peer's region is a
+// second mapping of the same pages at another address, and TSan cannot pair
+// a release store through one mapping with the acquire load through the
+// other, so it reports races that are not there. Sanitizer runs use tcp,
+// whose receiving thread writes through the region's own address.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/endpoint.h"
+#include "host/collectives.h"
+
+using namespace arx;
+
+namespace {
+
+int g_failures = 0;
+#define EXPECT(cond, ...)                          \
+  do {                                             \
+    if (!(cond)) {                                 \
+      ++g_failures;                                \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                \
+      fprintf(stderr, "\n");                       \
+    }                                              \
+  } while (0)
+
+// Reference conversions, written independently of host/convert.h.
+float ref_load(DType t, const uint8_t* p) {
+  uint32_t u = 0;
+  float f;
+  switch (t) {
+    case DType::kF32: std::memcpy(&f, p, 4); return f;
+    case DType::kBF16: std::memcpy(&u, p, 2); u <<= 16; std::memcpy(&f, &u, 4); return f;
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return (float)std::ldexp((h & 0x3ff) + ((h >> 10 & 0x1f) ? 1024.0 : 0.0),
+                               ((h >> 10 & 0x1f) ? (h >> 10 & 0x1f) : 1) - 25) * ((h >> 15) ? -1.f : 1.f);
+    }
+  }
+  return 0;
+}
+
+// Round a float to the type's nearest-even value, via double arithmetic.
+void ref_store(DType t, uint8_t* p, float f) {
+  switch (t) {
+    case DType::kF32: std::memcpy(p, &f, 4); return;
+    case DType::kBF16: {
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      const uint32_t lo = u & 0xffff, hi = u >> 16;
+      uint32_t r = hi;
+      if (lo > 0x8000 || (lo == 0x8000 && (hi & 1))) ++r;
+      const uint16_t h = (uint16_t)r;
+      std::memcpy(p, &h, 2);
+      return;
+    }
+    case DType::kF16: {
+      // Brute force: nearest of all finite halves by value (ties to even
+      // mantissa). Inputs in this test stay small and finite.
+      uint16_t best = 0;
+      double bestd = 1e300;
+      for (uint32_t h = 0; h < 0x7c00; ++h)
+        for (int s = 0; s < 2; ++s) {
+          const uint16_t hh = (uint16_t)(h | (s << 15));
+          uint8_t b[2];
+          std::memcpy(b, &hh, 2);
+          const double d = std::fabs((double)ref_load(DType::kF16, b) - (double)f);
+          if (d < bestd || (d == bestd && (hh & 1) == 0 && (best & 1))) { best = hh; bestd = d; }
+        }
+      std::memcpy(p, &best, 2);
+      return;
+    }
+  }
+}
+
+struct Rig {
+  std::vector<std::shared_ptr<Endpoint>> eps;
+};
+
+bool make_rig(TransportKind kind, int world, Rig& rig, Config cfg = Config()) {
+  std::vector<std::string> details(world);
+  rig.eps.resize(world);
+  for (int r = 0; r < world; ++r) {
+    EndpointSpec s;
+    s.comm_id = 7;
+    s.device_ordinal = 0;
+    s.rank = r;
+    s.world = world;
+    s.transport = kind;
+    s.name = "test";
+    s.secret = "secret-of-this-test";
+    s.config = cfg;
+    Status st = Endpoint::create(s, rig.eps[r]);
+    if (!st.ok()) {
+      fprintf(stderr, "create: %s\n", st.message().c_str());
+      return false;
+    }
+    details[r] = rig.eps[r]->details();
+  }
+  std::vector<std::thread> ts;
+  std::vector<Status> sts(world);
+  for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { sts[r] = rig.eps[r]->connect(details); });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; ++r)
+    if (!sts[r].ok()) {
+      fprintf(stderr, "connect: %s\n", sts[r].message().c_str());
+      return false;
+    }
+  return true;
+}
+
+// Every rank runs `body(rank)` in its own thread.
+void on_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) ts.emplace_back(body, r);
+  for (auto& t : ts) t.join();
+}
+
+void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(-4.f, 4.f);
+  buf.resize(count * dtype_size(t));
+  for (uint64_t i = 0; i < count; ++i) ref_store(t == DType::kF16 ? DType::kBF16 : t, buf.data() + i * dtype_size(t), d(rng));
+  if (t == DType::kF16)  // f16 inputs: exact small values, cheap to make
+    for (uint64_t i = 0; i < count; ++i) {
+      const uint16_t h = (uint16_t)(0x3c00 + (rng() % 0x800)) ^ (uint16_t)((rng() & 1) << 15);
+      std::memcpy(buf.data() + 2 * i, &h, 2);
+    }
+}
+
+void test_allreduce(TransportKind kind, int world, DType dtype, const std::vector<uint64_t>& counts, int repeats) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) {
+    EXPECT(false, "rig %s world %d", transport_name(kind), world);
+    return;
+  }
+  std::mt19937 rng(world * 100 + (int)dtype);
+  for (int rep = 0; rep < repeats; ++rep)
+    for (uint64_t count : counts) {
+      const int es = dtype_size(dtype);
+      std::vector<std::vector<uint8_t>> in(world), out(world);
+      for (int r = 0; r < world; ++r) {
+        fill_random(dtype, in[r], count, rng);
+        out[r].assign(count * es, 0xAB);
+      }
+      // Reference: fp32 sum in rank order from 0.0f, rounded once.
+      std::vector<uint8_t> ref(count * es);
+      if (dtype != DType::kF16 || count <= 64)
+        for (uint64_t i = 0; i < count; ++i) {
+          float acc = 0.0f;
+          for (int r = 0; r < world; ++r) acc += ref_load(dtype, in[r].data() + i * es);
+          ref_store(dtype, ref.data() + i * es, acc);
+        }
+      std::vector<Status> sts(world);
+      const bool alias = rep % 2 == 1;
+      on_ranks(world, [&](int r) {
+        if (alias) {
+          out[r] = in[r];
+          sts[r] = host::allreduce(*rig.eps[r], dtype, out[r].data(), out[r].data(), count);
+        } else {
+          sts[r] = host::allreduce(*rig.eps[r], dtype, in[r].data(), out[r].data(), count);
+        }
+      });
+      for (int r = 0; r < world; ++r) {
+        EXPECT(sts[r].ok(), "%s world %d count %llu rank %d: %s", transport_name(kind), world,
+               (unsigned long long)count, r, sts[r].message().c_str());
+        EXPECT(out[r] == out[0], "%s world %d count %llu: rank %d differs from rank 0", transport_name(kind), world,
+               (unsigned long long)count, r);
+      }
+      if (dtype != DType::kF16 || count <= 64)
+        EXPECT(out[0] == ref, "%s world %d dtype %d count %llu: result differs from the reference",
+               transport_name(kind), world, (int)dtype, (unsigned long long)count);
+    }
+  for (auto& ep : rig.eps) ep->close();
+}
+
+// Thousands of back-to-back calls: parity reuse under load.
+void test_back_to_back(TransportKind kind, int world, int calls) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  std::vector<int> bad(world, 0);
+  on_ranks(world, [&](int r) {
+    std::vector<float> in(97), out(97);
+    for (int c = 1; c <= calls; ++c) {
+      for (int i = 0; i < 97; ++i) in[i] = (float)(c * (r + 1) + i);
+      const Status s = host::allreduce(*rig.eps[r], DType::kF32, in.data(), out.data(), 97);
+      if (!s.ok()) { bad[r] = c; return; }
+      const float tri = (float)(world * (world + 1) / 2);
+      for (int i = 0; i < 97; ++i)
+        if (out[i] != c * tri + world * i) { bad[r] = c; return; }
+    }
+  });
+  for (int r = 0; r < world; ++r) EXPECT(bad[r] == 0, "%s back-to-back: rank %d wrong at call %d", transport_name(kind), r, bad[r]);
+  for (auto& ep : rig.eps) ep->close();
+}
+
+// A peer that never arrives: the call fails within the timeout, names it,
+// fills NaN, and later calls fail at once.
+void test_timeout(TransportKind kind) {
+  Config cfg;
+  cfg.timeout_s = 0.5;
+  Rig rig;
+  if (!make_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  std::vector<float> in(10, 1.0f), out(10, 0.0f), out1(10, 0.0f);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s0, s1;
+  // Rank 2 never calls.
+  on_ranks(2, [&](int r) { (r ? s1 : s0) = host::allreduce(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10); });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT(!s0.ok() && s0.message().find("rank 2") != std::string::npos, "timeout names the missing rank: %s",
+         s0.message().c_str());
+  EXPECT(took < 5, "timeout took %.2f s", took);
+  EXPECT(std::isnan(out[0]), "output is NaN after a failed call");
+  const auto t1 = std::chrono::steady_clock::now();
+  Status again = host::allreduce(*rig.eps[0], DType::kF32, in.data(), out.data(), 10);
+  EXPECT(!again.ok() && again.message() == s0.message(), "a later call reports the same failure: %s",
+         again.message().c_str());
+  EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "a later call fails at once");
+  for (auto& ep : rig.eps) ep->close();
+}
+
+// Ranks that issue different sizes get an error, not a wrong sum.
+void test_mismatch(TransportKind kind) {
+  Config cfg;
+  cfg.timeout_s = 2;
+  Rig rig;
+  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  std::vector<float> a(16, 1.0f), b(17, 1.0f), oa(16), ob(17);
+  Status s0, s1;
+  on_ranks(2, [&](int r) {
+    if (r == 0) s0 = host::allreduce(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16);
+    else s1 = host::allreduce(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17);
+  });
+  EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
+         s0.message().c_str());
+  EXPECT(!s1.ok() && s1.message().find("different collective") != std::string::npos, "rank 1 mismatch: %s",
+         s1.message().c_str());
+  EXPECT(std::isnan(oa[0]) && std::isnan(ob[0]), "mismatched calls give NaN");
+  for (auto& ep : rig.eps) ep->close();
+}
+
+// Ranks whose settings differ fail connect, saying what differs.
+void test_fingerprint(TransportKind kind) {
+  std::vector<std::shared_ptr<Endpoint>> eps(2);
+  std::vector<std::string> details(2);
+  for (int r = 0; r < 2; ++r) {
+    EndpointSpec s;
+    s.comm_id = 9;
+    s.rank = r;
+    s.world = 2;
+    s.transport = kind;
+    s.name = "fp";
+    s.secret = "x";
+    s.config.slot_bytes = r ? 1 << 16 : 1 << 20;
+    EXPECT(Endpoint::create(s, eps[r]).ok(), "create");
+    details[r] = eps[r]->details();
+  }
+  const Status s = eps[0]->connect(details);
+  EXPECT(!s.ok() && s.message().find("slot_bytes") != std::string::npos &&
+             s.message().find("JAX_ARX_SLOT_BYTES") != std::string::npos,
+         "fingerprint mismatch names the field: %s", s.message().c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<TransportKind> kinds;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") quick = true;
+    else if (a == "shm") kinds.push_back(TransportKind::kShm);
+    else if (a == "tcp") kinds.push_back(TransportKind::kTcp);
+    else { fprintf(stderr, "usage: %s [--quick] [shm] [tcp]\n", argv[0]); return 2; }
+  }
+  if (kinds.empty()) kinds = {TransportKind::kShm, TransportKind::kTcp};
+  const std::vector<uint64_t> counts = quick ? std::vector<uint64_t>{1, 7, 9, 4097}
+                                             : std::vector<uint64_t>{1, 7, 8, 9, 255, 4096, 4097, 65536, (1 << 20) / 4};
+  const std::vector<uint64_t> counts16 = quick ? std::vector<uint64_t>{1, 9, 4097}
+                                               : std::vector<uint64_t>{1, 7, 9, 4097, 65536, (1 << 20) / 2};
+  int passed = 0;
+  for (TransportKind k : kinds) {
+    const int before = g_failures;
+    for (int world : {2, 3, 4}) {
+      test_allreduce(k, world, DType::kF32, counts, 2);
+      test_allreduce(k, world, DType::kBF16, counts16, 2);
+      test_allreduce(k, world, DType::kF16, {1, 3, 64}, quick ? 1 : 2);
+      test_back_to_back(k, world, quick ? 300 : 2000);
+    }
+    test_timeout(k);
+    test_mismatch(k);
+    test_fingerprint(k);
+    printf("%s: %s\n", transport_name(k), g_failures == before ? "ok" : "FAILED");
+    passed += g_failures == before;
+  }
+  printf("%d passed, %d failed\n", passed, (int)kinds.size() - passed);
+  return g_failures ? 1 : 0;
+}
