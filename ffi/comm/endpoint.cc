@@ -240,9 +240,9 @@ std::string Endpoint::describe_recorded_failure() const {
                   label_.c_str(), (unsigned long long)seq, spec_.config.timeout_s, who.c_str(), last.c_str());
     }
     case FailureKind::kMismatch:
-      return strf("jax_arx: %s: at collective #%llu rank %llu issued a different collective (op, dtype or element "
-                  "count differ: descriptor %06llx, this rank %06llx). Every rank must issue the same collectives "
-                  "in the same order with the same shapes",
+      return strf("jax_arx: %s: at collective #%llu rank %llu issued a different collective (op, dtype, element "
+                  "count or call site differ: descriptor %06llx, this rank %06llx). Every rank must issue the same "
+                  "collectives in the same order with the same shapes",
                   label_.c_str(), (unsigned long long)seq, (unsigned long long)load_relaxed(&ctl->failed_src),
                   (unsigned long long)flag_desc(load_relaxed(&ctl->failed_flag)),
                   (unsigned long long)load_relaxed(&ctl->failed_desc));

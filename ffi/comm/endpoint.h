@@ -78,6 +78,11 @@ class Endpoint {
   // The message for a failure a device side recorded in the Control block.
   std::string describe_recorded_failure() const;
 
+  // Held by a host-side handler for a whole collective. XLA's CPU runtime
+  // may run independent custom calls concurrently; the sequence state and
+  // the send buffers belong to one collective at a time.
+  std::mutex host_call_mu;
+
   // State a device side keeps with the endpoint (the CUDA side's device
   // words and registered pointers); freed with it.
   std::shared_ptr<void> device_state;

@@ -51,9 +51,13 @@ ARX_HD int dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 // A flag word is (progress << kDescBits) | descriptor. Progress is the seq
 // (or, for pieced ops, seq * 16 + piece + 1) and only grows, so "reached"
 // is a plain comparison of the high bits. The descriptor is a hash of what
-// the sender published for that seq (mode, dtype, element count): a peer
-// that issued a different collective at the same seq shows up as a
-// mismatch when the progress is equal, and is reported, never summed.
+// the sender published for that seq (mode, dtype, element count, and the
+// call site's tag): a peer that issued a different collective at the same
+// seq shows up as a mismatch when the progress is equal, and is reported,
+// never summed. The tag tells apart two collectives of the same shape from
+// different places of a program, which a runtime that executes independent
+// calls concurrently (XLA's CPU thunk executor) could issue in different
+// orders on different ranks.
 // 40 bits of progress last 2^40 calls: 127 days at 100k calls per second.
 constexpr int kDescBits = 24;
 constexpr uint64_t kDescMask = (1ull << kDescBits) - 1;
@@ -62,8 +66,9 @@ ARX_HD uint64_t flag_word(uint64_t progress, uint64_t desc) { return progress <<
 ARX_HD uint64_t flag_progress(uint64_t flag) { return flag >> kDescBits; }
 ARX_HD uint64_t flag_desc(uint64_t flag) { return flag & kDescMask; }
 
-ARX_HD uint64_t describe(Mode mode, DType dtype, uint64_t count) {
+ARX_HD uint64_t describe(Mode mode, DType dtype, uint64_t count, uint64_t tag) {
   uint64_t h = count * 0x9E3779B97F4A7C15ull ^ ((uint64_t)dtype << 8 | (uint64_t)mode) * 0xC2B2AE3D27D4EB4Full;
+  h ^= tag * 0xD6E8FEB86659FD93ull;
   h ^= h >> 29;
   h *= 0xBF58476D1CE4E5B9ull;
   h ^= h >> 32;

@@ -137,7 +137,9 @@ void sum(DType dtype, const uint8_t* const* parts, int world, uint64_t count, vo
 
 }  // namespace
 
-Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count) {
+void fill_nan_buffer(DType dtype, void* out, uint64_t count) { fill_nan(dtype, out, count); }
+
+Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag) {
   const uint64_t bytes = count * dtype_size(dtype);
   if (ep.failed()) {
     fill_nan(dtype, out, count);
@@ -152,7 +154,7 @@ Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t 
   const int par = (int)(seq & 1), rank = ep.spec().rank, world = ep.spec().world;
   uint8_t* mine = ep.base() + L.send_offset(par);
   if (bytes) std::memcpy(mine, in, bytes);
-  const uint64_t desc = describe(Mode::kFull, dtype, count);
+  const uint64_t desc = describe(Mode::kFull, dtype, count, tag);
   publish(ep, seq, Mode::kFull, dtype, bytes, desc);
   if (!wait_peers(ep, seq, desc).ok()) {
     fill_nan(dtype, out, count);

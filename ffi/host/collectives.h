@@ -15,7 +15,12 @@ namespace arx::host {
 // The partial must fit a slot (count * size <= slot_bytes). On failure
 // (a peer that does not arrive within the timeout, a peer that issued a
 // different collective, an endpoint that had failed already) out is filled
-// with NaN and the error names the peers.
-Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count);
+// with NaN and the error names the peers. `tag` identifies the call site
+// (every rank passes the same); it travels in the descriptor.
+// Callers serialize calls on one endpoint (Endpoint::host_call_mu).
+Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag);
+
+// Fills count elements of dtype at out with NaN: what a failed call leaves.
+void fill_nan_buffer(DType dtype, void* out, uint64_t count);
 
 }  // namespace arx::host

@@ -171,9 +171,9 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
       on_ranks(world, [&](int r) {
         if (alias) {
           out[r] = in[r];
-          sts[r] = host::allreduce(*rig.eps[r], dtype, out[r].data(), out[r].data(), count);
+          sts[r] = host::allreduce(*rig.eps[r], dtype, out[r].data(), out[r].data(), count, 0);
         } else {
-          sts[r] = host::allreduce(*rig.eps[r], dtype, in[r].data(), out[r].data(), count);
+          sts[r] = host::allreduce(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, 0);
         }
       });
       for (int r = 0; r < world; ++r) {
@@ -198,7 +198,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
     std::vector<float> in(97), out(97);
     for (int c = 1; c <= calls; ++c) {
       for (int i = 0; i < 97; ++i) in[i] = (float)(c * (r + 1) + i);
-      const Status s = host::allreduce(*rig.eps[r], DType::kF32, in.data(), out.data(), 97);
+      const Status s = host::allreduce(*rig.eps[r], DType::kF32, in.data(), out.data(), 97, 0);
       if (!s.ok()) { bad[r] = c; return; }
       const float tri = (float)(world * (world + 1) / 2);
       for (int i = 0; i < 97; ++i)
@@ -220,14 +220,14 @@ void test_timeout(TransportKind kind) {
   const auto t0 = std::chrono::steady_clock::now();
   Status s0, s1;
   // Rank 2 never calls.
-  on_ranks(2, [&](int r) { (r ? s1 : s0) = host::allreduce(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10); });
+  on_ranks(2, [&](int r) { (r ? s1 : s0) = host::allreduce(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0); });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT(!s0.ok() && s0.message().find("rank 2") != std::string::npos, "timeout names the missing rank: %s",
          s0.message().c_str());
   EXPECT(took < 5, "timeout took %.2f s", took);
   EXPECT(std::isnan(out[0]), "output is NaN after a failed call");
   const auto t1 = std::chrono::steady_clock::now();
-  Status again = host::allreduce(*rig.eps[0], DType::kF32, in.data(), out.data(), 10);
+  Status again = host::allreduce(*rig.eps[0], DType::kF32, in.data(), out.data(), 10, 0);
   EXPECT(!again.ok() && again.message() == s0.message(), "a later call reports the same failure: %s",
          again.message().c_str());
   EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "a later call fails at once");
@@ -243,8 +243,8 @@ void test_mismatch(TransportKind kind) {
   std::vector<float> a(16, 1.0f), b(17, 1.0f), oa(16), ob(17);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = host::allreduce(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16);
-    else s1 = host::allreduce(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17);
+    if (r == 0) s0 = host::allreduce(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
+    else s1 = host::allreduce(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
   });
   EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
          s0.message().c_str());
