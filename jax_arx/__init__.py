@@ -1,0 +1,63 @@
+"""jax_arx: low-latency collectives for JAX, without NCCL.
+
+Use ``jax_arx.psum`` where ``jax.lax.psum`` would stand, inside ``jax.jit``
+and ``jax.shard_map``::
+
+    import jax, jax_arx
+    jax_arx.distributed_initialize()    # jax.distributed from the launcher's environment
+    mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+    jax_arx.initialize(mesh)            # communicators for the mesh's axes
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("tp"), out_specs=P())
+    def f(x):
+        return jax_arx.psum(x, "tp")
+
+Run N local processes with ``python -m jax_arx.launch -n N script.py``.
+
+Public API:
+  psum(x, axis_name)      all-reduce sum over one mesh axis (jax.lax.psum's contract)
+  initialize(mesh=None)   set up communicators for a mesh (collective)
+  shutdown()              close them (collective)
+  check()                 raise CollectiveError if a communicator has failed
+  distributed_initialize()  jax.distributed.initialize from JAX_COORDINATOR_ADDRESS,
+                          JAX_NUM_PROCESSES, JAX_PROCESS_ID (what the launcher sets)
+  errors: JaxArxError, CollectiveError, ConfigError, InitializationError,
+          JaxArxFallbackError
+Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
+"""
+
+from jax_arx._comm import check, initialize, shutdown
+from jax_arx._psum import psum
+from jax_arx.errors import (
+    CollectiveError,
+    ConfigError,
+    InitializationError,
+    JaxArxError,
+    JaxArxFallbackError,
+)
+from jax_arx.launch import initialize_distributed as distributed_initialize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveError",
+    "ConfigError",
+    "InitializationError",
+    "JaxArxError",
+    "JaxArxFallbackError",
+    "check",
+    "distributed_initialize",
+    "initialize",
+    "psum",
+    "shutdown",
+]
+
+# The handlers must be known to XLA before anything using them compiles;
+# registering does not start a jax backend, so this import may come before
+# jax.distributed.initialize. Without the C++ module nothing is registered
+# and jax_arx.psum falls back to jax.lax.psum.
+from jax_arx import _comm as _comm_module
+
+_comm_module.register_ffi_targets()
+del _comm_module

@@ -1,0 +1,588 @@
+"""Communicators: ``initialize()``, ``shutdown()`` and ``check()``.
+
+One communicator per mesh axis of size > 1. Its id is a hash of the axis
+name and the mesh (names, shape, device ids), so every process computes the
+same id without talking, and a program traced before a shutdown() runs again
+after initialize() with the same mesh. The devices along the axis, with the
+other axes fixed, form a group; this process makes one endpoint
+(``_core.Endpoint``) per local device of each group, rank = position along
+the axis. A handler finds its endpoint from the ``comm_id`` attribute and
+XLA's device ordinal (see ``_compat.xla_device_ordinal``).
+
+The rendezvous goes through jax.distributed's key-value store, under keys
+namespaced by a per-process generation counter (bumped by every initialize()
+that sets something up), so shutdown() then initialize() again never reads a
+stale key. Every process must call initialize() and shutdown() the same
+number of times, with the same meshes: they are collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_arx import _compat
+from jax_arx import config as _config
+from jax_arx.errors import CollectiveError, ConfigError, InitializationError
+
+logger = logging.getLogger("jax_arx")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalEndpoint:
+    """One rank of one group that lives on a device of this process."""
+
+    group: int
+    rank: int
+    world: int
+    device: Any  # jax.Device
+    device_ordinal: int  # what XLA hands the handler as DeviceOrdinal
+    transport: str
+    endpoint: Any  # _core.Endpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Communicator:
+    """What jax_arx set up for one mesh axis, in this process."""
+
+    axis_name: Hashable
+    comm_id: int
+    mesh_axis_names: tuple
+    mesh_shape: tuple[int, ...]
+    device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
+    slot_bytes: int  # the one-shot limit the endpoints were built with
+    send_bytes: int
+    endpoints: tuple[LocalEndpoint, ...]
+
+
+_lock = threading.RLock()
+_communicators: dict[Hashable, Communicator] = {}
+_generation = 0
+
+# The C++ module, imported on first use so that jax_arx imports (and falls
+# back to jax.lax) where it is not built. Tests put a stand-in here.
+_core_module: Any = None
+_core_import_error: ImportError | None = None
+_ffi_targets_registered = False
+
+
+def _core(required: bool = True):
+    global _core_module, _core_import_error
+    if _core_module is None and _core_import_error is None:
+        try:
+            from jax_arx import _core as module
+        except ImportError as e:
+            _core_import_error = e
+        else:
+            _core_module = module
+    if _core_module is None and required:
+        raise InitializationError(
+            f"jax_arx's C++ module jax_arx._core could not be imported ({_core_import_error}). Build and "
+            "install it from the jax_arx source tree with `pip install .` (needs CMake >= 3.24, a C++20 "
+            "compiler, and nvcc for GPUs); until then jax_arx.psum falls back to jax.lax.psum."
+        ) from _core_import_error
+    return _core_module
+
+
+def register_ffi_targets() -> bool:
+    """Registers the C++ handlers with XLA (``jax.ffi.register_ffi_target``)
+    for every platform the module was built for. Called when jax_arx is
+    imported; returns False, registering nothing, when ``_core`` is not
+    built. Registration does not start a jax backend, so importing jax_arx
+    before ``jax.distributed.initialize`` is fine."""
+    global _ffi_targets_registered
+    core = _core(required=False)
+    if core is None:
+        return False
+    if not _ffi_targets_registered:
+        for platform, targets in core.registrations().items():
+            for name, capsule in targets.items():
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        _ffi_targets_registered = True
+    return True
+
+
+# --- the registry, as the primitives see it ---------------------------------
+
+def communicator(axis_name: Hashable) -> Communicator | None:
+    """The communicator set up for ``axis_name``, or None."""
+    return _communicators.get(axis_name)
+
+
+def communicator_by_id(comm_id: int) -> Communicator | None:
+    for comm in list(_communicators.values()):
+        if comm.comm_id == comm_id:
+            return comm
+    return None
+
+
+def communicator_id(mesh, axis_name: Hashable) -> int:
+    """The id of ``axis_name``'s communicator on ``mesh``: the same in every
+    process (it depends only on what every process knows about the mesh),
+    different for a different mesh, and a positive int64."""
+    key = repr(("jax_arx/1", axis_name, tuple(mesh.axis_names), tuple(mesh.devices.shape),
+                tuple(int(i) for i in mesh.device_ids.flat)))
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def groups(mesh, axis_name: Hashable) -> list[list[Any]]:
+    """The devices of each group of ``axis_name``: one list per combination
+    of the other axes' indices (row-major), ordered by rank, i.e. by the
+    position along the axis."""
+    k = mesh.axis_names.index(axis_name)
+    rows = np.moveaxis(mesh.devices, k, -1).reshape(-1, mesh.devices.shape[k])
+    return [list(row) for row in rows]
+
+
+# --- initialize -------------------------------------------------------------
+
+def initialize(mesh=None) -> None:
+    """Sets up jax_arx's communicators for ``mesh``; call it on every process.
+
+    Call after ``jax.distributed.initialize`` (or in a single process with
+    several local devices, without it) and before tracing functions that
+    use ``jax_arx.psum``: a function traced earlier keeps using
+    ``jax.lax.psum`` for as long as jax caches it.
+
+    For each mesh axis of size > 1, the devices along the axis with the
+    other axes fixed form a group, and every process makes one endpoint per
+    local device of each group, exchanges connection details with the other
+    members through jax.distributed's key-value store, connects, and meets
+    the other processes at a barrier. Transport per group: ``shm`` when all
+    its members are on this host, else ``tcp``; ``JAX_ARX_TRANSPORT``
+    overrides.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh`` the ``shard_map`` calls run over.
+        Default: the mesh set with ``jax.set_mesh``.
+
+    Idempotent: calling again with the same mesh does nothing, and a mesh
+    whose axis names are all new adds communicators for them.
+
+    Raises:
+      InitializationError: no mesh; an axis name already set up for a
+        different mesh (call ``jax_arx.shutdown()`` first); the C++ module
+        is missing; a peer did not show up within ``JAX_ARX_TIMEOUT_S``; or
+        an endpoint could not be created or connected (the message says
+        which axis, group and rank, and why).
+      ConfigError: a ``JAX_ARX_*`` variable has a bad value.
+    """
+    global _generation
+    mesh = _resolve_mesh(mesh)
+    with _lock:
+        wanted: dict[Hashable, int] = {}
+        for axis, size in mesh.shape.items():
+            if size <= 1:
+                continue  # nothing to communicate; jax_arx.psum leaves such axes to jax.lax
+            comm_id = communicator_id(mesh, axis)
+            known = _communicators.get(axis)
+            if known is None:
+                wanted[axis] = comm_id
+            elif known.comm_id != comm_id:
+                raise InitializationError(
+                    f"jax_arx.initialize: mesh axis {axis!r} is already set up for another mesh "
+                    f"({_describe_mesh(known.mesh_axis_names, known.mesh_shape)}, devices "
+                    f"{_abbrev(known.device_ids)}); this mesh is "
+                    f"{_describe_mesh(mesh.axis_names, mesh.devices.shape)}, devices "
+                    f"{_abbrev(tuple(int(i) for i in mesh.device_ids.flat))}. Call jax_arx.shutdown() "
+                    "on every process first, or name this mesh's axes differently.")
+        if not wanted:
+            return
+        cfg = _config.load()
+        core = _core(required=True)
+        _generation += 1
+        store = _Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
+        _check_same_mesh_everywhere(store, mesh, wanted)
+        _communicators.update(_set_up(core, cfg, store, mesh, wanted))
+
+
+def _resolve_mesh(mesh):
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+        if mesh is None or mesh.empty:
+            raise InitializationError(
+                "jax_arx.initialize() needs the mesh your shard_map calls run over: pass it, "
+                "jax_arx.initialize(mesh), or set it first with jax.set_mesh(mesh).")
+    if isinstance(mesh, jax.sharding.AbstractMesh) or not hasattr(mesh, "devices"):
+        raise InitializationError(
+            f"jax_arx.initialize needs a concrete jax.sharding.Mesh (with devices), got {type(mesh).__name__}; "
+            "build one with jax.make_mesh(...).")
+    return mesh
+
+
+def _check_same_mesh_everywhere(store, mesh, wanted):
+    # Different meshes give different communicator ids, hence keys nobody
+    # writes: without this check that is a timeout instead of a message.
+    mine = _describe_setup(mesh, wanted).encode()
+    me = jax.process_index()
+    store.set(f"mesh/{me}", mine)
+    if me != 0:
+        first = store.get("mesh/0", "process 0 to start jax_arx.initialize")
+        if first != mine:
+            raise InitializationError(
+                f"jax_arx.initialize: process {me} and process 0 were given different meshes:\n"
+                f"  process 0: {first.decode()}\n  process {me}: {mine.decode()}\n"
+                "Every process must call jax_arx.initialize() with the same mesh (same axis names, shape "
+                "and device order).")
+
+
+def _describe_setup(mesh, wanted):
+    axes = ", ".join(f"{axis!r}" for axis in wanted)
+    return (f"{_describe_mesh(mesh.axis_names, mesh.devices.shape)}, devices "
+            f"{tuple(int(i) for i in mesh.device_ids.flat)}, setting up axes {axes}")
+
+
+def _describe_mesh(names, shape):
+    return "mesh(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape)) + ")"
+
+
+def _abbrev(ids, limit=16):
+    ids = tuple(ids)
+    return str(ids) if len(ids) <= limit else str(ids[:limit])[:-1] + ", ...)"
+
+
+@dataclasses.dataclass
+class _Plan:
+    axis: Hashable
+    comm_id: int
+    group: int
+    members: list  # devices, by rank
+    transport: str
+    secret: bytes = b""
+
+
+def _set_up(core, cfg, store, mesh, wanted) -> dict[Hashable, Communicator]:
+    me = jax.process_index()
+    hosts = _exchange_hosts(store, {d.process_index for d in mesh.devices.flat})
+    plans: list[_Plan] = []
+    for axis, comm_id in wanted.items():
+        for g, members in enumerate(groups(mesh, axis)):
+            if any(d.process_index == me for d in members):
+                transport = choose_transport(cfg, [hosts[d.process_index] for d in members])
+                plans.append(_Plan(axis, comm_id, g, members, transport))
+    _debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
+           ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
+
+    # Every process publishes all it owns before waiting for anything, so no
+    # process waits on one that is itself waiting.
+    for p in plans:
+        if p.members[0].process_index == me:
+            p.secret = os.urandom(32)
+            store.set(f"{p.comm_id}/{p.group}/secret", p.secret)
+    for p in plans:
+        if not p.secret:
+            p.secret = store.get(f"{p.comm_id}/{p.group}/secret",
+                                 f"the secret of axis {p.axis!r} group {p.group} from process "
+                                 f"{p.members[0].process_index}")
+
+    tcp_addr = None
+    if any(p.transport == "tcp" for p in plans):
+        tcp_addr = cfg.tcp_addr or default_tcp_addr(_compat.coordinator_address())
+        _debug(cfg, "process %d: tcp address %s", me, tcp_addr)
+    options = cfg.endpoint_options(tcp_addr)
+
+    made: list[tuple[_Plan, LocalEndpoint]] = []
+    try:
+        for p in plans:
+            n_groups = mesh.devices.size // len(p.members)
+            name = str(p.axis) if n_groups == 1 else f"{p.axis}[{p.group}]"
+            for rank, device in enumerate(p.members):
+                if device.process_index != me:
+                    continue
+                ordinal = _compat.xla_device_ordinal(device)
+                try:
+                    ep = core.Endpoint(p.comm_id, ordinal, rank, len(p.members), p.transport,
+                                       _platform(device), name, p.secret, options)
+                except RuntimeError as e:
+                    raise InitializationError(
+                        f"jax_arx.initialize: could not create the endpoint of axis {p.axis!r} group {p.group} "
+                        f"rank {rank} on {device}: {e}") from e
+                made.append((p, LocalEndpoint(p.group, rank, len(p.members), device, ordinal, p.transport, ep)))
+                store.set(f"{p.comm_id}/{p.group}/details/{rank}", ep.details())
+
+        local_details = {(p.comm_id, p.group, le.rank): le.endpoint.details() for p, le in made}
+        jobs = []
+        for p, le in made:
+            details = []
+            for rank, device in enumerate(p.members):
+                key = (p.comm_id, p.group, rank)
+                details.append(local_details[key] if key in local_details else store.get(
+                    f"{p.comm_id}/{p.group}/details/{rank}",
+                    f"the connection details of axis {p.axis!r} group {p.group} rank {rank} from process "
+                    f"{device.process_index}"))
+            jobs.append((p, le, details))
+        _connect_all(jobs)
+        _debug(cfg, "process %d: %d endpoint(s) connected; waiting for the other processes", me, len(made))
+        store.barrier("connected", "every process to connect its endpoints")
+    except BaseException:
+        for _, le in made:
+            _close_quietly(le.endpoint)
+        raise
+
+    comms = {}
+    for axis, comm_id in wanted.items():
+        comms[axis] = Communicator(
+            axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
+            mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
+            slot_bytes=cfg.slot_bytes, send_bytes=cfg.send_bytes,
+            endpoints=tuple(le for p, le in made if p.axis == axis))
+    _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
+    return comms
+
+
+def _connect_all(jobs) -> None:
+    # connect() waits until every peer has dialled in, and peers may live in
+    # this very process (several local devices in one group): connecting
+    # one endpoint after the other would wait on an endpoint that has not
+    # started yet. So every local endpoint connects at once, each in its own
+    # thread (connect() releases the GIL).
+    def connect(job):
+        p, le, details = job
+        try:
+            le.endpoint.connect(details)
+        except RuntimeError as e:
+            raise InitializationError(
+                f"jax_arx.initialize: axis {p.axis!r} group {p.group} rank {le.rank} on {le.device} could not "
+                f"connect over {p.transport}: {e}") from e
+
+    if len(jobs) == 1:
+        connect(jobs[0])
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(jobs)),
+                                               thread_name_prefix="jax_arx_connect") as pool:
+        futures = [pool.submit(connect, job) for job in jobs]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        if len(errors) == 1:
+            raise errors[0]
+        raise InitializationError("\n".join(str(e) for e in errors)) from errors[0]
+
+
+def _platform(device) -> str:
+    if device.platform == "cpu":
+        return "cpu"
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    if device.platform in ("gpu", "cuda") and "rocm" not in version:
+        return "cuda"
+    raise InitializationError(
+        f"jax_arx runs on CPU and NVIDIA GPU devices; {device} is a {device.platform} device "
+        f"({version or 'unknown platform version'}). Use jax.lax collectives there.")
+
+
+# --- transport choice -------------------------------------------------------
+
+def choose_transport(cfg, member_hosts: list[str]) -> str:
+    """The carrier for one group, given the host identity of each member's
+    process. Every member computes this from the same exchanged data, so
+    they agree without a further round (the C++ fingerprint check catches a
+    ``JAX_ARX_TRANSPORT`` set differently on different processes)."""
+    if cfg.transport is not None:
+        return cfg.transport
+    if len(set(member_hosts)) == 1:
+        return "shm"
+    if rdma_configured(cfg):
+        return "verbs"
+    return "tcp"
+
+
+def rdma_configured(cfg) -> bool:
+    """Hook: whether groups that span hosts should use the verbs carrier.
+
+    Returns False until the verbs carrier is built. When it is, decide here
+    from ``cfg.ib_hca`` (``JAX_ARX_IB_HCA`` / ``NCCL_IB_HCA``) and from RDMA
+    devices found on the host. The answer must be the same on every member
+    of a group: anything learned locally (devices found) has to be
+    exchanged like the host identities in ``_exchange_hosts`` first.
+    """
+    return False
+
+
+def host_identity() -> str:
+    """What two processes share when ``shm`` can join them: the same kernel
+    boot (boot id), the same ``/dev/shm`` (its device and inode differ per
+    container), the same hostname and network namespace. Network namespaces
+    stand in for hosts in the multi-host tests, so two processes in
+    different namespaces talk as if on different hosts."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("")
+    for path in ("/dev/shm", "/proc/self/ns/net"):
+        try:
+            st = os.stat(path)
+            parts.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            parts.append("")
+    return "|".join(parts)
+
+
+def _exchange_hosts(store, processes) -> dict[int, str]:
+    me = jax.process_index()
+    mine = host_identity()
+    store.set(f"host/{me}", mine.encode())
+    return {p: (mine if p == me else store.get(f"host/{p}", f"process {p} to publish its host").decode())
+            for p in sorted(processes)}
+
+
+def default_tcp_addr(coordinator: str | None) -> str:
+    """The IPv4 address of this host on the route to the jax.distributed
+    coordinator: an address the peers can reach, since they reach the
+    coordinator. A UDP socket's connect() sends nothing; it only makes the
+    kernel pick the route and source address, which works inside network
+    namespaces too. Without a coordinator (one process): 127.0.0.1."""
+    if not coordinator:
+        return "127.0.0.1"
+    host, _, port = coordinator.rpartition(":")
+    if not host:  # "host" without a port
+        host, port = coordinator, "1"
+    host = host.strip("[]")
+    try:
+        target = socket.getaddrinfo(host, int(port or 1), socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(target)
+            return s.getsockname()[0]
+    except (OSError, ValueError, IndexError) as e:
+        raise InitializationError(
+            f"jax_arx.initialize: could not find this host's IPv4 address towards the coordinator "
+            f"{coordinator!r} ({e}); set JAX_ARX_TCP_ADDR to an IPv4 address of this host that the other "
+            "hosts can reach.") from e
+
+
+# --- the rendezvous store ---------------------------------------------------
+
+class _Store:
+    """jax.distributed's key-value store under one initialize()'s prefix, or
+    a plain dict when this process is alone (no jax.distributed client)."""
+
+    def __init__(self, client, prefix: str, timeout_s: float):
+        self._client = client
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self._local: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        if self._client is None:
+            self._local[key] = bytes(value)
+        else:
+            self._client.key_value_set_bytes(self._prefix + key, bytes(value))
+
+    def get(self, key: str, waiting_for: str) -> bytes:
+        if self._client is None:
+            return self._local[key]
+        try:
+            return bytes(self._client.blocking_key_value_get_bytes(self._prefix + key, self._timeout_ms()))
+        except Exception as e:  # jax's runtime error type differs between versions
+            raise self._timed_out(waiting_for, e) from e
+
+    def barrier(self, name: str, waiting_for: str) -> None:
+        if self._client is None:
+            return
+        try:
+            self._client.wait_at_barrier(self._prefix + name, self._timeout_ms())
+        except Exception as e:
+            raise self._timed_out(waiting_for, e) from e
+
+    def _timeout_ms(self) -> int:
+        return max(1, int(self._timeout_s * 1000))
+
+    def _timed_out(self, waiting_for, e):
+        return InitializationError(
+            f"jax_arx.initialize: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
+            f"{waiting_for} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}). "
+            "Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
+            "than others, raise JAX_ARX_TIMEOUT_S.")
+
+
+# --- shutdown and check -----------------------------------------------------
+
+def shutdown() -> None:
+    """Closes every jax_arx communicator of this process; call it on every
+    process, after the last results you need are ready.
+
+    It first waits (up to ``JAX_ARX_TIMEOUT_S``) for the other processes to
+    reach shutdown() too: a proxy closed early could leave a peer waiting
+    for the last partial it had still to send. A program traced before
+    shutdown() fails when run afterwards, until initialize() is called again
+    with the same mesh. Also runs at interpreter exit. Idempotent.
+    """
+    with _lock:
+        if not _communicators:
+            return
+        comms = list(_communicators.values())
+        _communicators.clear()
+        client = _compat.distributed_client()
+        if client is not None and jax.process_count() > 1:
+            try:
+                timeout_s = _config.load().timeout_s
+            except ConfigError:
+                timeout_s = _config.Config().timeout_s
+            try:
+                client.wait_at_barrier(f"jax_arx/{_generation}/shutdown", max(1, int(timeout_s * 1000)))
+            except Exception as e:
+                logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s (%s); "
+                               "closing this process's endpoints anyway", timeout_s, str(e).strip()[:200])
+        for comm in comms:
+            for le in comm.endpoints:
+                _close_quietly(le.endpoint)
+
+
+def _close_quietly(endpoint) -> None:
+    try:
+        endpoint.close()
+    except Exception as e:  # closing must go on for the other endpoints
+        logger.warning("jax_arx: closing an endpoint failed: %s", e)
+
+
+# jax registered its own exit hook (which shuts jax.distributed down) when
+# it was imported, before this one; hooks run last-registered first, so
+# this shutdown, and its barrier, run while the client still works.
+atexit.register(shutdown)
+
+
+def check() -> None:
+    """Raises :class:`jax_arx.CollectiveError` if a communicator of this
+    process has failed (a peer lost, a wait timed out, ranks that disagreed),
+    with each failure's message; returns None while all are healthy.
+
+    Cheap and non-blocking: it reads the failure records the endpoints keep,
+    and runs nothing on the devices. Use it between steps, or after a
+    collective's output came back as NaN.
+    """
+    core = _core(required=False)
+    if core is None:
+        return None
+    failures = [str(f) for f in core.failures()]
+    if failures:
+        raise CollectiveError(
+            "jax_arx: " + ("a communicator has" if len(failures) == 1 else f"{len(failures)} communicators have")
+            + " failed:\n  " + "\n  ".join(failures)
+            + "\nA failed communicator stays failed; restart the job (or call jax_arx.shutdown() and "
+            "jax_arx.initialize() again on every process, if all are alive).")
+    return None
+
+
+def _debug(cfg, msg, *args) -> None:
+    if not cfg.debug:
+        return
+    if not logger.handlers and not logging.getLogger().handlers:
+        # JAX_ARX_DEBUG=1 should print without the program configuring logging.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("jax_arx: %(message)s"))
+        logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    logger.info(msg, *args)

@@ -1,0 +1,269 @@
+"""Run N local processes of a JAX program with jax.distributed wired up.
+
+Usage::
+
+    python -m jax_arx.launch -n N [--cpu-devices K] [--gpus-per-process G]
+                             [--grace-s S] script.py [args...]
+    python -m jax_arx.launch -n N [...] -m package.module [args...]
+
+Each rank gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``,
+``JAX_NUM_PROCESSES=N``, ``JAX_PROCESS_ID=<rank>`` and
+``PYTHONUNBUFFERED=1``; the program calls
+``jax_arx.distributed_initialize()`` first. Every line a rank prints comes
+out prefixed with ``[rank k] `` (stdout to stdout, stderr to stderr).
+
+``--cpu-devices K`` runs every rank on the CPU backend with K devices
+(``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=K``). ``--gpus-per-process G``
+gives rank k the GPUs k*G .. k*G+G-1 (``JAX_LOCAL_DEVICE_IDS``).
+
+The launcher exits 0 when every rank does. When a rank fails, it says so,
+gives the others ``--grace-s`` seconds (default 5) to finish or report their
+own errors, then terminates them (SIGTERM, then SIGKILL), so a rank blocked
+in a collective with a dead peer never hangs the job; it then exits with
+the first failing rank's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+_ENV_NUM = "JAX_NUM_PROCESSES"
+_ENV_ID = "JAX_PROCESS_ID"
+
+
+def initialize_distributed() -> bool:
+    """Calls ``jax.distributed.initialize`` from the environment the
+    launcher sets; call it first thing, before anything starts a jax
+    backend.
+
+    Reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID``. On CPU it also selects the gloo cross-process
+    collectives (when this jax has that option and nothing else was chosen),
+    so ``jax.lax`` collectives work across processes there too.
+
+    Returns:
+      True when jax.distributed is initialized (now or already), False when
+      none of the variables is set (a single process: nothing to do).
+
+    Raises:
+      ValueError: only some of the variables are set, or one is malformed.
+    """
+    values = {name: os.environ.get(name) for name in (_ENV_ADDRESS, _ENV_NUM, _ENV_ID)}
+    present = {name: v for name, v in values.items() if v}
+    if not present:
+        return False
+    missing = [name for name in values if name not in present]
+    if missing:
+        raise ValueError(
+            f"jax_arx.distributed_initialize: {', '.join(missing)} not set while "
+            f"{', '.join(present)} is; set all three (python -m jax_arx.launch does) or none.")
+    try:
+        num_processes = int(values[_ENV_NUM])
+        process_id = int(values[_ENV_ID])
+    except ValueError:
+        raise ValueError(
+            f"jax_arx.distributed_initialize: {_ENV_NUM}={values[_ENV_NUM]!r} and {_ENV_ID}={values[_ENV_ID]!r} "
+            "must be integers") from None
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"jax_arx.distributed_initialize: {_ENV_ID}={process_id} must be in [0, {_ENV_NUM}={num_processes})")
+
+    import jax
+
+    if jax.distributed.is_initialized():
+        return True
+    try:
+        if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:
+        pass  # a jax without the option: its CPU backend picks its own
+    jax.distributed.initialize(coordinator_address=values[_ENV_ADDRESS], num_processes=num_processes,
+                               process_id=process_id)
+    return True
+
+
+# --- the launcher -----------------------------------------------------------
+
+_VALUED = {"-n", "--nprocs", "--cpu-devices", "--gpus-per-process", "--grace-s"}
+
+
+def _split_argv(argv):
+    """Splits argv into the launcher's options and the program's command:
+    the program starts at ``-m MODULE``, after ``--``, or at the first word
+    that is not a launcher option, so its own options pass through."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return argv[:i], argv[i + 1:]
+        if a == "-m":
+            return argv[:i], argv[i:]
+        if a in _VALUED:
+            i += 2
+            continue
+        if a.startswith("-") and (a.split("=", 1)[0] in _VALUED or a in ("-h", "--help")):
+            i += 1
+            continue
+        if a.startswith("-n") and a[2:].isdigit():
+            i += 1
+            continue
+        return argv[:i], argv[i:]
+    return argv, []
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python -m jax_arx.launch",
+        description="Run N local processes of a JAX program with jax.distributed wired up.",
+        epilog="The program follows the options: script.py [args...] or -m module [args...].")
+    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
+    p.add_argument("--cpu-devices", type=int, metavar="K",
+                   help="run on the CPU backend with K devices per process")
+    p.add_argument("--gpus-per-process", type=int, metavar="G",
+                   help="give rank k the GPUs k*G .. k*G+G-1 (JAX_LOCAL_DEVICE_IDS)")
+    p.add_argument("--grace-s", type=float, default=5.0, metavar="S",
+                   help="after a rank fails, how long the others get before they are terminated (default 5)")
+    return p
+
+
+def _free_port() -> int:
+    # The port is free now; the coordinator binds it a moment later. The race
+    # with another program taking it in between is accepted.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Pump(threading.Thread):
+    """Copies one child's stream to ours line by line, each line prefixed."""
+
+    def __init__(self, stream, out, prefix: bytes, lock):
+        super().__init__(daemon=True)
+        self._stream, self._out, self._prefix, self._lock = stream, out, prefix, lock
+
+    def run(self):
+        for line in iter(self._stream.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self._lock:
+                self._out.write(self._prefix + line)
+                self._out.flush()
+        self._stream.close()
+
+
+def _exit_status(returncode: int) -> int:
+    # A rank killed by signal s reports -s; shells report that as 128 + s.
+    return returncode if returncode > 0 else 128 - returncode
+
+
+def main(argv=None) -> int:
+    """Runs the launcher; returns its exit status (see the module doc)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, program = _split_argv(argv)
+    parser = _parser()
+    args = parser.parse_args(ours)
+    if not program or program == ["-m"]:
+        parser.error("give the program to run: script.py [args...] or -m module [args...]")
+    if args.nprocs < 1:
+        parser.error(f"-n must be at least 1, got {args.nprocs}")
+    for name in ("cpu_devices", "gpus_per_process"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    command = [sys.executable, "-u", *program]
+
+    address = f"127.0.0.1:{_free_port()}"
+    procs = []
+    pumps = []
+    lock = threading.Lock()
+    for rank in range(args.nprocs):
+        env = dict(os.environ)
+        env.update({_ENV_ADDRESS: address, _ENV_NUM: str(args.nprocs), _ENV_ID: str(rank),
+                    "PYTHONUNBUFFERED": "1"})
+        if args.cpu_devices is not None:
+            env["JAX_PLATFORMS"] = "cpu"
+            env["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
+        if args.gpus_per_process is not None:
+            g = args.gpus_per_process
+            env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(rank * g + i) for i in range(g))
+        # Each rank leads its own process group, so terminating a rank also
+        # reaches whatever it started.
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        procs.append(proc)
+        prefix = f"[rank {rank}] ".encode()
+        pumps += [_Pump(proc.stdout, sys.stdout.buffer, prefix, lock),
+                  _Pump(proc.stderr, sys.stderr.buffer, prefix, lock)]
+    for pump in pumps:
+        pump.start()
+
+    def note(message):
+        with lock:
+            sys.stderr.buffer.write(f"[launch] {message}\n".encode())
+            sys.stderr.buffer.flush()
+
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    stop_at = None  # when to terminate the ranks still running
+    killed_at = None
+    try:
+        while True:
+            running = [p for p in procs if p.poll() is None]
+            for rank, p in enumerate(procs):
+                if p.returncode not in (None, 0) and status == 0:
+                    status = _exit_status(p.returncode)
+                    if running:
+                        note(f"rank {rank} exited with status {p.returncode}; stopping the other ranks in "
+                             f"{args.grace_s:g} s")
+                        stop_at = time.monotonic() + args.grace_s
+                    else:
+                        note(f"rank {rank} exited with status {p.returncode}")
+            if not running:
+                break
+            if interrupted and stop_at is None:
+                note(f"got signal {interrupted[0]}; stopping the ranks")
+                status = status or 128 + interrupted[0]
+                stop_at = time.monotonic()
+            now = time.monotonic()
+            if stop_at is not None and now >= stop_at and killed_at is None:
+                for p in running:
+                    _signal_group(p, signal.SIGTERM)
+                killed_at = now
+            elif killed_at is not None and now >= killed_at + 3:
+                for p in running:
+                    _signal_group(p, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+    for pump in pumps:
+        pump.join(timeout=5)
+    return status
+
+
+def _signal_group(proc, signum):
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
