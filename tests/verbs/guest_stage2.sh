@@ -1,0 +1,108 @@
+#!/bin/sh
+# Stage 2: PID 1 inside the VM (root = the host's / read-only under a RAM
+# overlay). Sets up 2 or 4 soft-RoCE devices over veth pairs, runs the
+# user's script, records its exit code in the per-run share, powers off.
+# Under TCG every exec costs ~0.1 s, so this prefers builtins and batch modes.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+O=/rxe-vm-out
+exec >$O/setup.log 2>&1 </dev/null
+set +e
+read T2 _ < /proc/uptime
+finish() { echo "$1" > $O/rc; sync; echo o > /proc/sysrq-trigger; sleep 30; }
+
+mount -t tmpfs tmpfs /run     # /tmp stays the host's /tmp (writes go to the RAM overlay)
+mkdir -p /dev/pts /dev/shm; mount -t devpts devpts /dev/pts; mount -t tmpfs tmpfs /dev/shm
+ulimit -l unlimited
+echo rxe-vm > /proc/sys/kernel/hostname
+modprobe -a rdma_rxe veth || { echo "modprobe rdma_rxe veth failed"; finish 126; }
+# RoCE v2 GIDs come from the IPv4 addresses; no IPv6 GIDs, to keep the tables short
+echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6
+echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6
+
+read CMDLINE < /proc/cmdline
+NDEV=2; case " $CMDLINE " in *" rxe_ndev=4 "*) NDEV=4;; esac
+
+# RFC 5737 TEST-NET-2; the VM has no NIC (-nic none), so nothing here leaves it.
+# Pair k (k = 0, 1): vethX <-> vethY with addresses X_IP, Y_IP. Both ends stay
+# in the initial network namespace: the 6.1 kernel's rxe sends and receives
+# only there. Policy routing makes traffic between the two local addresses
+# really cross the wire: locally generated packets to an address use a
+# per-destination table pointing at the other veth end, the 'local' table is
+# demoted below those rules, and accept_local + rp_filter=0 let the far end
+# take packets from a local source address.
+echo 0 > /proc/sys/net/ipv4/conf/all/rp_filter
+echo 0 > /proc/sys/net/ipv4/conf/default/rp_filter
+pair() { # a b ip_a ip_b table_base
+  ip link add $1 type veth peer name $2 || finish 126
+  for d in $1 $2; do
+    echo 0 > /proc/sys/net/ipv4/conf/$d/rp_filter
+    echo 1 > /proc/sys/net/ipv4/conf/$d/accept_local
+  done
+  read MA < /sys/class/net/$1/address; read MB < /sys/class/net/$2/address
+  ip -batch - <<EOF || finish 126
+addr add $3/32 dev $1
+addr add $4/32 dev $2
+link set $1 up
+link set $2 up
+rule add pref $5 iif lo to $4 lookup $5
+rule add pref $(($5 + 1)) iif lo to $3 lookup $(($5 + 1))
+route add $4 dev $1 src $3 table $5
+route add $3 dev $2 src $4 table $(($5 + 1))
+neigh replace $4 lladdr $MB dev $1 nud permanent
+neigh replace $3 lladdr $MA dev $2 nud permanent
+EOF
+}
+ip -batch - <<EOF || finish 126
+link set lo up
+rule add pref 1000 lookup local
+rule del pref 0
+EOF
+A=198.51.100.1 B=198.51.100.2 C=198.51.100.3 D=198.51.100.4
+pair veth0 veth1 $A $B 100
+[ $NDEV = 4 ] && pair veth2 veth3 $C $D 102
+{
+  echo "link add rxe0 type rxe netdev veth0"
+  echo "link add rxe1 type rxe netdev veth1"
+  if [ $NDEV = 4 ]; then
+    echo "link add rxe2 type rxe netdev veth2"
+    echo "link add rxe3 type rxe netdev veth3"
+  fi
+} | rdma -b - || finish 126
+
+# The RoCE v2 GID holding the device's IPv4 address (the table fills
+# asynchronously). jax_arx finds the same one by itself; the test checks that.
+gid_index() { # dev ipv4 -> sets GID
+  IFS=. read o1 o2 o3 o4 <<EOF
+$2
+EOF
+  hex=$(printf '%02x%02x:%02x%02x' $o1 $o2 $o3 $o4); GID=
+  for g in /sys/class/infiniband/$1/ports/1/gids/*; do
+    read v < $g 2>/dev/null
+    case $v in *:ffff:$hex)
+      i=${g##*/}; t=; read t < /sys/class/infiniband/$1/ports/1/gid_attrs/types/$i 2>/dev/null
+      [ "$t" = "RoCE v2" ] && { GID=$i; return; };;
+    esac
+  done
+}
+n=0; while [ $n -lt 100 ]; do
+  gid_index rxe0 $A; ga=$GID; gid_index rxe1 $B; gb=$GID; gc=x; gd=x
+  if [ $NDEV = 4 ]; then gid_index rxe2 $C; gc=$GID; gid_index rxe3 $D; gd=$GID; fi
+  [ -n "$ga" ] && [ -n "$gb" ] && [ -n "$gc" ] && [ -n "$gd" ] && break
+  sleep 0.1; n=$((n+1))
+done
+[ -n "$ga" ] && [ -n "$gb" ] && [ -n "$gc" ] && [ -n "$gd" ] || { echo "no RoCE v2 IPv4 GID on the rxe devices"; finish 126; }
+export RXE_NDEV=$NDEV RXE_DEV_A=rxe0 RXE_DEV_B=rxe1 RXE_IP_A=$A RXE_IP_B=$B RXE_GID_A=$ga RXE_GID_B=$gb
+[ $NDEV = 4 ] && export RXE_DEV_C=rxe2 RXE_DEV_D=rxe3 RXE_IP_C=$C RXE_IP_D=$D RXE_GID_C=$gc RXE_GID_D=$gd
+rdma link
+env | grep ^RXE_
+read T3 _ < /proc/uptime
+: > $O/ready   # the host takes this file's mtime as 'VM ready'
+
+read d < $O/cwd; cd "$d" 2>/dev/null || cd /
+SH=/bin/sh; [ -x /bin/bash ] && SH=/bin/bash
+set --; while IFS= read -r a; do set -- "$@" "$a"; done < $O/args   # one arg per line
+$SH $O/user-script "$@" >>$O/output 2>&1
+rc=$?
+read T4 _ < /proc/uptime
+awk -v a=$T2 -v b=$T3 -v c=$T4 'BEGIN{printf "kernel_boot_to_stage2=%.2fs setup=%.2fs script=%.2fs\n", a, b-a, c-b}' > $O/timings
+finish $rc
