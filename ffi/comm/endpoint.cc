@@ -44,8 +44,9 @@ struct Fingerprint {
   uint32_t rank, world;
   uint64_t slot_bytes, send_bytes;
   uint64_t timeout_ms;
+  uint64_t prefill_slot_bytes;
   uint32_t transport, platform;
-  uint32_t layout_bytes;  // sizeof(Control), so builds that disagree on it do not talk
+  uint32_t layout_bytes;  // the control blocks' sizes, so builds that disagree on them do not talk
   uint32_t pad;
 };
 constexpr char kMagic[8] = {'J', 'A', 'X', 'A', 'R', 'X', 0, 1};
@@ -60,10 +61,11 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.world = (uint32_t)s.world;
   f.slot_bytes = s.config.slot_bytes;
   f.send_bytes = s.config.send_bytes;
+  f.prefill_slot_bytes = s.config.prefill_slot_bytes;
   f.timeout_ms = (uint64_t)(s.config.timeout_s * 1000);
   f.transport = (uint32_t)s.transport;
   f.platform = (uint32_t)s.platform;
-  f.layout_bytes = sizeof(Control);
+  f.layout_bytes = sizeof(Control) + sizeof(PrefillControl);
   return f;
 }
 
@@ -89,6 +91,9 @@ std::string fingerprint_diff(const Fingerprint& mine, const Fingerprint& theirs,
     return num("slot_bytes", mine.slot_bytes, theirs.slot_bytes, "set JAX_ARX_SLOT_BYTES the same everywhere");
   if (mine.send_bytes != theirs.send_bytes)
     return num("send_bytes", mine.send_bytes, theirs.send_bytes, "set JAX_ARX_SEND_BYTES the same everywhere");
+  if (mine.prefill_slot_bytes != theirs.prefill_slot_bytes)
+    return num("prefill_slot_bytes", mine.prefill_slot_bytes, theirs.prefill_slot_bytes,
+               "set JAX_ARX_PREFILL_SLOT_BYTES the same everywhere");
   if (mine.timeout_ms != theirs.timeout_ms)
     return num("a timeout of (ms)", mine.timeout_ms, theirs.timeout_ms, "set JAX_ARX_TIMEOUT_S the same everywhere");
   if (mine.transport != theirs.transport)
@@ -120,7 +125,8 @@ Status Endpoint::create(const EndpointSpec& spec, std::shared_ptr<Endpoint>& out
                               spec.name.c_str(), spec.world));
   std::shared_ptr<Endpoint> ep(new Endpoint());
   ep->spec_ = spec;
-  ep->layout_ = Layout::of(Geometry{(uint32_t)spec.world, spec.config.slot_bytes, spec.config.send_bytes});
+  ep->layout_ = Layout::of(Geometry{(uint32_t)spec.world, spec.config.slot_bytes, spec.config.send_bytes,
+                                    spec.config.prefill_slot_bytes});
   ep->label_ = strf("communicator '%s' rank %d of %d", spec.name.c_str(), spec.rank, spec.world);
   ARX_RETURN_IF_ERROR(Region::create(ep->layout_.total, spec.transport == TransportKind::kShm, ep->region_));
   TransportContext ctx;
@@ -171,6 +177,10 @@ Status Endpoint::connect(const std::vector<std::string>& all) {
 }
 
 void Endpoint::close() {
+  // The device side first: its state pins this region and the peers' (shm),
+  // and must be released (after the device has synchronized) while they are
+  // still mapped.
+  device_state.reset();
   if (proxy_) proxy_->stop();
   proxy_.reset();
   if (transport_) transport_->close();
@@ -212,21 +222,47 @@ std::string Endpoint::failure() {
   return failure_;
 }
 
+namespace {
+
+const char* prefill_op_name(uint64_t op) {
+  switch ((WorkOp)op) {
+    case WorkOp::kAllGather: return "all_gather";
+    case WorkOp::kReduceScatter: return "psum_scatter";
+    case WorkOp::kRsPiece: return "moe_combine_psum_scatter";
+  }
+  return "prefill op";
+}
+
+}  // namespace
+
 std::string Endpoint::describe_recorded_failure() const {
   const Control* ctl = control();
   const uint64_t seq = load_acquire(&ctl->failed_seq);
   const FailureKind kind = (FailureKind)load_relaxed(&ctl->failed_kind);
+  // failed_op says which flags the wait was on: psum's (progress = seq), or
+  // the prefill ops' (progress = seq * 16 + piece + 1).
+  const uint64_t op = load_relaxed(&ctl->failed_op);
+  const bool prefill = op != 0;
+  const std::string what = prefill ? strf("%s #%llu (prefill sequence)", prefill_op_name(op), (unsigned long long)seq)
+                                   : strf("collective #%llu", (unsigned long long)seq);
+  auto index = [&](int j, int r) { return prefill ? prefill_flag_index(j, r) : flag_index(j, r); };
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(base() + layout_.flags);
   const int roots = transport_->roots();
   std::string last;  // what each peer last sent, per root
   for (int j = 0; j < spec_.world; ++j) {
     if (j == spec_.rank) continue;
     last += strf(" r%d=", j);
-    for (int r = 0; r < roots; ++r)
-      last += strf("%s%llu", r ? "/" : "", (unsigned long long)flag_progress(load_relaxed(&flags[flag_index(j, r)])));
+    for (int r = 0; r < roots; ++r) {
+      const uint64_t p = flag_progress(load_relaxed(&flags[index(j, r)]));
+      if (!prefill) last += strf("%s%llu", r ? "/" : "", (unsigned long long)p);
+      else if (p == 0) last += strf("%snothing", r ? "/" : "");
+      else last += strf("%s#%llu piece %llu", r ? "/" : "", (unsigned long long)((p - 1) / 16),
+                        (unsigned long long)((p - 1) % 16));
+    }
   }
   switch (kind) {
     case FailureKind::kTimeout: {
+      // failed_missing: bit src * kRoots + root per flag that had not arrived.
       const uint64_t missing = load_relaxed(&ctl->failed_missing);
       std::string who;
       for (int j = 0; j < spec_.world; ++j) {
@@ -234,26 +270,26 @@ std::string Endpoint::describe_recorded_failure() const {
         for (int r = 0; r < roots; ++r) miss |= (missing >> flag_index(j, r)) & 1;
         if (miss) who += strf("%s%d", who.empty() ? "" : ", ", j);
       }
-      return strf("jax_arx: %s: collective #%llu timed out after %g s waiting for rank %s. Last seq heard from each "
+      return strf("jax_arx: %s: %s timed out after %g s waiting for rank %s. Last %s heard from each "
                   "peer:%s. The peer may have exited or crashed, or be issuing different collectives; raise "
                   "JAX_ARX_TIMEOUT_S if it is only slow",
-                  label_.c_str(), (unsigned long long)seq, spec_.config.timeout_s, who.c_str(), last.c_str());
+                  label_.c_str(), what.c_str(), spec_.config.timeout_s, who.c_str(), prefill ? "piece" : "seq",
+                  last.c_str());
     }
     case FailureKind::kMismatch:
-      return strf("jax_arx: %s: at collective #%llu rank %llu issued a different collective (op, dtype, element "
+      return strf("jax_arx: %s: at %s rank %llu issued a different collective (op, dtype, element "
                   "count or call site differ: descriptor %06llx, this rank %06llx). Every rank must issue the same "
                   "collectives in the same order with the same shapes",
-                  label_.c_str(), (unsigned long long)seq, (unsigned long long)load_relaxed(&ctl->failed_src),
+                  label_.c_str(), what.c_str(), (unsigned long long)load_relaxed(&ctl->failed_src),
                   (unsigned long long)flag_desc(load_relaxed(&ctl->failed_flag)),
                   (unsigned long long)load_relaxed(&ctl->failed_desc));
     case FailureKind::kAborted:
-      return strf("jax_arx: %s: collective #%llu was abandoned because the endpoint had already failed",
-                  label_.c_str(), (unsigned long long)seq);
+      return strf("jax_arx: %s: %s was abandoned because the endpoint had already failed", label_.c_str(),
+                  what.c_str());
     case FailureKind::kNone:
       break;
   }
-  return strf("jax_arx: %s: collective #%llu failed (record kind %llu)", label_.c_str(), (unsigned long long)seq,
-              (unsigned long long)kind);
+  return strf("jax_arx: %s: %s failed (record kind %llu)", label_.c_str(), what.c_str(), (unsigned long long)kind);
 }
 
 namespace {

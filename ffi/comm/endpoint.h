@@ -58,6 +58,9 @@ class Endpoint {
   uint8_t* base() const { return region_->base(); }
   Region* region() const { return region_.get(); }
   Control* control() const { return reinterpret_cast<Control*>(region_->base() + layout_.control); }
+  PrefillControl* prefill_control() const {
+    return reinterpret_cast<PrefillControl*>(region_->base() + layout_.prefill_ctl);
+  }
   Transport* transport() const { return transport_.get(); }
   int roots() const { return transport_->roots(); }
   bool connected() const { return connected_; }
@@ -87,6 +90,14 @@ class Endpoint {
   // words and registered pointers); freed with it.
   std::shared_ptr<void> device_state;
 
+  // Set by a device side that writes its psum partials straight into the
+  // peers' inboxes (the CUDA side over the shm carrier): the proxy then
+  // posts no psum seq, only follows `published` for the watchdog. Set
+  // before the first collective, never cleared. The prefill ring is not
+  // affected.
+  void set_device_sends() { device_sends_.store(true, std::memory_order_release); }
+  bool device_sends() const { return device_sends_.load(std::memory_order_acquire); }
+
  private:
   Endpoint() = default;
   EndpointSpec spec_;
@@ -100,6 +111,7 @@ class Endpoint {
   std::string failure_;
   std::atomic<bool> failed_{false};
   std::atomic<uint32_t> lost_peers_{0};
+  std::atomic<bool> device_sends_{false};
 };
 
 // The endpoints of this process, by (communicator id, device ordinal).

@@ -84,6 +84,10 @@ class ShmTransport final : public Transport {
 
   Status poll() override { return Status::Ok(); }
 
+  uint8_t* peer_base(int peer) const override {
+    return peer >= 0 && peer < ctx_.world && peers_[peer] ? peers_[peer]->base() : nullptr;
+  }
+
   void close() override {
     for (auto& p : peers_) p.reset();
   }

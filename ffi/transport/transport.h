@@ -61,6 +61,11 @@ class Transport {
                      uint64_t flag_value) = 0;
   // Reaps completions; returns the first error, which is sticky.
   virtual Status poll() = 0;
+  // This process's mapping of `peer`'s whole region, where a carrier has one
+  // (shm), else nullptr. The CUDA device side writes the peers' inboxes
+  // through it directly (data, then the flag with release), skipping the
+  // proxy's copy; the proxy then sends no psum seq (Endpoint::device_sends).
+  virtual uint8_t* peer_base(int peer) const { return nullptr; }
   // Stops the carrier's threads and closes its links. Idempotent.
   virtual void close() = 0;
 };

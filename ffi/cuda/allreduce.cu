@@ -1,0 +1,546 @@
+// The all-reduce kernels: one-shot (one kernel, one seq) and two-shot (mesh:
+// a reduce-scatter kernel, then an all-gather kernel, a seq each). The steps
+// are those of ffi/host/collectives.cc, and so are the bits: the sum is fp32
+// in rank order starting from 0.0f, rounded once with the same rounding.
+//
+// One seq, in one grid of blocks:
+//   1. every block copies its share of the partial into send[seq & 1], or,
+//      in direct mode (shm carrier: the peers' regions are mapped here),
+//      straight into every peer's recv[seq & 1][rank];
+//   2. block 0 waits for the others' copies and publishes seq (direct mode:
+//      the flag words into the peers' flags, with release, as a carrier
+//      stores them; then bytes, mode, descriptor, dtype and `published` with
+//      release, for the proxy) unless an earlier seq failed;
+//   3. block 0 waits for every peer's flag on every root to reach seq, bounded
+//      by the timeout in %globaltimer time and by Control::abort, and tells the
+//      other blocks the outcome through the `go` word; the others wait on that
+//      word in device memory, so only a few threads poll lines that the proxy
+//      (or a NIC) is writing;
+//   4. every block sums its share (or, if the seq failed, fills it with NaN);
+//   5. the last block out stores seq_dev and Control::done.
+//
+// seq_dev (DeviceWords::seq) is read at kernel start and advanced by the last
+// block out, so a CUDA graph that captured these kernels replays with the
+// right seq: the launch path keeps no state on the host.
+//
+// Buffer reuse. Two buffers by parity are enough: this rank reaches seq + 2
+// only after every peer consumed seq + 1, which needed this rank's seq + 1
+// flag, which the proxy posts after this rank's seq data was read. The
+// two-shot kernels lean on one more consequence: once the wait for seq is
+// over, every peer published seq, so every peer had finished seq - 1, so
+// every peer had received this rank's seq - 1 flags on every root, so the
+// proxy had read everything it sent from send[(seq - 1) & 1]. The
+// reduce-scatter kernel for seq therefore writes its summed chunk straight
+// into send[(seq + 1) & 1] after its wait, and the all-gather kernel for
+// seq + 1 publishes it without another copy.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/device_side.h"
+#include "cuda/ptx.cuh"
+
+namespace arx::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+// Vectors a thread sums per sweep, every load in flight before the first
+// add. Measured on 2 H200s over PCIe (direct shm writes), 2 with one vector
+// a thread and up to 64 blocks was slower than 1 with two vectors a thread
+// and up to 32 blocks, at every size from 64 KB to 4 MB (e.g. 512 KB: 101
+// against 70 us).
+constexpr int kUnroll = 1;
+
+// ---- elements -----------------------------------------------------------------
+// Conversions on raw bits, the same as ffi/host/convert.h: bf16 rounds to
+// nearest even by integer arithmetic (NaN stays a quiet NaN with its sign and
+// top payload bits), f16 with cvt.rn (IEEE round to nearest even).
+
+__device__ __forceinline__ float bf16_to_f32(uint32_t h) { return __uint_as_float(h << 16); }
+
+__device__ __forceinline__ uint32_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x0040) & 0xffff;
+  u += 0x7fffu + ((u >> 16) & 1);
+  return u >> 16;
+}
+
+__device__ __forceinline__ float f16_to_f32(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+
+__device__ __forceinline__ uint32_t f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
+
+// An element type: its size, its DType, and 16-byte vectors of it.
+template <DType D>
+struct Elem;
+
+template <>
+struct Elem<DType::kF32> {
+  static constexpr int kSize = 4, kPerVec = 4;
+  static constexpr uint32_t kNan = 0x7fc00000u;
+  __device__ static float get(const uint4& v, int k) { return __uint_as_float((&v.x)[k]); }
+  __device__ static void put(uint4& v, int k, float f) { (&v.x)[k] = __float_as_uint(f); }
+  __device__ static float load_cv(const uint8_t* p) { return __uint_as_float(ld_cv_u32(p)); }
+  __device__ static float load(const uint8_t* p) { return *reinterpret_cast<const float*>(p); }
+  __device__ static void store(uint8_t* p, float f) { *reinterpret_cast<float*>(p) = f; }
+};
+
+template <DType D>
+struct Elem16 {
+  static constexpr int kSize = 2, kPerVec = 8;
+  static constexpr uint32_t kNan = D == DType::kBF16 ? 0x7fc0u : 0x7e00u;
+  __device__ static float to_f32(uint32_t h) { return D == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h); }
+  __device__ static uint32_t from_f32(float f) { return D == DType::kBF16 ? f32_to_bf16(f) : f32_to_f16(f); }
+  __device__ static float get(const uint4& v, int k) { return to_f32(((&v.x)[k >> 1] >> (16 * (k & 1))) & 0xffff); }
+  __device__ static void put(uint4& v, int k, float f) {
+    uint32_t& w = (&v.x)[k >> 1];
+    const int shift = 16 * (k & 1);
+    w = (w & ~(0xffffu << shift)) | (from_f32(f) << shift);
+  }
+  __device__ static float load_cv(const uint8_t* p) { return to_f32(ld_cv_u16(p)); }
+  __device__ static float load(const uint8_t* p) { return to_f32(*reinterpret_cast<const uint16_t*>(p)); }
+  __device__ static void store(uint8_t* p, float f) { *reinterpret_cast<uint16_t*>(p) = (uint16_t)from_f32(f); }
+};
+template <>
+struct Elem<DType::kBF16> : Elem16<DType::kBF16> {};
+template <>
+struct Elem<DType::kF16> : Elem16<DType::kF16> {};
+
+__device__ __forceinline__ uint64_t global_thread() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ uint64_t grid_threads() { return (uint64_t)gridDim.x * blockDim.x; }
+__device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+// dst[0, bytes) = src[0, bytes), over the whole grid. 16-byte vectors where
+// both sides allow, 2-byte units for the rest (every length here is a
+// multiple of the element size, which is 2 or 4). `cv`: src was written by a
+// peer, read it past the caches.
+template <bool kCv>
+__device__ void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+  const uint64_t nvec = aligned16(dst) && aligned16(src) ? bytes / 16 : 0;
+  for (uint64_t i = global_thread(); i < nvec; i += grid_threads()) {
+    const uint4 v = kCv ? ld_cv_v4(src + 16 * i) : *reinterpret_cast<const uint4*>(src + 16 * i);
+    *reinterpret_cast<uint4*>(dst + 16 * i) = v;
+  }
+  for (uint64_t i = nvec * 8 + global_thread(); i < bytes / 2; i += grid_threads()) {
+    const uint16_t h = kCv ? ld_cv_u16(src + 2 * i) : *reinterpret_cast<const uint16_t*>(src + 2 * i);
+    *reinterpret_cast<uint16_t*>(dst + 2 * i) = h;
+  }
+}
+
+template <DType D>
+__device__ void fill_nan(uint8_t* out, uint64_t count) {
+  using E = Elem<D>;
+  for (uint64_t i = global_thread(); i < count; i += grid_threads()) {
+    if (E::kSize == 4) *reinterpret_cast<uint32_t*>(out + 4 * i) = E::kNan;
+    else *reinterpret_cast<uint16_t*>(out + 2 * i) = (uint16_t)E::kNan;
+  }
+}
+
+// out[e] (and also[e], if given) = fp32 sum in rank order of every rank's
+// element e, for e in [0, count): this rank's from `mine` (device memory),
+// each peer's from its slot, slots + src * slot_bytes (pinned, written by
+// the proxy).
+// Rank order and one rounding give every rank the same bits.
+template <DType D>
+__device__ void reduce(const DeviceView& v, const uint8_t* slots, const uint8_t* mine, uint8_t* out, uint8_t* also,
+                       uint64_t count) {
+  using E = Elem<D>;
+  const uint64_t bytes = count * E::kSize;
+  const bool vec = aligned16(mine) && aligned16(out) && (!also || aligned16(also));
+  const uint64_t nvec = vec ? bytes / 16 : 0;
+  // Each thread takes kUnroll vectors a sweep and has every load of them in
+  // flight before the first add: the peers' data is a bus round trip away.
+  const uint64_t stride = grid_threads();
+  for (uint64_t i0 = global_thread(); i0 < nvec; i0 += kUnroll * stride) {
+    uint4 part[kUnroll][kMaxWorld];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = i0 + u * stride;
+#pragma unroll
+      for (int src = 0; src < kMaxWorld; ++src)
+        if (src < v.world && i < nvec)
+          part[u][src] = src == v.rank ? *reinterpret_cast<const uint4*>(mine + 16 * i)
+                                       : ld_cv_v4(slots + src * v.slot_bytes + 16 * i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t i = i0 + u * stride;
+      if (i >= nvec) break;
+      float acc[E::kPerVec];
+#pragma unroll
+      for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
+#pragma unroll
+      for (int src = 0; src < kMaxWorld; ++src)  // rank order: every rank gets the same bits
+        if (src < v.world)
+#pragma unroll
+          for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[u][src], k));
+      uint4 o;
+#pragma unroll
+      for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
+      *reinterpret_cast<uint4*>(out + 16 * i) = o;
+      if (also) *reinterpret_cast<uint4*>(also + 16 * i) = o;
+    }
+  }
+  for (uint64_t e = nvec * E::kPerVec + global_thread(); e < count; e += grid_threads()) {
+    float acc = 0.0f;
+    for (int src = 0; src < v.world; ++src)
+      acc = __fadd_rn(acc, src == v.rank ? E::load(mine + e * E::kSize) : E::load_cv(slots + src * v.slot_bytes + e * E::kSize));
+    E::store(out + e * E::kSize, acc);
+    if (also) E::store(also + e * E::kSize, acc);
+  }
+}
+
+// ---- the steps of one seq -------------------------------------------------------
+
+// A failure an earlier kernel of this endpoint recorded (DeviceWords::failed,
+// in device memory: written by a kernel that completed before this one
+// started, so every block sees it with a plain load).
+__device__ __forceinline__ bool recorded_failure(const DeviceView& v) { return v.words->failed != 0; }
+
+// Counters shared by the blocks of one grid carry the seq in their high bits
+// (seq << 16 | count), so an arrival from an earlier seq whose grid gave up
+// waiting can never be counted towards this one.
+__device__ __forceinline__ unsigned long long tagged_arrive(unsigned long long* word, uint64_t seq) {
+  unsigned long long old = ld_acquire_gpu(word);
+  while (true) {
+    const uint64_t tag = old >> 16;
+    if (tag > seq) return old;  // a later seq owns the word: this arrival is stale
+    const unsigned long long next = tag == seq ? old + 1 : (seq << 16 | 1);
+    const unsigned long long seen = cas_acq_rel_gpu(word, old, next);
+    if (seen == old) return next;
+    old = seen;
+  }
+}
+
+struct Outcome {
+  bool failed;     // the seq failed: fill NaN
+  bool published;  // this rank published the seq (Control::done follows it)
+};
+
+// Steps 2 and 3 for every block; returns the outcome every block agrees on.
+// Every thread of the grid must call it.
+__device__ Outcome publish_and_wait(const DeviceView& v, uint64_t seq, Mode mode, DType dtype, uint64_t bytes,
+                                    uint64_t desc, const Prefetch* pf) {
+  __shared__ int s_failed, s_published, s_kind;
+  __shared__ unsigned long long s_missing;
+  __shared__ uint64_t s_bad_flag, s_bad_src;
+  Control* ctl = v.ctl;
+  DeviceWords* w = v.words;
+  // The partial reaches system scope before any flag that announces it.
+  fence_sys();
+  __syncthreads();
+  const uint64_t start = globaltimer();
+  if (blockIdx.x != 0) {
+    if (threadIdx.x == 0) tagged_arrive(&w->arrived, seq);
+  } else if (threadIdx.x == 0) {
+    s_missing = 0;
+    s_kind = (int)FailureKind::kNone;
+    s_published = 0;
+    // Wait for every other block's copy (they run alongside: the grid is a
+    // few blocks on a GPU of a hundred multiprocessors).
+    bool copied = gridDim.x == 1;
+    while (!copied) {
+      const unsigned long long a = ld_acquire_gpu(&w->arrived);
+      copied = a >> 16 == seq && (a & 0xffff) == gridDim.x - 1;
+      if (!copied && globaltimer() - start > v.timeout_ns) break;
+    }
+    // No fence here: every thread fenced its copies before the barrier, and
+    // the arrivals chain them to this thread (acq_rel); the release stores
+    // below carry them on.
+    if (!copied) {
+      s_kind = (int)FailureKind::kTimeout;  // blocks of this grid never ran: nothing was published
+    } else if (recorded_failure(v)) {
+      // An earlier seq failed: publish nothing, return at once. (A failure
+      // the host knows of, Control::abort, ends the wait below at its first
+      // look; reading it here would put a round trip over the bus on every
+      // call's path.)
+      s_kind = (int)FailureKind::kAborted;
+    } else {
+      if (v.direct) {
+        // Direct mode: this grid's copies into the peers' inboxes are at
+        // system scope (each thread's fence, then the blocks' arrivals), so
+        // the flags may follow, with release, as a carrier would store them.
+        const uint64_t f = flag_word(seq, desc);
+        for (int step = 1; step < v.world; ++step) {
+          const int peer = (v.rank + step) % v.world;
+          for (int root = 0; root < v.roots; ++root) st_release_sys(v.peer_flags[peer] + flag_index(v.rank, root), f);
+        }
+      }
+      const int par = (int)(seq & 1);
+      st_relaxed_sys(&ctl->bytes[par], bytes);
+      st_relaxed_sys(&ctl->mode[par], (uint64_t)mode);
+      st_relaxed_sys(&ctl->desc[par], desc);
+      st_relaxed_sys(&ctl->dtype[par], (uint64_t)dtype);
+      st_release_sys(&ctl->published, seq);
+      s_published = 1;
+    }
+  }
+  // DRAM is idle while the peers' data is in flight: spread one bulk L2
+  // prefetch per thread over each range the next kernels read.
+  if (pf && pf->count > 0) {
+    const uint64_t nthr = grid_threads(), t = global_thread();
+    for (int r = 0; r < pf->count; ++r) {
+      const uint64_t chunk = ((pf->bytes[r] + nthr - 1) / nthr + 15) & ~15ull, off = t * chunk;
+      if (off >= pf->bytes[r]) continue;
+      const uint64_t len = min(chunk, pf->bytes[r] - off) & ~15ull;
+      for (uint64_t o = 0; o < len; o += 1u << 20)  // the instruction takes a 32-bit size
+        prefetch_l2(static_cast<const uint8_t*>(pf->ptr[r]) + off + o, (uint32_t)min(len - o, (uint64_t)1 << 20));
+    }
+  }
+  if (blockIdx.x == 0) {
+    __syncthreads();
+    const int nflags = v.world * kRoots;
+    const int t = threadIdx.x, src = t / kRoots, root = t % kRoots;
+    if (s_published && t < nflags && src != v.rank && root < v.roots) {
+      // Wait until the flag reaches seq. A flag at exactly seq must carry our
+      // descriptor. A flag past seq is from a peer that already finished seq,
+      // which it could only do after agreeing with ours (it checked our seq
+      // flag): it counts as arrived, and its seq + 1 data went to the other
+      // parity, so recv[seq & 1] still holds seq's.
+      const uint64_t* flag = v.flags + flag_index(src, root);
+      for (uint32_t turn = 0;; ++turn) {
+        const uint64_t f = ld_acquire_sys(flag);
+        if (flag_progress(f) >= seq) {
+          if (flag_progress(f) == seq && flag_desc(f) != flag_desc(flag_word(seq, desc))) {
+            if (atomicCAS(&s_kind, (int)FailureKind::kNone, (int)FailureKind::kMismatch) ==
+                (int)FailureKind::kNone) {
+              s_bad_flag = f;
+              s_bad_src = (uint64_t)src;
+            }
+          }
+          break;
+        }
+        // Control::abort: the host knows the endpoint failed (a peer lost,
+        // the proxy stopped); give up at once instead of at the timeout.
+        if ((turn & 15) == 15 && ld_acquire_sys(&ctl->abort) != 0) {
+          atomicOr(&s_missing, 1ull << flag_index(src, root));
+          atomicCAS(&s_kind, (int)FailureKind::kNone, (int)FailureKind::kAborted);
+          break;
+        }
+        if (globaltimer() - start > v.timeout_ns) {
+          atomicOr(&s_missing, 1ull << flag_index(src, root));
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    if (t == 0) {
+      int kind = s_kind;
+      if (kind == (int)FailureKind::kNone && s_missing) kind = (int)FailureKind::kTimeout;
+      // The first failure is the one kept: its details first, failed_seq
+      // last with release, as the host side records it. A failure known
+      // before this seq (kAborted with nothing published) records nothing
+      // new; blocks of this grid that never ran (kTimeout, nothing
+      // published) do.
+      const bool mismatch = kind == (int)FailureKind::kMismatch;
+      if (kind != (int)FailureKind::kNone && (s_published || kind == (int)FailureKind::kTimeout) &&
+          ld_acquire_sys(&ctl->failed_seq) == 0) {
+        st_relaxed_sys(&ctl->failed_kind, (uint64_t)kind);
+        st_relaxed_sys(&ctl->failed_missing, mismatch ? 0 : s_missing);
+        st_relaxed_sys(&ctl->failed_flag, mismatch ? s_bad_flag : 0);
+        st_relaxed_sys(&ctl->failed_src, mismatch ? s_bad_src : 0);
+        st_relaxed_sys(&ctl->failed_desc, desc);
+        st_release_sys(&ctl->failed_seq, seq);
+      }
+      s_failed = kind != (int)FailureKind::kNone;
+      // Later kernels of this endpoint read this instead of failed_seq (a
+      // round trip over the bus). Any failure counts: after it the buffer
+      // reuse argument no longer holds, so nothing more may be published.
+      if (s_failed) w->failed = 1;
+      // The peers' data (read next by every block) happens-before this
+      // release through the flags' acquire loads above.
+      st_release_gpu(&w->go, seq * 4 + (s_failed ? 1 : 0) + (s_published ? 2 : 0));
+    }
+    __syncthreads();
+    return Outcome{s_failed != 0, s_published != 0};
+  }
+  // The other blocks: one thread polls the go word in device memory. Bounded
+  // as well, past block 0's own bound, in case block 0 never ran.
+  if (threadIdx.x == 0) {
+    s_failed = 1;
+    s_published = 0;
+    while (true) {
+      const unsigned long long g = ld_acquire_gpu(&w->go);
+      if (g >> 2 == seq) {
+        s_failed = (int)(g & 1);
+        s_published = (int)((g >> 1) & 1);
+        break;
+      }
+      if (g >> 2 > seq || globaltimer() - start > 2 * v.timeout_ns + 1000000000ull) break;
+    }
+  }
+  __syncthreads();
+  return Outcome{s_failed != 0, s_published != 0};
+}
+
+// Step 5: the last block out advances seq_dev and Control::done. Every
+// thread of the grid must call it.
+__device__ void finish(const DeviceView& v, uint64_t seq, Outcome o) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const unsigned long long n = tagged_arrive(&v.words->finished, seq);
+  if (n >> 16 != seq || (n & 0xffff) != gridDim.x) return;
+  // seq_dev advances on every launch, failed or not, so the grid's counters
+  // stay consistent and the GPU stays usable; the endpoint's failure is
+  // sticky, so a failed endpoint publishes nothing more.
+  v.words->seq = seq;
+  // done is for the watchdog and for messages: nothing is read on its
+  // strength, so it needs no fence on the kernel's path.
+  if (o.published) st_relaxed_sys(&v.ctl->done, seq);
+}
+
+__device__ __forceinline__ uint64_t next_seq(const DeviceView& v) {
+  // Written by the previous kernel's last block; kernels on one stream are
+  // ordered, so a plain load sees it.
+  return v.words->seq + 1;
+}
+
+// ---- the kernels ------------------------------------------------------------------
+
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(DeviceView v, const uint8_t* in, uint8_t* out,
+                                                              uint64_t count, uint64_t tag, Prefetch pf) {
+  using E = Elem<D>;
+  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
+  const int par = (int)(seq & 1);
+  if (v.direct) {
+    // Straight into every peer's recv[par][rank]: free, since the peer
+    // finished seq - 2 (which read it) before it sent the seq - 1 flag this
+    // rank waited for before this kernel started. That holds only if seq - 1
+    // succeeded: after a failure (recorded by an earlier kernel, so every
+    // block sees it) nothing is written to the peers.
+    if (!recorded_failure(v)) {
+      for (int step = 1; step < v.world; ++step) {
+        const int peer = (v.rank + step) % v.world;
+        copy_bytes<false>(v.peer_recv[peer] + ((uint64_t)par * v.world + v.rank) * v.slot_bytes, in, bytes);
+      }
+    }
+  } else {
+    copy_bytes<false>(v.send + (uint64_t)par * v.send_bytes, in, bytes);
+  }
+  const Outcome o = publish_and_wait(v, seq, Mode::kFull, D, bytes, describe(Mode::kFull, D, count, tag), &pf);
+  if (o.failed) {
+    fill_nan<D>(out, count);
+  } else {
+    const uint8_t* slots = v.recv + (uint64_t)par * v.world * v.slot_bytes;
+    // This rank's partial from `in` (device memory), not from its pinned copy.
+    // With in == out each element is read and then written by one thread.
+    reduce<D>(v, slots, in, out, nullptr, count);
+  }
+  finish(v, seq, o);
+}
+
+// Two-shot, first kernel: sends chunk j of the partial to rank j (published
+// as a scatter for the proxy, or written directly), sums this rank's chunk
+// from every rank, and writes it to out (and, for the proxy, to the
+// all-gather's send buffer).
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 1) scatter_kernel(DeviceView v, const uint8_t* in, uint8_t* out,
+                                                              uint64_t count, uint64_t tag, Prefetch pf) {
+  using E = Elem<D>;
+  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
+  const int par = (int)(seq & 1);
+  if (v.direct) {
+    if (!recorded_failure(v)) {  // see oneshot_kernel
+      for (int step = 1; step < v.world; ++step) {  // chunk j to rank j only
+        const int peer = (v.rank + step) % v.world;
+        uint64_t lo, hi;
+        chunk_range(bytes, v.world, peer, lo, hi);
+        copy_bytes<false>(v.peer_recv[peer] + ((uint64_t)par * v.world + v.rank) * v.slot_bytes, in + lo, hi - lo);
+      }
+    }
+  } else {
+    copy_bytes<false>(v.send + (uint64_t)par * v.send_bytes, in, bytes);
+  }
+  const Outcome o = publish_and_wait(v, seq, Mode::kScatter, D, bytes, describe(Mode::kScatter, D, count, tag), &pf);
+  if (o.failed) {
+    fill_nan<D>(out, count);
+  } else {
+    uint64_t lo, hi;
+    chunk_range(bytes, v.world, v.rank, lo, hi);
+    const uint8_t* slots = v.recv + (uint64_t)par * v.world * v.slot_bytes;
+    // send[(seq + 1) & 1] is free once the wait for seq is over (see the
+    // top). Direct mode needs no copy there: the all-gather sends from out.
+    uint8_t* next_send = v.direct ? nullptr : v.send + (uint64_t)(par ^ 1) * v.send_bytes;
+    reduce<D>(v, slots, in + lo, out + lo, next_send, (hi - lo) / E::kSize);
+    if (next_send) fence_sys();  // the summed chunk reaches system scope before the next kernel publishes it
+  }
+  finish(v, seq, o);
+}
+
+// Two-shot, second kernel: publishes this rank's summed chunk (already in
+// send[par]) as a gather, and assembles the peers' chunks into out.
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 1) gather_kernel(DeviceView v, uint8_t* out, uint64_t count,
+                                                             uint64_t tag) {
+  using E = Elem<D>;
+  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
+  const int par = (int)(seq & 1);
+  uint64_t lo, hi;
+  chunk_range(bytes, v.world, v.rank, lo, hi);
+  if (v.direct) {
+    // This rank's summed chunk, from out (the reduce-scatter kernel wrote
+    // it), into every peer's recv[par][rank] (see oneshot_kernel).
+    if (!recorded_failure(v)) {
+      for (int step = 1; step < v.world; ++step) {
+        const int peer = (v.rank + step) % v.world;
+        copy_bytes<false>(v.peer_recv[peer] + ((uint64_t)par * v.world + v.rank) * v.slot_bytes, out + lo, hi - lo);
+      }
+    }
+  }
+  // A failed reduce-scatter (seq - 1) recorded its failure, so this
+  // publishes nothing and fills NaN.
+  const Outcome o = publish_and_wait(v, seq, Mode::kGather, D, hi - lo, describe(Mode::kGather, D, count, tag), nullptr);
+  if (o.failed) {
+    fill_nan<D>(out, count);
+  } else {
+    for (int src = 0; src < v.world; ++src) {
+      if (src == v.rank) continue;  // already in out
+      chunk_range(bytes, v.world, src, lo, hi);
+      copy_bytes<true>(out + lo, v.recv + ((uint64_t)par * v.world + src) * v.slot_bytes, hi - lo);
+    }
+  }
+  finish(v, seq, o);
+}
+
+// Two 16-byte vectors a thread until the cap (see kUnroll for what was measured).
+int grid_for(const DeviceView& v, uint64_t bytes) {
+  const uint64_t per_block = (uint64_t)kThreads * 16 * 2;
+  const uint64_t b = (bytes + per_block - 1) / per_block;
+  return (int)std::max<uint64_t>(1, std::min<uint64_t>(b, (uint64_t)v.max_blocks));
+}
+
+template <DType D>
+cudaError_t launch(const DeviceView& v, Algorithm algorithm, const void* in, void* out, uint64_t count, uint64_t tag,
+                   const Prefetch& pf, cudaStream_t stream) {
+  const uint64_t bytes = count * Elem<D>::kSize;
+  auto* i = static_cast<const uint8_t*>(in);
+  auto* o = static_cast<uint8_t*>(out);
+  switch (algorithm) {
+    case Algorithm::kOneShot:
+      oneshot_kernel<D><<<grid_for(v, bytes), kThreads, 0, stream>>>(v, i, o, count, tag, pf);
+      return cudaGetLastError();
+    case Algorithm::kTwoShot: {
+      scatter_kernel<D><<<grid_for(v, bytes), kThreads, 0, stream>>>(v, i, o, count, tag, pf);
+      const cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+      gather_kernel<D><<<grid_for(v, bytes), kThreads, 0, stream>>>(v, o, count, tag);
+      return cudaGetLastError();
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_allreduce(const DeviceView& v, Algorithm algorithm, DType dtype, const void* in, void* out,
+                             uint64_t count, uint64_t tag, const Prefetch& prefetch, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return launch<DType::kF32>(v, algorithm, in, out, count, tag, prefetch, stream);
+    case DType::kBF16: return launch<DType::kBF16>(v, algorithm, in, out, count, tag, prefetch, stream);
+    case DType::kF16: return launch<DType::kF16>(v, algorithm, in, out, count, tag, prefetch, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace arx::cuda

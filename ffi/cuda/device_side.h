@@ -1,0 +1,87 @@
+// The device side on NVIDIA GPUs: the same steps as ffi/host/collectives.cc,
+// on the same layout, as kernels on XLA's stream.
+//
+// attach() pins an endpoint's region for its GPU and allocates the words the
+// kernels keep in device memory (the sequence number among them, so that a
+// captured CUDA graph replays correctly: nothing on the launch path is host
+// bookkeeping). The launch functions only enqueue kernels; the handlers in
+// ffi/xla/handlers_cuda.cc call them and nothing else. No XLA types here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "comm/endpoint.h"
+#include "comm/layout.h"
+#include "comm/status.h"
+
+namespace arx::cuda {
+
+// Words in device memory, one set per endpoint. Only kernels touch them.
+struct DeviceWords {
+  unsigned long long seq;  // seq_dev: the last seq a kernel of this endpoint ran
+  unsigned long long go;   // block 0 -> the other blocks: seq * 2 + (1 if the seq failed)
+  // Per-seq counters shared by the blocks of one grid: seq << 16 | count.
+  unsigned long long arrived;   // blocks other than 0 whose copy into send[par] is done
+  unsigned long long finished;  // blocks done with the seq (the last one advances seq)
+  unsigned long long failed;    // 1 once a seq failed (mirrors Control::failed_seq, in device memory)
+  unsigned long long pad[3];
+};
+
+// What the kernels are handed, by value: device addresses of the endpoint's
+// pinned region and of its device words, and the sizes (plain data).
+struct DeviceView {
+  Control* ctl;
+  const uint64_t* flags;  // kFlagWords words, written by peers (the proxy, a carrier)
+  const uint8_t* recv;    // recv[parity][src], slot_bytes each
+  uint8_t* send;          // send[parity], send_bytes each
+  DeviceWords* words;
+  uint64_t slot_bytes, send_bytes;
+  uint64_t timeout_ns;  // Config::timeout_s, measured with %globaltimer
+  int rank, world, roots;
+  int max_blocks;  // grid size cap
+  // Direct mode (shm carrier): device addresses of each peer's recv[0][0]
+  // and flags, mapped in this process; the kernels write their partials
+  // there themselves (data, then the flag with release) and the proxy sends
+  // nothing. Null for this rank, and everywhere when not direct.
+  bool direct;
+  uint8_t* peer_recv[kMaxWorld];
+  uint64_t* peer_flags[kMaxWorld];
+};
+
+// Weight ranges the next kernels read: the kernel asks L2 for them while it
+// waits for the peers (DRAM is idle then). cp.async.bulk.prefetch.L2, sm_90+;
+// ignored on older chips.
+constexpr int kMaxPrefetch = 8;
+struct Prefetch {
+  const void* ptr[kMaxPrefetch];
+  uint64_t bytes[kMaxPrefetch];
+  int count;
+};
+
+// Pins the endpoint's region (cudaHostRegister, mapped | portable) for
+// spec().device_ordinal, allocates the device words and keeps both in
+// ep.device_state. Idempotent. Call it after Endpoint::create, before the
+// first collective; the endpoint must outlive every kernel it launched.
+Status attach(Endpoint& ep);
+
+// The view attach() made, or nullptr if the endpoint was not attached.
+const DeviceView* view_of(const Endpoint& ep);
+
+// The one-shot partial a slot holds, and the two-shot partial (mesh): the
+// largest psum each algorithm takes on this endpoint.
+uint64_t oneshot_max_bytes(const Endpoint& ep);
+uint64_t twoshot_max_bytes(const Endpoint& ep);
+
+enum class Algorithm : int64_t { kOneShot = 1, kTwoShot = 2 };
+
+// Enqueues out[count] = sum over ranks of in[count] on `stream` (fp32 in rank
+// order, rounded once). in and out may alias. One-shot: one kernel, one seq.
+// Two-shot: a reduce-scatter kernel and an all-gather kernel, a seq each.
+// `tag` (the call site's, the same on every rank) travels in the descriptor.
+// Returns the launch error (which may belong to an earlier kernel).
+cudaError_t launch_allreduce(const DeviceView& v, Algorithm algorithm, DType dtype, const void* in, void* out,
+                             uint64_t count, uint64_t tag, const Prefetch& prefetch, cudaStream_t stream);
+
+}  // namespace arx::cuda

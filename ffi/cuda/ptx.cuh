@@ -1,0 +1,91 @@
+// The device side's access to memory it shares with the proxy, the carriers
+// and the peers. Words shared across the system (flags, the Control block)
+// are read with ld.acquire.sys and written with st.release.sys or
+// st.relaxed.sys followed by a release, never as plain or volatile accesses:
+// the target's CPU (Grace, ARM) reorders what x86 does not. Peer data is read
+// with ld.global.cv, which does not hit a line cached before the peer (the
+// proxy, a NIC) wrote it.
+#pragma once
+
+#include <cstdint>
+
+namespace arx::cuda {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Ordered before a later release (or fence) by the same thread.
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Device words (DeviceWords) are shared by the blocks of one grid only.
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long cas_acq_rel_gpu(unsigned long long* p, unsigned long long expected,
+                                                              unsigned long long desired) {
+  unsigned long long old;
+  asm volatile("atom.acq_rel.gpu.global.cas.b64 %0, [%1], %2, %3;"
+               : "=l"(old)
+               : "l"(p), "l"(expected), "l"(desired)
+               : "memory");
+  return old;
+}
+
+// Orders this thread's earlier accesses (and, cumulatively, those it has
+// observed) before its later ones, at system scope.
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Peer data: bypass the caches (the proxy, a NIC or a peer GPU wrote it).
+__device__ __forceinline__ uint4 ld_cv_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint16_t ld_cv_u16(const void* p) {
+  uint16_t v;
+  asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_cv_u32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Nanoseconds, on a clock every multiprocessor shares. The waits are bounded
+// in time with it, never in poll counts (a poll's cost varies tenfold with
+// where the flag lives and what else runs).
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Asks L2 to fetch [p, p + bytes); p and bytes multiples of 16. sm_90+.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+}  // namespace arx::cuda
