@@ -5,18 +5,28 @@ rdma-core's headers and runs the part that needs no RDMA device: GID discovery
 on a fake sysfs tree, JAX_ARX_IB_HCA parsing, and the errors of a machine
 without devices, without libibverbs, or built without the headers.
 
+test_package_without_verbs builds the Python package with the verbs carrier
+left out (JAX_ARX_VERBS=OFF, as on a machine without rdma-core's headers) into
+a scratch directory, and checks that it imports, runs psum over shm and tcp,
+and says what is missing when verbs is asked for.
+
 test_verbs_soft_roce boots a VM with four soft-RoCE devices on two veth pairs
 (tests/verbs/rxe_vm.sh; about 10 s to boot under TCG) and runs the two-rank
-test inside it: two roots per rank, then one. It is skipped, with the reason,
-where the VM cannot start (not root, no qemu or kernel and no way to install
-them). RXE_VM_NDEV=2 runs the one-root half only.
+carrier test inside it: two roots per rank, then one. test_psum_soft_roce
+boots it again and runs jax_arx.psum between two processes over the carrier
+(tests/workers/verbs_psum.py). Both are skipped, with the reason, where the VM
+cannot start (not root, no qemu or kernel and no way to install them).
+RXE_VM_NDEV=2 runs the one-root half only.
 """
 
 import os
 import pathlib
 import re
+import importlib.util
 import shutil
 import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -24,6 +34,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VM = ROOT / "tests" / "verbs" / "rxe_vm.sh"
 PAYLOAD = ROOT / "tests" / "verbs" / "vm_transport_test.sh"
+PSUM_PAYLOAD = ROOT / "tests" / "verbs" / "vm_psum_test.sh"
+PSUM_WORKER = ROOT / "tests" / "workers" / "verbs_psum.py"
 SOURCES = (
     ["tests/cpp/test_verbs_transport.cc"]
     + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ffi" / "transport").glob("verbs*.cc"))
@@ -82,15 +94,88 @@ def test_verbs_host_only(tmp_path):
             assert "compiled without rdma-core's headers" in out
 
 
-@pytest.mark.verbs
+_NO_VERBS_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_arx
+    assert jax_arx.__file__.startswith(sys.argv[1]), jax_arx.__file__
+    core = jax_arx._comm._core()
+    assert not getattr(core, "has_verbs", lambda: False)()
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    f = jax.jit(jax.shard_map(lambda v: jax_arx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+    x = np.random.default_rng(0).standard_normal((2, 4097)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+    for transport in ("shm", "tcp"):
+        os.environ["JAX_ARX_TRANSPORT"] = transport
+        jax_arx.initialize(mesh)
+        used = {ep.transport for ep in jax_arx._comm.communicator("x").endpoints}
+        assert used == {transport}, used
+        for _ in range(20):
+            got = np.asarray(f(xs)).reshape(-1)
+            assert got.tobytes() == (x[0] + x[1]).tobytes()
+        jax_arx.shutdown()
+        print("PASS", transport)
+    os.environ["JAX_ARX_TRANSPORT"] = "verbs"
+    try:
+        jax_arx.initialize(mesh)
+    except jax_arx.InitializationError as e:
+        assert "no verbs carrier" in str(e), e
+        print("PASS verbs refused:", str(e).splitlines()[0])
+    else:
+        raise AssertionError("a build without the verbs carrier set up a verbs endpoint")
+""")
+
+
 @pytest.mark.slow
-def test_verbs_soft_roce(tmp_path):
+def test_package_without_verbs(tmp_path):
+    """The package built without the verbs carrier (JAX_ARX_VERBS=OFF, what a
+    machine without infiniband/verbs.h gets) imports and runs over shm and
+    tcp. Builds into tmp_path (about a minute on two cores); the installed
+    package and its build directory are left alone."""
+    site, build = tmp_path / "site", tmp_path / "build"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", site,
+           "-C", f"build-dir={build}", "-C", "cmake.define.JAX_ARX_VERBS=OFF", "-C", "cmake.define.JAX_ARX_CUDA=OFF"]
+    if all(importlib.util.find_spec(m) for m in ("nanobind", "scikit_build_core")):
+        cmd.append("--no-build-isolation")  # this environment can build; no download needed
+    rc, out = _run([*cmd, ROOT], timeout=900, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    if rc != 0 and re.search(r"No matching distribution|Could not find a version|NewConnectionError|"
+                             r"Temporary failure in name resolution", out):
+        pytest.skip(f"cannot fetch the build requirements (nanobind, scikit-build-core): {out.strip()[-300:]}")
+    assert rc == 0, f"building jax_arx with JAX_ARX_VERBS=OFF failed:\n{out[-6000:]}"
+    ninja = build / "build.ninja"
+    if ninja.exists():
+        assert "ARX_HAVE_VERBS" not in ninja.read_text(), "JAX_ARX_VERBS=OFF still built the verbs carrier"
+    env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2",
+               JAX_ARX_FALLBACK="error")
+    for k in ("JAX_ARX_TRANSPORT", "JAX_ARX_IB_HCA", "NCCL_IB_HCA"):
+        env.pop(k, None)
+    script = tmp_path / "no_verbs.py"
+    script.write_text(_NO_VERBS_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(site)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    out = r.stdout + r.stderr
+    print(out)
+    assert r.returncode == 0, out[-6000:]
+    assert "PASS shm" in out and "PASS tcp" in out and "PASS verbs refused" in out, out
+
+
+def _prepare_vm():
+    """Installs what the VM needs and builds its initramfs; skips where it
+    cannot start here."""
     if os.geteuid() != 0:
         pytest.skip("the soft-RoCE VM needs root (it installs qemu and a kernel, and reads /boot/vmlinuz-*)")
     rc, out = _run([VM, "--prepare"], timeout=900)
     if rc == CANNOT_START:
         pytest.skip(out.strip().splitlines()[-1])
     assert rc == 0, out
+
+
+@pytest.mark.verbs
+@pytest.mark.slow
+def test_verbs_soft_roce(tmp_path):
+    _prepare_vm()
     cxx = _cxx()
     if not _have_verbs_headers(cxx):
         pytest.skip("no rdma-core headers (infiniband/verbs.h) even after rxe_vm.sh --prepare")
@@ -125,3 +210,173 @@ def test_verbs_soft_roce(tmp_path):
     # The bytes really crossed the veth wire.
     sent = [int(n) for n in re.findall(r"veth0 sent (\d+) packets", out)]
     assert len(sent) == runs and min(sent) > 1000, sent
+
+
+@pytest.mark.verbs
+@pytest.mark.slow
+def test_psum_soft_roce():
+    """jax_arx.psum between two processes in the VM over soft-RoCE, every result
+    checked bit for bit against numpy's fp32 rank-order sum (bf16, f16, f32,
+    sizes 1 to 131071, 288 back-to-back calls per phase): two roots per rank,
+    one root (with small WRs), the automatic choice (verbs when both ranks name
+    devices, tcp when one does not), then a rank exiting mid-stream, which the
+    other's psum reports, naming it, within seconds. Uses this interpreter
+    (the VM sees the host's filesystem read-only), so jax_arx must be
+    installed in it, as CI does."""
+    _prepare_vm()
+    probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
+                           cwd="/", timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
+                    f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
+    ndev = os.environ.get("RXE_VM_NDEV", "4")
+    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="800")
+    t0 = time.monotonic()
+    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER], timeout=900, env=env)
+    wall = time.monotonic() - t0
+    print(out)
+    print(f"soft-RoCE psum test: {wall:.1f} s wall")
+    if rc == CANNOT_START:
+        pytest.skip(out.strip().splitlines()[-1])
+    assert rc == 0, out[-8000:]
+    assert "FAIL" not in out, out[-8000:]
+    phases = (["two-roots"] if ndev == "4" else []) + ["one-root", "auto-verbs", "auto-tcp"]
+    for phase in phases:
+        for rank in (0, 1):
+            assert f"verbs_psum: [rank {rank}] PASS {phase}: " in out, (phase, rank)
+    for phase in ("two-roots", "one-root", "auto-verbs"):
+        if phase in phases:
+            assert re.search(rf"PASS {phase}: \d+ psum calls over verbs", out), phase
+    assert re.search(r"PASS auto-tcp: \d+ psum calls over tcp", out)
+    assert out.count("psum calls over verbs (JAX_ARX_IB_HCA=rxe0,rxe2)") == (1 if ndev == "4" else 0)
+    # The lost peer: rank 0's psum fails, naming rank 1, long before the timeout.
+    lost = re.search(r"verbs_psum: \[rank 0\] PASS lose-peer: psum failed ([0-9.]+) s after its first call without "
+                     r"rank 1 .*the error names the peer: .*rank 1", out)
+    assert lost and float(lost.group(1)) < 20, out[-4000:]
+    # The bytes really crossed the veth wire.
+    sent = re.search(r"psum over verbs: veth0 sent (\d+) packets", out)
+    assert sent and int(sent.group(1)) > 1000, sent
+
+
+# --- configuration and the automatic choice (no RDMA needed) ----------------
+
+def test_ib_settings_travel_as_endpoint_options():
+    """The JAX_ARX_IB_* knobs are read in jax_arx/config.py only, and reach
+    the C++ Config through the options dict, which checks them again."""
+    from jax_arx import config
+
+    cfg = config.load({"JAX_ARX_IB_TIMEOUT": "16", "NCCL_IB_RETRY_CNT": "6", "JAX_ARX_IB_TC": "106",
+                       "NCCL_IB_SL": "3", "JAX_ARX_IB_CHUNK_BYTES": "64KiB", "JAX_ARX_IBVERBS_LIB": "libx.so.1"})
+    options = cfg.endpoint_options(None)
+    assert {k: options[k] for k in ("ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ib_chunk_bytes",
+                                    "ibverbs_lib")} == {
+        "ib_timeout": "16", "ib_retry_cnt": "6", "ib_tc": "106", "ib_sl": "3", "ib_chunk_bytes": "65536",
+        "ibverbs_lib": "libx.so.1"}
+    assert config.load({"JAX_ARX_IB_RETRY_CNT": "5", "NCCL_IB_RETRY_CNT": "6"}).ib_retry_cnt == 5
+    # Unset: the carrier's defaults (14, 7, 0, 0, whole), and no keys at all.
+    assert not {k for k in config.Config().endpoint_options(None) if k.startswith("ib")}
+    for name, value in (("JAX_ARX_IB_TIMEOUT", "0"), ("JAX_ARX_IB_TIMEOUT", "32"), ("NCCL_IB_RETRY_CNT", "8"),
+                        ("JAX_ARX_IB_TC", "256"), ("JAX_ARX_IB_SL", "x"), ("JAX_ARX_IB_CHUNK_BYTES", "32")):
+        with pytest.raises(Exception, match=f"{name}='{value}' is not accepted"):
+            config.load({name: value})
+
+    # The installed C++ module takes them (and checks them), in an interpreter
+    # outside the source tree, whose jax_arx has no _core.
+    script = textwrap.dedent(f"""
+        import os, sys
+        try:
+            from jax_arx import _core
+        except ImportError as e:
+            print("NO CORE", e); sys.exit(0)
+        options = {options!r}
+        _core.Endpoint(1, 0, 0, 2, "shm", "cpu", "ib-options", os.urandom(32), options).close()
+        try:
+            _core.Endpoint(2, 0, 0, 2, "shm", "cpu", "ib-options", os.urandom(32), dict(options, ib_timeout="0"))
+        except RuntimeError as e:
+            assert "ib_timeout=0 is outside" in str(e), e
+            print("REFUSED", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd="/", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if r.stdout.startswith("NO CORE"):
+        pytest.skip(f"jax_arx's C++ module is not installed ({r.stdout.strip()}); pip install . first")
+    assert "REFUSED" in r.stdout, r.stdout
+
+
+def _fake_ib_device(root, name, *, hardware, state="4: ACTIVE", link_layer="Ethernet", gid_type="RoCE v2",
+                    gid="0000:0000:0000:0000:0000:ffff:c633:6401"):
+    port = root / name / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "state").write_text(state + "\n")
+    (port / "link_layer").write_text(link_layer + "\n")
+    (port / "gids" / "0").write_text("fe80:0000:0000:0000:0000:0000:0000:0001\n")
+    (port / "gid_attrs" / "types" / "0").write_text("IB/RoCE v1\n")
+    (port / "gids" / "1").write_text(gid + "\n")
+    (port / "gid_attrs" / "types" / "1").write_text(gid_type + "\n")
+    if hardware:
+        (root / name / "device").mkdir()  # sysfs: a link to the PCI function
+    else:
+        (root / name / "parent").write_text("veth0\n")  # soft-RoCE: the netdev's name
+
+
+def test_rdma_devices_found_on_a_fake_sysfs(tmp_path):
+    from jax_arx import _comm
+
+    _fake_ib_device(tmp_path, "mlx5_0", hardware=True)
+    _fake_ib_device(tmp_path, "mlx5_1", hardware=True, state="1: DOWN")
+    _fake_ib_device(tmp_path, "mlx5_2", hardware=True, gid_type="IB/RoCE v1")
+    _fake_ib_device(tmp_path, "mlx5_3", hardware=True, gid="0000:0000:0000:0000:0000:0000:0000:0000")
+    _fake_ib_device(tmp_path, "mlx5_4", hardware=True, link_layer="InfiniBand", gid_type="")
+    _fake_ib_device(tmp_path, "rxe0", hardware=False)
+    assert _comm.rdma_devices_found(str(tmp_path)) == ["mlx5_0", "mlx5_4"]
+    assert _comm.rdma_devices_found(str(tmp_path / "none")) == []
+    no_rdma, why = _comm.rdma_available(_config_for(), sysfs=str(tmp_path / "none"))
+    assert not no_rdma and "no RDMA device" in why
+
+
+def _config_for(**kw):
+    from jax_arx import config
+
+    return config.Config(**kw)
+
+
+def test_choose_transport_with_rdma():
+    from jax_arx import _comm
+
+    auto = _config_for()
+    assert _comm.choose_transport(auto, ["a", "b"], [True, True]) == "verbs"
+    assert _comm.choose_transport(auto, ["a", "b"], [True, False]) == "tcp"  # every member must be able to
+    assert _comm.choose_transport(auto, ["a", "a"], [True, True]) == "shm"  # one host: shm wins
+    assert _comm.choose_transport(auto, ["a", "b"]) == "tcp"
+    assert _comm.choose_transport(_config_for(transport="tcp"), ["a", "b"], [True, True]) == "tcp"
+    assert _comm.choose_transport(_config_for(transport="verbs"), ["a", "a"], [False, False]) == "verbs"
+
+
+def test_rdma_available_needs_the_carrier_and_libibverbs(tmp_path, caplog):
+    from jax_arx import _comm
+
+    class NoVerbs:
+        @staticmethod
+        def has_verbs():
+            return False
+
+    class WithVerbs:
+        @staticmethod
+        def has_verbs():
+            return True
+
+    hca = _config_for(ib_hca="mlx5_0")
+    ok, why = _comm.rdma_available(hca, NoVerbs, sysfs=str(tmp_path))
+    assert not ok and "no verbs carrier" in why
+    assert "groups that span hosts use tcp" in caplog.text  # configured but unusable: said out loud
+    ok, why = _comm.rdma_available(_config_for(ib_hca="mlx5_0", ibverbs_lib="/nonexistent/libibverbs.so.1"),
+                                   WithVerbs, sysfs=str(tmp_path))
+    assert not ok and "libibverbs cannot be loaded" in why
+    _fake_ib_device(tmp_path, "mlx5_0", hardware=True)
+    found, why = _comm.rdma_available(_config_for(ibverbs_lib="/nonexistent/libibverbs.so.1"), WithVerbs,
+                                      sysfs=str(tmp_path))
+    assert not found and "found (mlx5_0)" in why
+    if _comm._libibverbs_loads(None):
+        assert _comm.rdma_available(hca, WithVerbs, sysfs=str(tmp_path)) == (True, "RDMA devices configured (mlx5_0)")
+        assert _comm.rdma_available(_config_for(), WithVerbs, sysfs=str(tmp_path))[0]

@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 
 #include "transport/verbs_device.h"
@@ -48,10 +47,8 @@ namespace {
 using verbs::Api;
 using verbs::Device;
 
-// QP settings (the reference's): a write not acknowledged within
-// 4.096 us << kTimeout is resent, kRetryCnt times, before it fails.
-constexpr int kTimeout = 14;   // 67 ms
-constexpr int kRetryCnt = 7;
+// QP settings: timeout, retry count, traffic class and service level come
+// from Config (the reference's 14 = 67 ms and 7 by default, see config.h).
 constexpr int kRnrRetry = 7;   // 7 = retry forever; no receive WRs are ever involved
 constexpr int kMinRnrTimer = 12;
 constexpr uint32_t kSqDepth = 512;  // WRs per QP; a put takes 2 (1 without data)
@@ -88,16 +85,13 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-// An integer knob from the environment (NCCL_IB_TIMEOUT style).
-Status env_int(const char* name, int def, int lo, int hi, int& out) {
-  out = def;
-  const char* v = std::getenv(name);
-  if (!v || !*v) return Status::Ok();
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (*end || x < lo || x > hi)
-    return Status::Error(strf("jax_arx: %s=%s is not an integer in [%d, %d]", name, v, lo, hi));
-  out = (int)x;
+// A queue-pair setting from Config, checked again here: Config::parse
+// checks what Python hands over, but C++ callers fill Config in directly.
+Status knob(const char* name, const char* var, int64_t v, int64_t lo, int64_t hi, int& out) {
+  if (v < lo || v > hi)
+    return Status::Error(strf("jax_arx: %s=%lld (%s) is not an integer in [%lld, %lld]", name, (long long)v, var,
+                              (long long)lo, (long long)hi));
+  out = (int)v;
   return Status::Ok();
 }
 
@@ -188,7 +182,7 @@ class VerbsTransport final : public Transport {
   Link links_[kMaxWorld][kRoots];
   Wire wire_{};
   uint64_t sq_depth_ = kSqDepth, signal_every_ = kSqDepth / 4, chunk_ = kMaxChunk;
-  int timeout_ = kTimeout, retry_cnt_ = kRetryCnt, tc_ = 0, sl_ = 0;
+  int timeout_ = 14, retry_cnt_ = 7, tc_ = 0, sl_ = 0;  // from Config in open()
   bool connected_ = false, closed_ = false;
   // Set and read by the thread that calls put() and poll() (the proxy).
   Status error_;
@@ -201,15 +195,15 @@ Status VerbsTransport::open() {
   if (!region || !ctx_.config || ctx_.world < 1 || ctx_.world > kMaxWorld || ctx_.rank < 0 ||
       ctx_.rank >= ctx_.world || lay.inbox_lo >= lay.inbox_hi || lay.inbox_hi > region->size())
     return labelled("jax_arx: verbs carrier given an invalid context (region, config, rank/world or inbox)");
-  ARX_RETURN_IF_ERROR(env_int("JAX_ARX_IB_TIMEOUT", kTimeout, 1, 31, timeout_));
-  ARX_RETURN_IF_ERROR(env_int("JAX_ARX_IB_RETRY_CNT", kRetryCnt, 0, 7, retry_cnt_));
-  ARX_RETURN_IF_ERROR(env_int("JAX_ARX_IB_TC", 0, 0, 255, tc_));
-  ARX_RETURN_IF_ERROR(env_int("JAX_ARX_IB_SL", 0, 0, 15, sl_));
+  const Config& cfg = *ctx_.config;
+  Status knobs = knob("ib_timeout", "JAX_ARX_IB_TIMEOUT", cfg.ib_timeout, 1, 31, timeout_);
+  if (knobs.ok()) knobs = knob("ib_retry_cnt", "JAX_ARX_IB_RETRY_CNT", cfg.ib_retry_cnt, 0, 7, retry_cnt_);
+  if (knobs.ok()) knobs = knob("ib_tc", "JAX_ARX_IB_TC", cfg.ib_tc, 0, 255, tc_);
+  if (knobs.ok()) knobs = knob("ib_sl", "JAX_ARX_IB_SL", cfg.ib_sl, 0, 15, sl_);
+  if (!knobs.ok()) return labelled(knobs.message());
   // Test knob: split data writes into WRs of at most this many bytes, so the
   // tests exercise the chunked path that only multi-GB puts take otherwise.
-  int chunk_knob = 0;
-  ARX_RETURN_IF_ERROR(env_int("JAX_ARX_IB_CHUNK_BYTES", 0, 0, 1 << 30, chunk_knob));
-  if (chunk_knob) chunk_ = std::max(chunk_knob, 64);
+  if (cfg.ib_chunk_bytes) chunk_ = std::clamp<uint64_t>(cfg.ib_chunk_bytes, 64, kMaxChunk);
   Status st = verbs::open_devices(api_, ctx_.config->ib_hca, ctx_.config->ib_gid_index, devices_, note_);
   if (!st.ok()) return labelled(st.message());
 
@@ -603,7 +597,7 @@ void VerbsTransport::close() {
 
 Status make_verbs_transport(const TransportContext& ctx, std::unique_ptr<Transport>& out) {
   const Api* api = nullptr;
-  const Status loaded = verbs::load(api);
+  const Status loaded = verbs::load(ctx.config ? ctx.config->ibverbs_lib : std::string(), api);
   if (!loaded.ok()) return Status::Error(loaded.message() + strf(" (%s)", ctx.label.c_str()));
   auto t = std::make_unique<VerbsTransport>(ctx, *api);
   ARX_RETURN_IF_ERROR(t->open());  // on error, t's destructor releases what open() made

@@ -5,7 +5,6 @@
 #include <dlfcn.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -26,10 +25,9 @@ void bind(void* lib, F& slot, const char* name, const char* version, std::string
   slot = reinterpret_cast<F>(p);
 }
 
-void load_once() {
+void load_once(const std::string& lib_name) {
   std::vector<std::string> names;
-  const char* env = std::getenv("JAX_ARX_IBVERBS_LIB");
-  if (env && *env) names.push_back(env);  // an explicit choice: no silent fallback past it
+  if (!lib_name.empty()) names.push_back(lib_name);  // an explicit choice: no silent fallback past it
   else names = {"libibverbs.so.1", "libibverbs.so"};
   void* lib = nullptr;
   std::string tried, loaded;
@@ -84,8 +82,8 @@ void load_once() {
 
 }  // namespace
 
-Status load(const Api*& out) {
-  std::call_once(g_once, load_once);
+Status load(const std::string& lib, const Api*& out) {
+  std::call_once(g_once, load_once, lib);
   out = g_status.ok() ? &g_api : nullptr;
   return g_status;
 }

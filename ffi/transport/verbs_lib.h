@@ -42,9 +42,10 @@ struct Api {
 };
 
 // Loads libibverbs once per process (call_once); every later call returns
-// the first outcome. Library names tried: $JAX_ARX_IBVERBS_LIB alone when
-// set, else libibverbs.so.1, then libibverbs.so.
-Status load(const Api*& out);
+// the first outcome, whatever `lib` it names. Library names tried: `lib`
+// alone when not empty (Config::ibverbs_lib, JAX_ARX_IBVERBS_LIB), else
+// libibverbs.so.1, then libibverbs.so.
+Status load(const std::string& lib, const Api*& out);
 
 // ibv_query_port as verbs.h's inline wrapper does it (the extended op when
 // the provider has one, else the compat symbol on a zeroed attr).

@@ -150,6 +150,15 @@ Status make_rank(Rank& r, int rank, int world, const std::string& hca, uint64_t 
   r.config.ib_gid_index = gid_index;
   r.config.timeout_s = 20;
   r.config.verbose = std::getenv("ARX_TEST_VERBOSE") != nullptr;
+  // Soft-RoCE retries forever at retry_cnt 7 (see verbs.cc): 6 makes a lost
+  // peer fail the writes after 7 tries. Under TCG a vCPU can stall past the
+  // default 67 ms QP timeout, and the spurious resends that follow have hit
+  // a 6.1 rxe bug (a NAK "remote invalid request" mid-write, about once in
+  // 15 runs): 268 ms per try keeps resends rare and detection near 2 s.
+  // Small WRs exercise the chunked path.
+  r.config.ib_retry_cnt = 6;
+  r.config.ib_timeout = 16;
+  r.config.ib_chunk_bytes = 65536;
   Geometry geo;
   geo.world = world;
   geo.slot_bytes = slot_bytes;
@@ -186,8 +195,8 @@ void test_load_failure() {
   fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
-    setenv("JAX_ARX_IBVERBS_LIB", "/nonexistent/libibverbs.so.1", 1);
     Rank r;
+    r.config.ibverbs_lib = "/nonexistent/libibverbs.so.1";
     const Status st = make_rank(r, 0, 2, "", 1 << 16);
     const bool ok = !st.ok() && (contains(st.message(), "/nonexistent/libibverbs.so.1") ||
                                  contains(st.message(), "no rdma-core headers") ||
@@ -380,7 +389,7 @@ void run_rank(int rank, const Args& a) {
     const verbs::Api* api = nullptr;
     std::vector<verbs::Device> devs;
     std::string note;
-    st = verbs::load(api);
+    st = verbs::load("", api);
     if (st.ok()) st = verbs::open_devices(*api, a.hca[rank], -1, devs, note);
     if (!st.ok()) failed("gid-discovery", st.message());
     else if (devs[0].gid_index == a.gid[rank])
@@ -625,15 +634,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  // Soft-RoCE retries forever at retry_cnt 7 (see verbs.cc): 6 makes a lost
-  // peer fail the writes after 7 tries. Under TCG a vCPU can stall past the
-  // default 67 ms QP timeout, and the spurious resends that follow have hit
-  // a 6.1 rxe bug (a NAK "remote invalid request" mid-write, about once in
-  // 15 runs): 268 ms per try keeps resends rare and detection near 2 s.
-  // Small WRs exercise the chunked path.
-  setenv("JAX_ARX_IB_RETRY_CNT", "6", 0);
-  setenv("JAX_ARX_IB_TIMEOUT", "16", 0);
-  setenv("JAX_ARX_IB_CHUNK_BYTES", "65536", 0);
   if (!host_only && (a.hca[0].empty() || a.hca[1].empty())) {
     printf("no devices named for both ranks (--hca0 rxe0 --hca1 rxe1, or ARX_TEST_HCA0/1): device-free checks only\n");
     host_only = true;
