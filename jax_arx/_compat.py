@@ -8,11 +8,15 @@ jax.distributed key-value store. Keeping them in one file means a new jax
 release breaks jax_arx in one place, and that place says what it relied on.
 
 Tested with jax 0.10.2; every name used here was checked to exist, with the
-same signature, in the sources of jax 0.10.0 and 0.11.2.
+same signature, in the sources of jax 0.10.0 and 0.11.2 (the lowering helpers
+added for the variadic psum against 0.10.0 and 0.10.2 only; the one
+signature that differs is handled in ``_aval_to_ir_type``).
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 from typing import Any
 
 import jax
@@ -20,6 +24,7 @@ from jax._src import config as _jax_config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import distributed as _distributed
+from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
@@ -31,6 +36,7 @@ Primitive = _core.Primitive
 Tracer = _core.Tracer
 NamedAxisEffect = _core.NamedAxisEffect
 deflinear2 = _ad.deflinear2
+Zero = _ad.Zero  # a symbolic zero cotangent
 register_lowering = _mlir.register_lowering
 # The impl of a collective outside any transformation: compile the single
 # primitive and run it, as jax does for its own psum (which then complains
@@ -61,11 +67,18 @@ def lax_psum_abstract_eval(aval, axes: tuple, *, invariant: bool):
     return lax_psum_p.abstract_eval(aval, axes=axes, axis_index_groups=None)
 
 
-def lax_psum_lowering(ctx, x, *, axes: tuple):
-    """Lowers a sum over ``axes`` the way ``jax.lax.psum`` does (an XLA
-    all-reduce). Used where jax_arx falls back at lowering time. The rule
-    depends only on ``ctx`` and ``axes``, and both psum primitives share it."""
-    return _mlir._lowerings[lax_psum_p].rule(ctx, x, axes=axes, axis_index_groups=None)
+def lax_psum_lowering(ctx, xs, *, axes: tuple) -> list:
+    """Lowers a sum over ``axes`` of each of ``xs`` (the operands of the
+    lowering rule ``ctx`` belongs to) the way ``jax.lax.psum`` does: one XLA
+    all-reduce each. Used where jax_arx falls back at lowering time. jax's
+    rule takes one operand and depends only on its context and ``axes``; both
+    psum primitives share it."""
+    rule = _mlir._lowerings[lax_psum_p].rule
+    out = []
+    for x, aval_in, aval_out in zip(xs, ctx.avals_in, ctx.avals_out):
+        leaf_ctx = ctx.replace(avals_in=[aval_in], avals_out=[aval_out])
+        out.extend(rule(leaf_ctx, x, axes=axes, axis_index_groups=None))
+    return out
 
 
 def lax_psum_batcher(axis_data, vals_in, dims_in, *, axes: tuple, invariant: bool):
@@ -84,6 +97,42 @@ def lax_psum_bind(x, *, axes: tuple, invariant: bool):
     if invariant:
         return lax_psum_invariant_p.bind(x, axes=axes)
     return lax_psum_p.bind(x, axes=axes, axis_index_groups=None)
+
+
+# jax's own all_gather and psum_scatter (reduce_scatter) primitives, for
+# jax_arx.all_gather / psum_scatter (jax_arx/_prefill.py): their typing
+# rules, batching rules and lowerings. Their params: all_gather_dimension /
+# scatter_dimension, axis_name (a tuple), axis_index_groups, axis_size, tiled.
+lax_all_gather_p = _parallel.all_gather_p
+lax_reduce_scatter_p = _parallel.reduce_scatter_p
+
+
+def lax_collective_abstract_eval(prim, aval, **params):
+    """jax's abstract evaluation of its all_gather_p / reduce_scatter_p:
+    the output type (shape, vma) and effects, shape errors included."""
+    return prim.abstract_eval(aval, **params)
+
+
+def lax_collective_lowering(prim, ctx, x, **params):
+    """Lowers jax's all_gather_p / reduce_scatter_p with jax's own rule for
+    this platform (an XLA collective). Used where jax_arx falls back at
+    lowering time."""
+    platforms = ctx.module_context.platforms
+    entry = _mlir._platform_specific_lowerings[platforms[0]].get(prim) if len(platforms) == 1 else None
+    return (entry or _mlir._lowerings[prim]).rule(ctx, x, **params)
+
+
+def lax_collective_batcher(prim, axis_data, vals_in, dims_in, **params):
+    """jax's batching rule for its all_gather_p / reduce_scatter_p (for a
+    vmap over the collective's own axis, where only jax knows what to do)."""
+    return _batching.fancy_primitive_batchers[prim](axis_data, vals_in, dims_in, **params)
+
+
+def aval_like(aval, shape, dtype, varying: frozenset):
+    """``aval`` with another shape and dtype, typed as varying over
+    ``varying`` (the mesh axes): a collective's output type."""
+    return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False,
+                       manual_axis_type=aval.mat.update(varying=frozenset(varying)))
 
 
 # --- varying manual axes (vma) ----------------------------------------------
@@ -128,6 +177,75 @@ def pvary(x, axes: tuple):
 
 def is_undefined_primal(x) -> bool:
     return _ad.is_undefined_primal(x)
+
+
+# --- lowering ---------------------------------------------------------------
+
+# The MLIR Python bindings jax lowers with (``ir.Operation``, ``ir.Value``,
+# ``ir.InsertionPoint``, ...).
+ir = _mlir.ir
+
+
+def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int], has_side_effect: bool):
+    """Emits a typed-FFI (api_version 4) custom call to ``target`` at the
+    current insertion point, as ``jax.ffi.ffi_lowering`` does, but with
+    operands beyond ``ctx.avals_in`` (of any type, passed as IR values):
+    results are typed by ``ctx.avals_out``, every operand and result is laid
+    out row-major, and ``attributes`` become int64 FFI attributes. Returns the
+    op's results."""
+    result_types = [_aval_to_ir_type(ctx, a) for a in ctx.avals_out]
+
+    def row_major(t):
+        rank = ir.RankedTensorType(t).rank
+        return tuple(range(rank - 1, -1, -1))
+
+    op = _mlir.custom_call(
+        target, result_types=result_types, operands=list(operands),
+        backend_config={k: _mlir.i64_attr(v) for k, v in attributes.items()},
+        has_side_effect=has_side_effect, api_version=4,
+        operand_layouts=[row_major(v.type) for v in operands],
+        result_layouts=[row_major(t) for t in result_types])
+    return list(op.results)
+
+
+def _aval_to_ir_type(ctx, aval):
+    # jax 0.10.0 takes the aval alone; 0.10.2 the module context first.
+    if len(inspect.signature(_mlir.aval_to_ir_type).parameters) == 1:
+        return _mlir.aval_to_ir_type(aval)
+    return _mlir.aval_to_ir_type(ctx.module_context, aval)
+
+
+def module_state(ctx, key: str, factory):
+    """Per-module state for a lowering rule: an object made by ``factory()``
+    the first time ``key`` is asked for while lowering this module, the same
+    object afterwards. It lives in the module context's lowering cache, a
+    dict that every context derived from the module's shares."""
+    cache = ctx.module_context.cached_primitive_lowerings
+    full_key = ("jax_arx", key)
+    if full_key not in cache:
+        cache[full_key] = factory()
+    return cache[full_key]
+
+
+def module_name(ctx) -> str:
+    """The name of the module being lowered (``jit_<function>``): the same in
+    every process that lowers the same program."""
+    attr = ctx.module_context.module.operation.attributes["sym_name"]
+    return ir.StringAttr(attr).value
+
+
+def call_site(ctx, skip_dir: str) -> str:
+    """Where the equation being lowered comes from, in terms that are the
+    same in every process running the same program: jax's name stack (the
+    functions and transformations it is nested in) and the innermost user
+    frame outside ``skip_dir`` as file name (not path: installs differ
+    between hosts), line and function. Frames further out are left out:
+    they include whatever called the jitted function first, which may
+    differ between processes."""
+    frame = next((f for f in _source_info_util.user_frames(ctx.traceback)
+                  if not f.file_name.startswith(skip_dir)), None)
+    where = f"{os.path.basename(frame.file_name)}:{frame.start_line}:{frame.function_name}" if frame else ""
+    return f"{ctx.name_stack}|{where}"
 
 
 # --- lowering context -------------------------------------------------------

@@ -1,0 +1,518 @@
+"""jax_arx.psum on the CPU backend, with the real C++ core, across processes.
+
+Each test launches this file as a worker under ``python -m jax_arx.launch``
+(``--worker SUITE``): every rank builds a 1-D mesh over all devices, runs a
+suite of cases, and prints one ``RESULT {json}`` line; the test asserts on
+what each rank reports. Per case a rank reports how many results it checked
+and every mismatch; results are compared bit for bit with the reference
+computed here with numpy (and ml_dtypes for bfloat16), independently of
+jax and of jax_arx:
+
+    acc = float32 zeros; for r in ranks (mesh order): acc += x_r.astype(float32)
+    reference = acc.astype(dtype)      # numpy rounds to nearest even
+
+and a CRC of all jax_arx results must be the same on every rank.
+
+- ``full`` (2 and 3 processes, shm and tcp): bfloat16, float16 and float32;
+  odd element counts; partials at and just past the one-shot limit
+  (``JAX_ARX_SLOT_BYTES=64K`` here), the latter falling back to
+  ``jax.lax.psum``, whose result it must equal; a pytree psum (one call);
+  mixed sizes and dtypes in one program; an input donated to the output;
+  2000 dependent psums in a ``jax.lax.fori_loop``; 300 back-to-back jitted
+  calls without waiting; psums in a ``jax.lax.scan``; six independent psums
+  that XLA's CPU runtime would run in different orders on different ranks
+  if jax_arx did not order them (they raced within 50 iterations before it
+  did); ``jax.grad`` through jax_arx.psum against ``jax.grad`` through
+  ``jax.lax.psum`` (to float32 rounding: jax.lax.psum, gloo here, may add
+  in another order).
+- ``quick`` (4 processes; 2 processes with 2 CPU devices each): a subset.
+- ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that call psum
+  with different sizes get an error saying so, never a sum; then, after
+  ``jax_arx.shutdown()`` and ``initialize()``, a peer that never calls makes
+  rank 0's call fail within the timeout with an error naming rank 1, and
+  ``jax_arx.check()`` raises it too.
+
+Needs jax_arx installed with its C++ module (``pip install .``); skipped
+otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+THIS = os.path.abspath(__file__)
+RESULT = "RESULT "
+SLOT_BYTES = 64 * 1024  # JAX_ARX_SLOT_BYTES in the workers: the one-shot limit
+
+
+# --- the tests ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def core_built(tmp_path_factory):
+    # In a fresh interpreter outside the source tree: the workers import the
+    # installed jax_arx, not the sources next to this file.
+    probe = subprocess.run([sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True,
+                           cwd=tmp_path_factory.mktemp("probe"), env=_clean_env())
+    if probe.returncode != 0:
+        pytest.skip("jax_arx is not installed with its C++ module (pip install .): "
+                    + probe.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("shm", 3), ("tcp", 2), ("tcp", 3)])
+def test_full_suite(core_built, tmp_path, transport, nprocs):
+    results = _run("full", nprocs, transport, tmp_path)
+    _assert_all_correct(results, expect=_FULL_CASES)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_four_processes(core_built, tmp_path, transport):
+    results = _run("quick", 4, transport, tmp_path)
+    _assert_all_correct(results, expect=_QUICK_CASES)
+
+
+def test_two_processes_with_two_devices_each(core_built, tmp_path):
+    results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
+    _assert_all_correct(results, expect=_QUICK_CASES)
+    assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_failures_are_errors_not_sums(core_built, tmp_path, transport):
+    results = _run("failures", 2, transport, tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
+    for rank in (0, 1):
+        mismatch = results[rank]["mismatch"]
+        # Either the call raised, or it returned NaN and check() raised: never a sum.
+        assert not mismatch["finite_result"], mismatch
+        assert "different collective" in mismatch["error"], mismatch
+    missing = results[0]["missing_peer"]
+    assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
+    assert "rank 1" in missing["check"], missing
+    assert missing["check_type"] == "CollectiveError"
+    assert 2.5 < missing["seconds"] < 30, missing  # within the 3 s timeout, plus start-up
+    assert results[1]["missing_peer"] == {"skipped": True}
+
+
+# --- running workers ------------------------------------------------------------
+
+def _clean_env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTHONPATH"))}
+    env.update(extra or {})
+    return env
+
+
+def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
+    """Runs the worker suite under the launcher; returns each rank's RESULT."""
+    full_env = _clean_env({"JAX_ARX_TRANSPORT": transport, "JAX_ARX_SLOT_BYTES": str(SLOT_BYTES),
+                           "JAX_ARX_TIMEOUT_S": "20", **(env or {})})
+    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), "--cpu-devices", str(cpu_devices),
+           "--grace-s", "20", THIS, "--worker", suite]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    elapsed = time.monotonic() - start
+    results = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("[rank ") and RESULT in line:
+            rank = int(line[len("[rank "):line.index("]")])
+            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT):])
+    detail = f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n" \
+             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, detail
+    assert sorted(results) == list(range(nprocs)), detail
+    return results
+
+
+def _assert_all_correct(results, expect):
+    for rank, r in results.items():
+        assert sorted(r["cases"]) == sorted(expect), (rank, sorted(r["cases"]))
+        for name, case in r["cases"].items():
+            assert case["bad"] == [], (rank, name, case["bad"][:5])
+            assert case["checked"] > 0, (rank, name)
+    # Bit-identical on every rank: the same CRC over every jax_arx result.
+    digests = {r["digest"] for r in results.values()}
+    assert len(digests) == 1, {k: r["digest"] for k, r in results.items()}
+
+
+# --- the worker -------------------------------------------------------------------
+
+def reference_sum(partials, dtype):
+    """The sum every rank must get: float32 accumulation in rank order,
+    rounded once to ``dtype``. ``partials``: one row per rank."""
+    acc = np.zeros(partials.shape[1:], np.float32)
+    for row in partials:
+        acc += row.astype(np.float32)
+    return acc.astype(dtype)
+
+
+class _Worker:
+    """One rank's view: the mesh, inputs built from global numpy arrays, and
+    the bookkeeping of what was checked."""
+
+    def __init__(self):
+        import jax_arx
+
+        jax_arx.distributed_initialize()
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        self.jax, self.jax_arx, self.P = jax, jax_arx, P
+        # Ranks are positions in jax.devices() (process 0's devices first).
+        self.mesh = Mesh(np.array(jax.devices()), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+        jax_arx.initialize(self.mesh)
+        self.world = self.mesh.size
+        self.sharded = NamedSharding(self.mesh, P("tp"))
+        self.cases: dict[str, dict] = {}
+        self.seconds: dict[str, float] = {}  # per case, for the record
+        self.crc = 0
+
+    def smap(self, body, in_specs, out_specs, check_vma=True, **jit_kwargs):
+        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                               check_vma=check_vma), **jit_kwargs)
+
+    def put(self, g):
+        """A global array, rows split over the ranks, from a numpy array every
+        process computed alike."""
+        return self.jax.make_array_from_callback(g.shape, self.sharded, lambda idx: g[idx])
+
+    def shards(self, x):
+        """This process's pieces of ``x``, by device."""
+        return [np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+
+    def check(self, case, got, want, what, ours=True):
+        """Records whether ``got`` (one device's result) is bit for bit
+        ``want``; adds jax_arx's results to the cross-rank CRC."""
+        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
+        entry["checked"] += 1
+        got = np.asarray(got)
+        want = np.asarray(want, dtype=got.dtype).reshape(got.shape)
+        if got.tobytes() != want.tobytes():
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+            entry["bad"].append(f"{what}: {int((got != want).sum())} of {got.size} elements differ, "
+                                f"max |diff| {float(np.nanmax(diff)) if diff.size else 0:.3g}")
+        if ours:
+            self.crc = zlib.crc32(got.tobytes(), self.crc)
+
+    def fail(self, case, message):
+        self.cases.setdefault(case, {"checked": 0, "bad": []})["bad"].append(message)
+
+    def count_calls(self, f, *args):
+        text = f.lower(*args).as_text()
+        return [line for line in text.splitlines() if "custom_call @jax_arx_psum" in line]
+
+
+def _dtypes():
+    import ml_dtypes
+
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+            "float16": np.dtype(np.float16)}
+
+
+def case_sizes(w: _Worker, dtype_names=("float32", "bfloat16", "float16")):
+    """Odd counts and partials at and just past the one-shot limit, one
+    program per dtype (so the psums in it are independent)."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    rng = np.random.default_rng(1)
+    for name in dtype_names:
+        dt = _dtypes()[name]
+        limit = SLOT_BYTES // dt.itemsize
+        counts = [1, 3, 7, 1001, 12345, limit, limit + 1]
+        gs = [rng.normal(size=(w.world, n)).astype(np.float32).astype(dt) for n in counts]
+        xs = [w.put(g) for g in gs]
+        f = w.smap(lambda *xs: tuple(jax_arx.psum(x, "tp") for x in xs), (P("tp"),) * len(xs), (P(),) * len(xs))
+        calls = w.count_calls(f, *xs)
+        if len(calls) != len(counts) - 1:  # every count but limit + 1 runs in jax_arx
+            w.fail("sizes", f"{name}: {len(calls)} jax_arx calls for {len(counts) - 1} partials within the limit")
+        outs = f(*xs)
+        for n, g, out in zip(counts[:-1], gs, outs):
+            for got in w.shards(out):
+                w.check("sizes", got, reference_sum(g, dt)[None], f"{name}[{n}]")
+        # Just past the limit: jax.lax.psum's result, exactly, and about the sum.
+        lax_out = w.smap(lambda x: jax.lax.psum(x, "tp"), P("tp"), P())(xs[-1])
+        for got, want in zip(w.shards(outs[-1]), w.shards(lax_out)):
+            w.check("sizes", got, want, f"{name}[{limit + 1}] vs jax.lax.psum", ours=False)
+            ref = reference_sum(gs[-1], dt)[None].astype(np.float32)
+            if not np.allclose(got.astype(np.float32), ref, rtol=2e-2, atol=1e-2):
+                w.fail("sizes", f"{name}[{limit + 1}]: the fallback is far from the sum")
+
+
+def case_pytree(w: _Worker):
+    """A pytree is one call with every leaf jax_arx runs as an operand; a
+    leaf past the limit falls back on its own."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    dts = _dtypes()
+    rng = np.random.default_rng(2)
+    g = {"a": rng.normal(size=(w.world, 5)).astype(np.float32),
+         "b": rng.normal(size=(w.world, 7)).astype(dts["bfloat16"]),
+         "c": rng.normal(size=(w.world, 2, 3)).astype(np.float16),
+         "d": rng.normal(size=(w.world, SLOT_BYTES // 4 + 1)).astype(np.float32)}
+    x = jax.tree.map(w.put, g)
+    f = w.smap(lambda t: jax_arx.psum(t, "tp"), (P("tp"),), P())
+    calls = w.count_calls(f, x)
+    if len(calls) != 1 or calls[0].split("->")[-1].count("tensor<") != 3:
+        w.fail("pytree", f"expected one jax_arx call with three results, got {calls}")
+    out = f(x)
+    for k in "abc":
+        for got in w.shards(out[k]):
+            w.check("pytree", got, reference_sum(g[k], g[k].dtype)[None], f"leaf {k}")
+    lax_d = w.smap(lambda v: jax.lax.psum(v, "tp"), P("tp"), P())(x["d"])
+    for got, want in zip(w.shards(out["d"]), w.shards(lax_d)):
+        w.check("pytree", got, want, "leaf d vs jax.lax.psum", ours=False)
+
+
+def case_mixed(w: _Worker):
+    """Sizes and dtypes mixed in one program, independent and dependent sums."""
+    jax_arx, P = w.jax_arx, w.P
+    dts = _dtypes()
+    rng = np.random.default_rng(3)
+    gs = [rng.normal(size=(w.world, 1001)).astype(np.float32),
+          rng.normal(size=(w.world, 4097)).astype(dts["bfloat16"]),
+          rng.normal(size=(w.world, 33)).astype(np.float16),
+          rng.normal(size=(w.world, SLOT_BYTES // 4)).astype(np.float32)]
+
+    def body(a, b, c, d):
+        sa = jax_arx.psum(a, "tp")
+        return sa, jax_arx.psum(b, "tp"), jax_arx.psum(c, "tp"), jax_arx.psum(d, "tp"), \
+            jax_arx.psum(sa * 2 + a * 0, "tp")  # depends on the first sum
+
+    f = w.smap(body, (P("tp"),) * 4, (P(),) * 5)
+    outs = f(*[w.put(g) for g in gs])
+    refs = [reference_sum(g, g.dtype) for g in gs]
+    refs.append(reference_sum(np.stack([refs[0] * np.float32(2)] * w.world), np.float32))
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        for got in w.shards(out):
+            w.check("mixed", got, ref[None], f"output {i}")
+
+
+def case_donated(w: _Worker):
+    """The input buffer is donated to the output."""
+    jax_arx, P = w.jax_arx, w.P
+    rng = np.random.default_rng(4)
+    g = rng.normal(size=(w.world, 4099)).astype(np.float32)
+    f = w.smap(lambda x: jax_arx.psum(x, "tp"), P("tp"), P("tp"), check_vma=False, donate_argnums=0)
+    x = w.put(g)
+    compiled = f.lower(x).compile().as_text()
+    if "input_output_alias" not in compiled:
+        w.fail("donated", "XLA did not alias the donated input to the output")
+    y = f(x)
+    if not x.is_deleted():
+        w.fail("donated", "the donated input was not consumed")
+    for got in w.shards(y):
+        w.check("donated", got, reference_sum(g, np.float32)[None], "donated")
+
+
+def case_loop2000(w: _Worker, steps=2000):
+    """2000 dependent psums in a fori_loop: each sums what the previous one
+    returned (integers, so the reference is exact in any order)."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    n = 33
+    g = np.random.default_rng(5).integers(0, 17, size=(w.world, n)).astype(np.float32)
+
+    def body(x):
+        r = jax.lax.axis_index("tp").astype(np.float32)
+
+        def step(_, carry):
+            c, _ = carry
+            y = jax_arx.psum(c, "tp")
+            return jax.numpy.mod(y + r + 1, 17), y
+
+        return jax.lax.fori_loop(0, steps, step, (x, jax.numpy.zeros(x.shape, np.float32)))[1]
+
+    out = w.smap(body, P("tp"), P())(w.put(g))
+    c = g.copy()
+    for _ in range(steps):
+        y = reference_sum(c, np.float32)
+        c = np.mod(y[None] + np.arange(w.world, dtype=np.float32)[:, None] + 1, 17).astype(np.float32)
+    for got in w.shards(out):
+        w.check("loop2000", got, y, f"after {steps} psums")
+
+
+def case_python_loop(w: _Worker, calls=300):
+    """Back-to-back jitted calls, two programs alternating over eight inputs,
+    nothing waited for until the end."""
+    jax_arx, P = w.jax_arx, w.P
+    rng = np.random.default_rng(6)
+    gs = [rng.normal(size=(w.world, 515)).astype(np.float32) for _ in range(8)]
+    xs = [w.put(g) for g in gs]
+    fs = [w.smap(lambda x: jax_arx.psum(x, "tp"), P("tp"), P()),
+          w.smap(lambda x: jax_arx.psum(x * 2, "tp"), P("tp"), P())]
+    outs = [fs[i % 2](xs[i % 8]) for i in range(calls)]
+    refs = [[reference_sum(g * np.float32(k), np.float32) for g in gs] for k in (1, 2)]
+    for i, out in enumerate(outs):
+        for got in w.shards(out):
+            w.check("python_loop", got, refs[i % 2][i % 8][None], f"call {i}")
+
+
+def case_scan(w: _Worker):
+    """psums in a jax.lax.scan body: a carried sum and a stacked output."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    steps, n = 16, 257
+    g = np.random.default_rng(7).normal(size=(w.world, steps, n)).astype(np.float32)
+
+    def body(x):
+        def step(c, xt):
+            s = jax_arx.psum(xt + c, "tp")
+            return s, jax_arx.psum(xt, "tp")
+        return jax.lax.scan(step, jax.numpy.zeros((n,), np.float32), x[0])
+
+    carry, ys = w.smap(body, P("tp"), (P(), P()))(w.put(g))
+    c = np.zeros(n, np.float32)
+    want_ys = []
+    for t in range(steps):
+        want_ys.append(reference_sum(g[:, t], np.float32))
+        c = reference_sum(g[:, t] + c, np.float32)
+    for got in w.shards(carry):
+        w.check("scan", got, c, "carry")
+    for got in w.shards(ys):
+        w.check("scan", got, np.stack(want_ys), "stacked outputs")
+
+
+def case_independent6(w: _Worker, iters=50):
+    """Six psums of distinct inputs that do not depend on each other, with
+    buffers over 512 bytes and more than 8 thunks, so that XLA runs them
+    concurrently: the inputs wait on busywork of six different lengths.
+    Without jax_arx's ordering, ranks issued these in different orders
+    within 50 iterations (with 2 and with 3 processes)."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    k, n = 6, 2048
+    gs = [np.random.default_rng(10 + i).normal(size=(w.world, n)).astype(np.float32) for i in range(k)]
+
+    def body(*xs):
+        outs = []
+        for i, x in enumerate(xs):
+            h = x
+            for _ in range(2 * (k - 1 - i)):
+                h = jnp.sin(h) * 1.01 + jnp.cos(h[..., ::-1])
+            outs.append(jax_arx.psum(x + 0 * h, "tp"))  # x, exactly, once the busywork is done
+        return tuple(outs)
+
+    f = w.smap(body, (P("tp"),) * k, (P(),) * k)
+    xs = [w.put(g) for g in gs]
+    refs = [reference_sum(g, np.float32)[None] for g in gs]
+    for it in range(iters):
+        for i, out in enumerate(f(*xs)):
+            for got in w.shards(out):
+                w.check("independent6", got, refs[i], f"iteration {it} psum {i}")
+
+
+def case_grad(w: _Worker):
+    """jax.grad through jax_arx.psum equals jax.grad through jax.lax.psum."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    x = jnp.linspace(-1, 1, 2 * w.world, dtype=np.float32)
+    wt = jnp.full((2,), 0.5, np.float32)
+    for check_vma in (True, False):
+        def make(psum):
+            def body(x, wt):
+                y = psum(jnp.sin(x) * wt, "tp")
+                return (y * y).sum(keepdims=True) + psum(x, "tp").sum(keepdims=True)
+            f = w.smap(body, (P("tp"), P()), P("tp"), check_vma=check_vma)
+            return jax.jit(jax.grad(lambda x, wt: f(x, wt).sum(), argnums=(0, 1)))
+
+        got, want = make(jax_arx.psum)(x, wt), make(jax.lax.psum)(x, wt)
+        for a, b, what in ((got[0], want[0], "d/dx"), (got[1], want[1], "d/dw")):
+            for ga, gb in zip(w.shards(a), w.shards(b)):
+                entry = w.cases.setdefault("grad", {"checked": 0, "bad": []})
+                entry["checked"] += 1
+                if not np.allclose(ga, gb, rtol=1e-5, atol=1e-6):
+                    entry["bad"].append(f"check_vma={check_vma} {what}: {ga} != {gb}")
+
+
+_FULL_CASES = ["sizes", "pytree", "mixed", "donated", "loop2000", "python_loop", "scan", "independent6", "grad"]
+_QUICK_CASES = ["sizes", "mixed", "loop2000", "scan", "independent6"]
+
+
+def _timed(w, case, *args, **kwargs):
+    start = time.monotonic()
+    case(w, *args, **kwargs)
+    w.seconds[case.__name__[len("case_"):]] = round(time.monotonic() - start, 2)
+
+
+def _suite_full(w):
+    for case in (case_sizes, case_pytree, case_mixed, case_donated, case_loop2000, case_python_loop, case_scan,
+                 case_independent6, case_grad):
+        _timed(w, case)
+
+
+def _suite_quick(w):
+    _timed(w, case_sizes, ("float32", "bfloat16"))
+    _timed(w, case_mixed)
+    _timed(w, case_loop2000, steps=500)
+    _timed(w, case_scan)
+    _timed(w, case_independent6, iters=20)
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _suite_failures(w):
+    """Run with JAX_ARX_TIMEOUT_S=3 and two processes."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    me = jax.process_index()
+    out = {}
+
+    # Ranks that disagree on the size: an error, never a sum.
+    n = 1000 + me
+    x = jax.make_array_from_callback((w.world, n), w.sharded, lambda idx: np.ones((1, n), np.float32))
+    error, finite = "", False
+    try:
+        y = np.concatenate(w.shards(w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())(x)))
+        finite = bool(np.isfinite(y).all())
+    except Exception as e:  # the handler's error, raised by jax
+        error = _error_text(e)
+    try:
+        jax_arx.check()
+    except jax_arx.CollectiveError as e:
+        error += "\n" + _error_text(e)
+    out["mismatch"] = {"error": error, "finite_result": finite}
+
+    # Fresh endpoints, then a peer that never calls.
+    jax_arx.shutdown()
+    jax_arx.initialize(w.mesh)
+    from jax_arx import _compat
+    client = _compat.distributed_client()
+    f = w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())
+    x = w.put(np.ones((w.world, 64), np.float32))
+    if me == 0:
+        start = time.monotonic()
+        missing = {"error": ""}
+        try:
+            np.asarray(w.shards(f(x))[0])
+        except Exception as e:
+            missing["error"] = _error_text(e)
+        missing["seconds"] = time.monotonic() - start
+        try:
+            jax_arx.check()
+            missing["check"], missing["check_type"] = "", None
+        except Exception as e:
+            missing["check"], missing["check_type"] = str(e), type(e).__name__
+        out["missing_peer"] = missing
+        client.key_value_set("test_psum_cpu/rank0_done", "1")
+    else:
+        out["missing_peer"] = {"skipped": True}
+        client.blocking_key_value_get("test_psum_cpu/rank0_done", 120_000)
+    return out
+
+
+def _worker_main(argv):
+    suite = argv[argv.index("--worker") + 1]
+    w = _Worker()
+    report = {"world": w.world, "local_devices": len(w.jax.local_devices())}
+    if suite == "failures":
+        report.update(_suite_failures(w))
+    else:
+        {"full": _suite_full, "quick": _suite_quick}[suite](w)
+        report.update(cases=w.cases, digest=w.crc, seconds=w.seconds)
+    print(RESULT + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker_main(sys.argv)

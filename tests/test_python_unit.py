@@ -1,0 +1,939 @@
+"""Unit tests of jax_arx's Python layer that need no C++ module.
+
+- The primitive's typing (shape, dtype, weak type, varying manual axes) is
+  compared with jax.lax.psum's under shard_map with check_vma True and
+  False.
+- The lowering: one side-effecting FFI call per psum (a pytree is one call
+  with every leaf as an operand), each reading the result of the jax_arx
+  call before it in its block, and of nested computations holding calls,
+  so that XLA issues them in program order; distinct, stable site tags.
+- Numerics, jax.grad, jax.jvp and jax.vmap are compared with jax.lax.psum
+  with the FFI lowering swapped for jax's all-reduce lowering
+  (``_psum.lax_lowering``), on 4 CPU devices in one process.
+- initialize / shutdown / check run against a stand-in for ``jax_arx._core``
+  (``FAKE_CORE_SOURCE``) that checks what jax_arx hands it.
+- The launcher runs small programs in 2 processes, one of them through the
+  jax.distributed key-value store rendezvous with the stand-in core.
+"""
+
+import os
+
+# 4 CPU devices, set before jax starts (ignored if another test module
+# imported jax first; the tests that need 4 devices then skip).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+
+import importlib.util
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_arx
+from jax_arx import _comm, _compat, _psum, config, launch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+needs_4_devices = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices (JAX_NUM_CPU_DEVICES=4)")
+
+FAKE_CORE_SOURCE = '''
+"""A stand-in for jax_arx._core that checks what jax_arx asks of it."""
+import pickle
+import threading
+
+endpoints = []          # every Endpoint made, in order
+registered = {}         # (comm_id, device_ordinal) -> Endpoint, while connected
+failed = {}             # (comm_id, device_ordinal) -> failure message
+fail_create_rank = None  # make Endpoint(rank=this) raise
+_cv = threading.Condition()
+_connecting = {}
+OPTION_KEYS = {"slot_bytes", "send_bytes", "prefill_slot_bytes", "timeout_s", "idle_spin_ms", "idle_nap_us",
+               "stall_report_s",
+               "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index", "verbose"}
+
+def version(): return "fake"
+def has_cuda(): return False
+def registrations(): return {}
+def failures(): return [m for k, m in failed.items() if k in registered]
+
+class Endpoint:
+    def __init__(self, comm_id, device_ordinal, rank, world, transport, platform, name, secret, options):
+        assert isinstance(comm_id, int) and 0 <= comm_id < 2**63, comm_id
+        assert all(isinstance(v, int) for v in (device_ordinal, rank, world))
+        assert 0 <= rank < world
+        if transport not in ("shm", "tcp", "verbs"): raise RuntimeError(f"bad transport {transport}")
+        if platform not in ("cpu", "cuda"): raise RuntimeError(f"bad platform {platform}")
+        assert isinstance(secret, bytes) and len(secret) == 32
+        unknown = set(options) - OPTION_KEYS
+        if unknown: raise RuntimeError(f"unknown endpoint options {sorted(unknown)}")
+        assert all(isinstance(v, str) for v in options.values())
+        if rank == fail_create_rank: raise RuntimeError("no memory for the slots")
+        self.comm_id, self.device_ordinal, self.rank, self.world = comm_id, device_ordinal, rank, world
+        self.transport, self.platform, self.name, self.secret = transport, platform, name, secret
+        self.options = dict(options)
+        self.connected = self.closed = False
+        endpoints.append(self)
+
+    def details(self):
+        return pickle.dumps(dict(comm_id=self.comm_id, rank=self.rank, world=self.world, secret=self.secret,
+                                 transport=self.transport, options=self.options))
+
+    def connect(self, all_details):
+        ds = [pickle.loads(d) for d in all_details]
+        if len(ds) != self.world: raise RuntimeError(f"got {len(ds)} details for world {self.world}")
+        for r, d in enumerate(ds):
+            for k in ("comm_id", "world", "secret", "transport"):
+                if d[k] != getattr(self, k): raise RuntimeError(f"rank {r} disagrees on {k}")
+            if d["rank"] != r: raise RuntimeError(f"details[{r}] are rank {d['rank']}'s")
+            if d["options"].get("slot_bytes") != self.options.get("slot_bytes"):
+                raise RuntimeError(f"rank {r} has another slot_bytes")
+        # Like the real carriers, connect() returns only once every peer in
+        # this process has started connecting too.
+        key = (self.comm_id, self.secret)
+        local = sum(1 for e in endpoints if (e.comm_id, e.secret) == key and not e.closed)
+        with _cv:
+            _connecting[key] = _connecting.get(key, 0) + 1
+            _cv.notify_all()
+            if not _cv.wait_for(lambda: _connecting[key] >= local, timeout=10):
+                raise RuntimeError("timed out waiting for the local peers to connect")
+        k = (self.comm_id, self.device_ordinal)
+        if k in registered: raise RuntimeError(f"endpoint {k} registered twice")
+        registered[k] = self
+        self.connected = True
+
+    def close(self):
+        registered.pop((self.comm_id, self.device_ordinal), None)
+        self.closed = True
+
+    def failure(self):
+        return failed.get((self.comm_id, self.device_ordinal))
+'''
+
+
+def _auto_mesh(shape, names, devices=None):
+    kwargs = {} if devices is None else {"devices": devices}
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape), **kwargs)
+
+
+def _inner_jaxpr(closed_jaxpr):
+    """The body of the (only) shard_map in a jaxpr, jit wrappers skipped."""
+    jaxpr = closed_jaxpr.jaxpr
+    while True:
+        eqn = jaxpr.eqns[0]
+        inner = eqn.params["jaxpr"]
+        jaxpr = getattr(inner, "jaxpr", inner)
+        if eqn.primitive.name == "shard_map":
+            return jaxpr
+
+
+def _prim_names(jaxpr):
+    return [e.primitive.name for e in jaxpr.eqns]
+
+
+# --- fixtures ----------------------------------------------------------------
+
+@pytest.fixture
+def fake_core(tmp_path, monkeypatch):
+    """jax_arx with the stand-in core; shut down afterwards."""
+    path = tmp_path / "fake_core.py"
+    path.write_text(FAKE_CORE_SOURCE)
+    spec = importlib.util.spec_from_file_location("fake_core", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(_comm, "_core_module", module)
+    yield module
+    jax_arx.shutdown()
+    assert not module.registered, "shutdown() left endpoints registered"
+
+
+@pytest.fixture
+def lax_lowering():
+    """Lowers jax_arx's primitives with jax's all-reduce instead of the FFI
+    call, counting lowerings."""
+    count = {"n": 0}
+
+    def counting(ctx, *xs, **params):
+        count["n"] += 1
+        return _psum.lax_lowering(ctx, *xs, **params)
+
+    for prim in (_psum.psum_p, _psum.psum_invariant_p):
+        _compat.register_lowering(prim, counting)
+    yield count
+    for prim in (_psum.psum_p, _psum.psum_invariant_p):
+        _compat.register_lowering(prim, _psum._psum_lowering)
+
+
+@pytest.fixture(autouse=True)
+def fresh_fallback_log():
+    _psum._logged_reasons.clear()
+    yield
+
+
+@pytest.fixture
+def mesh4(fake_core):
+    mesh = _auto_mesh((4,), ("tp",))
+    jax_arx.initialize(mesh)
+    return mesh
+
+
+@pytest.fixture
+def mesh22(fake_core):
+    mesh = _auto_mesh((2, 2), ("dp", "tp"))
+    jax_arx.initialize(mesh)
+    return mesh
+
+
+# --- configuration -------------------------------------------------------------
+
+def test_config_defaults():
+    cfg = config.load({})
+    assert cfg == config.Config()
+    assert (cfg.timeout_s, cfg.idle_spin_ms, cfg.idle_nap_us) == (30.0, 200, 200)
+    assert (cfg.slot_bytes, cfg.send_bytes) == (1 << 20, 4 << 20)
+    assert (cfg.transport, cfg.fallback, cfg.on_failure, cfg.debug) == (None, "lax", "raise", False)
+
+
+def test_config_parses_every_variable():
+    cfg = config.load({
+        "JAX_ARX_TIMEOUT_S": "2.5", "JAX_ARX_IDLE_SPIN_MS": "0", "JAX_ARX_IDLE_NAP_US": "50",
+        "JAX_ARX_TRANSPORT": "TCP", "JAX_ARX_FALLBACK": "error", "JAX_ARX_ON_FAILURE": "abort",
+        "JAX_ARX_SLOT_BYTES": "64KiB", "JAX_ARX_SEND_BYTES": "2M", "JAX_ARX_TCP_ADDR": "198.51.100.7",
+        "NCCL_IB_HCA": "mlx5_0", "JAX_ARX_IB_GID_INDEX": "3", "JAX_ARX_DEBUG": "yes",
+    })
+    assert cfg.timeout_s == 2.5 and cfg.idle_spin_ms == 0 and cfg.idle_nap_us == 50
+    assert cfg.transport == "tcp" and cfg.fallback == "error" and cfg.on_failure == "abort"
+    assert cfg.slot_bytes == 65536 and cfg.send_bytes == 2 << 20
+    assert cfg.tcp_addr == "198.51.100.7" and cfg.ib_hca == "mlx5_0" and cfg.ib_gid_index == 3 and cfg.debug
+    assert config.load({"JAX_ARX_IB_HCA": "mlx5_1", "NCCL_IB_HCA": "mlx5_0"}).ib_hca == "mlx5_1"
+    assert config.load({"JAX_ARX_TRANSPORT": ""}).transport is None  # empty means unset
+
+
+def test_config_endpoint_options_are_strings_the_core_accepts():
+    cfg = config.load({"JAX_ARX_ON_FAILURE": "abort", "JAX_ARX_IB_GID_INDEX": "1", "JAX_ARX_IB_HCA": "mlx5_0"})
+    options = cfg.endpoint_options("10.0.0.1")
+    assert set(options) <= {"slot_bytes", "send_bytes", "prefill_slot_bytes", "timeout_s", "idle_spin_ms", "idle_nap_us",
+                            "stall_report_s", "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index",
+                            "verbose"}
+    assert all(isinstance(v, str) for v in options.values())
+    assert options["abort_on_failure"] == "1" and options["tcp_addr"] == "10.0.0.1"
+    assert options["slot_bytes"] == "1048576" and float(options["timeout_s"]) == 30.0
+    assert "tcp_addr" not in config.Config().endpoint_options(None)
+
+
+@pytest.mark.parametrize("name,value,accepted", [
+    ("JAX_ARX_TIMEOUT_S", "soon", "positive number"),
+    ("JAX_ARX_TIMEOUT_S", "-1", "positive number"),
+    ("JAX_ARX_IDLE_SPIN_MS", "1.5", "non-negative integer"),
+    ("JAX_ARX_IDLE_NAP_US", "-3", "non-negative integer"),
+    ("JAX_ARX_TRANSPORT", "rdma", "shm, tcp, verbs"),
+    ("JAX_ARX_FALLBACK", "warn", "lax, error"),
+    ("JAX_ARX_ON_FAILURE", "exit", "raise, abort"),
+    ("JAX_ARX_SLOT_BYTES", "1MB", "binary suffix"),
+    ("JAX_ARX_SLOT_BYTES", "100", "multiple of 16"),
+    ("JAX_ARX_SEND_BYTES", "0", "multiple of 16"),
+    ("JAX_ARX_TCP_ADDR", "myhost", "IPv4 address"),
+    ("JAX_ARX_IB_GID_INDEX", "x", "non-negative integer"),
+    ("JAX_ARX_DEBUG", "maybe", "use 1 or 0"),
+])
+def test_config_rejects_bad_values_naming_the_variable(name, value, accepted):
+    with pytest.raises(jax_arx.ConfigError, match=f"{name}='{value}' is not accepted.*{accepted}"):
+        config.load({name: value})
+
+
+# --- typing: abstract evaluation and vma -----------------------------------------
+
+def _types_side_by_side(mesh, check_vma, x, in_spec, axis="tp"):
+    """The type of jax_arx.psum's and of jax.lax.psum's result, taken inside
+    the same shard_map body."""
+    seen = {}
+
+    def body(x):
+        seen["arx"] = jax.typeof(jax_arx.psum(x, axis))
+        seen["lax"] = jax.typeof(jax.lax.psum(x, axis))
+        return x
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=in_spec, check_vma=check_vma)
+    jaxpr = jax.make_jaxpr(f)(x)
+    return seen["arx"], seen["lax"], _inner_jaxpr(jaxpr)
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(), (3,), (5, 7)])
+def test_type_matches_lax_for_varying_input(mesh4, check_vma, dtype, shape):
+    x = jnp.ones((4, *shape), dtype) if shape else jnp.ones((4,), dtype)
+    arx, lax, body = _types_side_by_side(mesh4, check_vma, x, P("tp"))
+    assert arx == lax
+    assert arx.weak_type == lax.weak_type
+    expected = "jax_arx_psum_invariant" if check_vma else "jax_arx_psum"
+    assert _prim_names(body)[0] == expected
+    if check_vma:
+        assert _compat.varying_axes(arx) == frozenset()
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_type_matches_lax_for_invariant_input(mesh4, check_vma):
+    # A value not varying over the axis: jax inserts pvary (check_vma=True),
+    # so the sum is size * x; the result types must agree either way.
+    arx, lax, body = _types_side_by_side(mesh4, check_vma, jnp.ones((3,)), P())
+    assert arx == lax and arx.weak_type == lax.weak_type
+    if check_vma:
+        assert _prim_names(body)[:2] == ["pvary", "jax_arx_psum_invariant"]
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_weak_type_matches_lax(mesh4, check_vma):
+    # A Python scalar argument is weakly typed; jax.lax.psum (0.10) keeps that
+    # under check_vma=True and drops it under check_vma=False.
+    arx, lax, _ = _types_side_by_side(mesh4, check_vma, 1.0, P())
+    assert arx == lax and arx.weak_type == lax.weak_type
+
+
+@needs_4_devices
+def test_invariant_input_without_auto_pcast_is_the_same_type_error_as_lax(mesh4):
+    def run(psum):
+        f = jax.shard_map(lambda x: psum(x, "tp"), mesh=mesh4, in_specs=P(), out_specs=P(), check_vma=True)
+        jax.make_jaxpr(f)(jnp.ones(3))
+
+    jax.config.update("jax_auto_pcast", False)
+    try:
+        with pytest.raises(ValueError, match="variant->invariant") as lax_error:
+            run(jax.lax.psum)
+        with pytest.raises(ValueError, match="variant->invariant") as arx_error:
+            run(jax_arx.psum)
+    finally:
+        jax.config.update("jax_auto_pcast", True)
+    assert str(arx_error.value) == str(lax_error.value)
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_eval_shape_matches_lax(mesh4, check_vma):
+    def make(psum):
+        return jax.jit(jax.shard_map(lambda x: psum(x, "tp"), mesh=mesh4, in_specs=P("tp"),
+                                     out_specs=P() if check_vma else P("tp"), check_vma=check_vma))
+
+    x = jax.ShapeDtypeStruct((8, 3), jnp.bfloat16)
+    assert jax.eval_shape(make(jax_arx.psum), x) == jax.eval_shape(make(jax.lax.psum), x)
+
+
+@needs_4_devices
+def test_pytree_and_axis_name_forms(mesh4):
+    seen = {}
+
+    def body(x):
+        tree = {"a": x, "b": (x * 2, x.astype(jnp.bfloat16))}
+        seen["str"] = jax_arx.psum(tree, "tp")
+        seen["tuple"] = jax_arx.psum(x, ("tp",))
+        seen["list"] = jax_arx.psum(x, ["tp"])
+        seen["empty"] = jax_arx.psum(x, ())
+        return x
+
+    body_jaxpr = _inner_jaxpr(jax.make_jaxpr(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"),
+                                                           out_specs=P("tp")))(jnp.ones(8)))
+    assert jax.tree.structure(seen["str"]) == jax.tree.structure({"a": 0, "b": (0, 0)})
+    assert seen["str"]["b"][1].dtype == jnp.bfloat16
+    # The pytree is one call with its three leaves as operands, in leaf order.
+    calls = [e for e in body_jaxpr.eqns if e.primitive.name == "jax_arx_psum_invariant"]
+    assert [len(e.invars) for e in calls] == [3, 1, 1]
+    assert [v.aval.dtype for v in calls[0].outvars] == [jnp.float32, jnp.float32, jnp.bfloat16]
+    assert seen["empty"] is not None
+
+
+# --- numerics, autodiff and batching against jax.lax.psum ---------------------------
+
+def _pair(mesh, body_of, in_specs, out_specs, check_vma):
+    """The same program with jax_arx.psum and with jax.lax.psum, jitted."""
+    return [jax.jit(jax.shard_map(body_of(psum), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                  check_vma=check_vma))
+            for psum in (jax_arx.psum, jax.lax.psum)]
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_values_match_lax(mesh4, lax_lowering, check_vma, dtype):
+    arx, lax = _pair(mesh4, lambda psum: (lambda x: psum(x, "tp")), P("tp"), P("tp"), check_vma)
+    for n in (4, 4 * 7, 4 * 33):  # odd per-device element counts
+        x = jnp.asarray(np.random.default_rng(n).normal(size=(n,)), dtype)
+        np.testing.assert_array_equal(np.asarray(arx(x), np.float32), np.asarray(lax(x), np.float32))
+    assert lax_lowering["n"] > 0
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("in_spec", [P("tp"), P()], ids=["varying", "invariant"])
+def test_grad_matches_lax(mesh4, lax_lowering, check_vma, in_spec):
+    def body_of(psum):
+        def body(x, w):
+            y = psum(jnp.sin(x) * w, "tp")
+            return (y * y).sum(keepdims=True) + psum(x, "tp").sum(keepdims=True)
+        return body
+
+    arx, lax = _pair(mesh4, body_of, (in_spec, P()), P("tp"), check_vma)
+    x = jnp.linspace(-1, 1, 8 if in_spec == P("tp") else 2)
+    w = jnp.full(x.shape[0] // 4 if in_spec == P("tp") else x.shape[0], 0.5)
+    for argnums in (0, 1, (0, 1)):
+        g_arx = jax.grad(lambda x, w: arx(x, w).sum(), argnums=argnums)(x, w)
+        g_lax = jax.grad(lambda x, w: lax(x, w).sum(), argnums=argnums)(x, w)
+        jax.tree.map(np.testing.assert_allclose, g_arx, g_lax)
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_transpose_is_pvary_or_psum_like_lax(mesh4, check_vma):
+    # check_vma=True: psum (varying -> invariant) transposes to pvary, which
+    # moves no data; check_vma=False: psum transposes to psum.
+    f = jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=mesh4, in_specs=P("tp"),
+                      out_specs=P() if check_vma else P("tp"), check_vma=check_vma)
+    x = jnp.ones(8)
+    transpose = jax.linear_transpose(f, x)
+    body = _prim_names(_inner_jaxpr(jax.make_jaxpr(transpose)(jax.eval_shape(f, x))))
+    assert body == (["pvary"] if check_vma else ["jax_arx_psum"])
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_jvp_matches_lax(mesh4, lax_lowering, check_vma):
+    arx, lax = _pair(mesh4, lambda psum: (lambda x: psum(x * x, "tp")), P("tp"), P("tp"), check_vma)
+    x, t = jnp.arange(8.0), jnp.ones(8)
+    for a, b in zip(jax.jvp(arx, (x,), (t,)), jax.jvp(lax, (x,), (t,))):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_vmap_inside_shard_map_batches_and_decides_again(fake_core, lax_lowering, monkeypatch, check_vma):
+    monkeypatch.setenv("JAX_ARX_SLOT_BYTES", "64")
+    mesh = _auto_mesh((4,), ("tp",))
+    jax_arx.initialize(mesh)
+
+    def body_of(psum):
+        return lambda x: jax.vmap(lambda row: psum(row, "tp"), in_axes=1, out_axes=1)(x)
+
+    out_spec = P(None, None) if check_vma else P(None, "tp")
+    for rows, ours in ((4, True), (8, False)):  # per device: 4x4 f32 = 64 bytes fits, 8x4 does not
+        arx, lax = _pair(mesh, body_of, P(None, "tp"), out_spec, check_vma)
+        y = jnp.arange(rows * 16.0).reshape(rows, 16)
+        body = _inner_jaxpr(jax.make_jaxpr(arx)(y))
+        assert any(n.startswith("jax_arx_psum") for n in _prim_names(body)) == ours
+        np.testing.assert_array_equal(arx(y), lax(y))
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_vmap_of_the_jitted_shard_map_matches_lax(mesh4, lax_lowering, check_vma):
+    arx, lax = _pair(mesh4, lambda psum: (lambda x: psum(x, "tp")), P("tp"), P() if check_vma else P("tp"),
+                     check_vma)
+    z = jnp.arange(3 * 8.0).reshape(3, 8)
+    np.testing.assert_array_equal(jax.vmap(arx)(z), jax.vmap(lax)(z))
+    assert "jax_arx_psum" in str(jax.make_jaxpr(jax.vmap(arx))(z))
+
+
+def test_vmap_axis_name_defers_to_lax(caplog):
+    f = jax.vmap(lambda r: jax_arx.psum(r, "i"), axis_name="i")
+    x = jnp.arange(12.0).reshape(3, 4)
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        np.testing.assert_array_equal(f(x), jax.vmap(lambda r: jax.lax.psum(r, "i"), axis_name="i")(x))
+        assert "jax_arx" not in str(jax.make_jaxpr(f)(x))
+    assert not caplog.records
+
+
+@needs_4_devices
+def test_jit_cache_holds(mesh4, lax_lowering):
+    f = jax.jit(jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=mesh4, in_specs=P("tp"), out_specs=P()))
+    for _ in range(3):
+        f(jnp.ones(8)).block_until_ready()
+    assert lax_lowering["n"] == 1
+    f(jnp.ones(12))  # a new shape lowers again
+    assert lax_lowering["n"] == 2
+
+
+@needs_4_devices
+def test_two_axes_mesh_sums_each_group(mesh22, lax_lowering):
+    arx, lax = _pair(mesh22, lambda psum: (lambda x: psum(psum(x, "tp") * 2, "dp")), P("dp", "tp"), P(), True)
+    x = jnp.arange(16.0).reshape(4, 4)
+    np.testing.assert_array_equal(arx(x), lax(x))
+
+
+@needs_4_devices
+def test_constants_and_size_one_axes_are_left_to_lax(fake_core, caplog):
+    mesh = _auto_mesh((4, 1), ("tp", "one"))
+    jax_arx.initialize(mesh)
+    seen = {}
+
+    def body(x):
+        seen["const"] = jax_arx.psum(1.0, "tp")
+        seen["one"] = jax_arx.psum(x, "one")
+        return x
+
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        body_jaxpr = _inner_jaxpr(jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("tp"),
+                                                               out_specs=P("tp")))(jnp.ones(8)))
+    assert not caplog.records
+    assert "jax_arx" not in str(body_jaxpr)
+    assert seen["const"] == 4.0
+    assert all(a.comm_id != _comm.communicator_id(mesh, "one") for a in _comm._communicators.values())
+
+
+def test_outside_shard_map_raises_like_lax():
+    with pytest.raises(NameError, match="unbound axis name: tp"):
+        jax.jit(lambda x: jax_arx.psum(x, "tp"))(jnp.ones(3))
+
+
+# --- fallback ---------------------------------------------------------------------
+
+def _body_prims(mesh, body, x, in_spec=P("tp"), out_spec=P("tp"), check_vma=True):
+    f = jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma)
+    return _prim_names(_inner_jaxpr(jax.make_jaxpr(f)(x)))
+
+
+@needs_4_devices
+def test_uninitialized_axis_falls_back_with_one_log_line(caplog):
+    mesh = _auto_mesh((4,), ("tp",))
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        for _ in range(2):
+            prims = _body_prims(mesh, lambda x: jax_arx.psum(x, "tp"), jnp.ones(8))
+            assert prims[0] == "psum_invariant" and not any("jax_arx" in p for p in prims)
+    assert [r.name for r in caplog.records] == ["jax_arx"]
+    assert "mesh axis 'tp' has no jax_arx communicator: call jax_arx.initialize(mesh)" in caplog.records[0].message
+    assert caplog.records[0].message.endswith("using jax.lax.psum")
+
+
+@needs_4_devices
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.float64 if jax.config.jax_enable_x64 else jnp.uint8])
+def test_unsupported_dtype_falls_back(mesh4, caplog, dtype):
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        prims = _body_prims(mesh4, lambda x: jax_arx.psum(x, "tp"), jnp.ones(8, dtype))
+    assert "jax_arx_psum_invariant" not in prims
+    assert len(caplog.records) == 1 and "is not supported (float32, bfloat16 and float16 are)" in caplog.text
+
+
+@needs_4_devices
+def test_size_limit_is_the_slot(fake_core, monkeypatch, caplog):
+    monkeypatch.setenv("JAX_ARX_SLOT_BYTES", "256")
+    mesh = _auto_mesh((4,), ("tp",))
+    jax_arx.initialize(mesh)
+    psum = lambda x: jax_arx.psum(x, "tp")
+    assert "jax_arx_psum_invariant" in _body_prims(mesh, psum, jnp.ones(4 * 64))  # 256 bytes per device
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 65))
+        assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 100))
+    assert len(caplog.records) == 1
+    assert "a partial of 260 bytes (float32[65]" in caplog.text
+    assert "exceeds the one-shot limit of 256 bytes (raise JAX_ARX_SLOT_BYTES" in caplog.text
+    assert _psum.choose_algorithm(256, _comm.communicator("tp")) == _psum.ONE_SHOT
+    assert _psum.choose_algorithm(257, _comm.communicator("tp")) is None
+
+
+@needs_4_devices
+def test_several_axes_and_axis_index_groups_fall_back(mesh22, caplog):
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        prims = _body_prims(mesh22, lambda x: jax_arx.psum(x, ("dp", "tp")), jnp.ones((4, 4)),
+                            in_spec=P("dp", "tp"), out_spec=P("dp", "tp"))
+        assert prims[0] == "psum_invariant" and not any("jax_arx" in p for p in prims)
+        prims = _body_prims(mesh22, lambda x: jax_arx.psum(x, "tp", axis_index_groups=[[0, 1]]),
+                            jnp.ones((4, 4)), in_spec=P("dp", "tp"), out_spec=P("dp", "tp"), check_vma=False)
+        assert prims[0] == "psum" and not any("jax_arx" in p for p in prims)
+    assert "a sum over several axes at once ('dp', 'tp') is not supported" in caplog.text
+    assert "axis_index_groups is not supported" in caplog.text
+
+
+@needs_4_devices
+def test_fallback_error_mode_raises(mesh4, monkeypatch):
+    monkeypatch.setenv("JAX_ARX_FALLBACK", "error")
+    with pytest.raises(jax_arx.JaxArxFallbackError,
+                       match=r"dtype int32 is not supported .*JAX_ARX_FALLBACK=error forbids"):
+        _body_prims(mesh4, lambda x: jax_arx.psum(x, "tp"), jnp.ones(8, jnp.int32))
+
+
+@needs_4_devices
+def test_another_mesh_with_the_same_axis_name_falls_back(mesh4, caplog):
+    other = _auto_mesh((2, 2), ("tp", "dp"))
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        prims = _body_prims(other, lambda x: jax_arx.psum(x, "tp"), jnp.ones((4, 4)),
+                            in_spec=P("tp", "dp"), out_spec=P(None, "dp"))
+    assert prims[0] == "psum_invariant" and not any("jax_arx" in p for p in prims)
+    assert "is not the mesh jax_arx.initialize set axis 'tp' up for" in caplog.text
+
+
+@needs_4_devices
+def test_partially_manual_shard_map_falls_back(mesh22, caplog):
+    f = jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=mesh22, in_specs=P(None, "tp"), out_specs=P(),
+                      axis_names={"tp"})
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        text = str(jax.make_jaxpr(f)(jnp.ones((4, 4))))
+    assert "jax_arx_psum" not in text
+    assert "not manual over mesh axes ['dp']" in caplog.text
+
+
+# --- lowering ------------------------------------------------------------------------
+
+def _ffi_calls(text):
+    """The jax_arx custom calls of a lowered module, in order: (name of the
+    first result, operand names, the line)."""
+    calls = []
+    for line in text.splitlines():
+        m = re.search(r"(%[\w]+)(:\d+)? = stablehlo.custom_call @jax_arx_psum\(([^)]*)\)", line)
+        if m:
+            first = m.group(1) + ("#0" if m.group(2) else "")
+            calls.append((first, [o.strip() for o in m.group(3).split(",") if o.strip()], line))
+    return calls
+
+
+def _site(line):
+    return int(re.search(r"site = (\d+) : i64", line).group(1))
+
+
+@needs_4_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_lowers_to_one_side_effecting_ffi_call_per_psum(mesh4, check_vma):
+    def body(x):
+        return jax_arx.psum(x, "tp") + jax_arx.psum(x, "tp")  # two identical calls: both must stay
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"), out_specs=P() if check_vma else P("tp"),
+                              check_vma=check_vma))
+    calls = _ffi_calls(f.lower(jnp.ones(8, jnp.bfloat16)).as_text())
+    assert len(calls) == 2
+    comm_id = _comm.communicator("tp").comm_id
+    for _, _, line in calls:
+        assert "has_side_effect = true" in line
+        assert f"comm_id = {comm_id} : i64" in line and "algorithm = 1 : i64" in line
+    assert "(tensor<2xbf16>) -> tensor<2xbf16>" in calls[0][2]
+    # The second reads the first's result (a dependency operand, after its input).
+    assert calls[1][1] == ["%arg1", calls[0][0]]
+    assert "(tensor<2xbf16>, tensor<2xbf16>) -> tensor<2xbf16>" in calls[1][2]
+    assert _site(calls[0][2]) != _site(calls[1][2])
+
+
+@needs_4_devices
+def test_independent_psums_lower_to_a_chain_with_distinct_stable_sites(mesh4):
+    def body(a, b, c, d):
+        return tuple(jax_arx.psum(v * 2, "tp") for v in (a, b, c, d))
+
+    def lower():
+        f = jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=(P("tp"),) * 4, out_specs=(P(),) * 4))
+        return _ffi_calls(f.lower(*[jnp.ones(8)] * 4).as_text())
+
+    calls = lower()
+    assert len(calls) == 4
+    assert [len(ops) for _, ops, _ in calls] == [1, 2, 2, 2]
+    for prev, (_, ops, _) in zip(calls, calls[1:]):
+        assert ops[-1] == prev[0]  # each call reads the previous call's first result
+    sites = [_site(line) for _, _, line in calls]
+    assert len(set(sites)) == 4 and all(0 < s < 2**48 for s in sites)
+    assert [_site(line) for _, _, line in lower()] == sites  # the same program, the same tags
+
+
+@needs_4_devices
+def test_pytree_psum_lowers_to_one_call(mesh4):
+    f = jax.jit(jax.shard_map(lambda t: jax_arx.psum(t, "tp"), mesh=mesh4, in_specs=(P("tp"),), out_specs=P()))
+    tree = {"a": jnp.ones(8), "b": jnp.ones((4, 3), jnp.bfloat16), "c": jnp.ones(12, jnp.float16)}
+    calls = _ffi_calls(f.lower(tree).as_text())
+    assert len(calls) == 1 and len(calls[0][1]) == 3
+    assert "-> (tensor<2xf32>, tensor<1x3xbf16>, tensor<3xf16>)" in calls[0][2]
+
+
+@needs_4_devices
+def test_a_psum_after_nested_computations_depends_on_their_last_calls(mesh4):
+    ps = lambda v: jax_arx.psum(v, "tp")
+
+    @jax.jit
+    def inner(x):
+        return x * 5, ps(x * 3)
+
+    def body(x):
+        a = ps(x)
+        b = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, ps(c[1])), (0, x))[1]
+        c = jax.lax.fori_loop(0, 3, lambda i, v: ps(v), x)
+        d = jax.lax.cond(x[0] > 0, lambda: ps(x), lambda: x)
+        e, f = inner(x)
+        return a + b + c + d + e + f + ps(x + 1)
+
+    g = jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    text = g.lower(jnp.ones(8)).as_text()
+    calls = _ffi_calls(text)
+    loops = re.findall(r"(%\w+):2 = stablehlo.while", text)
+    case, = re.findall(r"(%\w+) = \"stablehlo.case\"", text)
+    call, = re.findall(r"(%\w+):2 = func.call @inner", text)
+    assert len(calls) == 6
+    last = max(calls, key=lambda c: len(c[1]))
+    # The first call, each loop's carried sum, the conditional's result and
+    # the nested jit's psum result (its second result; its first is x * 5).
+    assert last[1][1:] == [calls[0][0], loops[0] + "#1", loops[1] + "#1", case, call + "#1"]
+    # Each nested computation's call is the first in its block: no dependency.
+    assert sorted(len(ops) for _, ops, _ in calls) == [1, 1, 1, 1, 1, 6]
+
+
+@needs_4_devices
+def test_lowering_for_other_devices_falls_back(mesh4, caplog):
+    reordered = _auto_mesh((4,), ("tp",), devices=jax.devices()[::-1])
+    f = jax.jit(jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=reordered, in_specs=P("tp"), out_specs=P()))
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        text = f.lower(jnp.ones(8)).as_text()
+    assert "jax_arx_psum" not in text and "all_reduce" in text
+    assert "has devices (3, 2, 1, 0) where jax_arx.initialize set axis 'tp' up for devices (0, 1, 2, 3)" in caplog.text
+
+
+# --- initialize / shutdown / check -----------------------------------------------------
+
+@needs_4_devices
+def test_initialize_makes_one_endpoint_per_local_device_and_group(mesh22, fake_core):
+    eps = fake_core.endpoints
+    assert len(eps) == 8 and all(e.connected for e in eps)
+    by_axis = {}
+    for e in eps:
+        by_axis.setdefault(e.comm_id, []).append(e)
+    dp, tp = _comm.communicator("dp"), _comm.communicator("tp")
+    assert set(by_axis) == {dp.comm_id, tp.comm_id} and dp.comm_id != tp.comm_id
+    ids = np.asarray(mesh22.device_ids)  # [[0, 1], [2, 3]]
+    # tp groups are rows, dp groups are columns; rank = position along the axis.
+    got_tp = sorted((e.name, e.rank, e.device_ordinal) for e in by_axis[tp.comm_id])
+    assert got_tp == [("tp[0]", 0, ids[0, 0]), ("tp[0]", 1, ids[0, 1]), ("tp[1]", 0, ids[1, 0]),
+                      ("tp[1]", 1, ids[1, 1])]
+    got_dp = sorted((e.name, e.rank, e.device_ordinal) for e in by_axis[dp.comm_id])
+    assert got_dp == [("dp[0]", 0, ids[0, 0]), ("dp[0]", 1, ids[1, 0]), ("dp[1]", 0, ids[0, 1]),
+                      ("dp[1]", 1, ids[1, 1])]
+    assert all(e.world == 2 and e.transport == "shm" and e.platform == "cpu" for e in eps)
+    secrets = {(e.comm_id, e.name): e.secret for e in eps}
+    assert len(set(secrets.values())) == 4  # one per group
+    assert all(e.secret == secrets[(e.comm_id, e.name)] for e in eps)
+    assert all(e.options["slot_bytes"] == "1048576" for e in eps)
+
+
+@needs_4_devices
+def test_device_ordinal_is_what_xla_reports():
+    # Measured (2 processes x 2 CPU devices): XLA's CPU DeviceOrdinal is the
+    # global device id; see _compat.xla_device_ordinal.
+    assert [_compat.xla_device_ordinal(d) for d in jax.local_devices()] == [d.id for d in jax.local_devices()]
+
+
+@needs_4_devices
+def test_communicator_id_is_deterministic_and_mesh_specific():
+    a = _auto_mesh((2, 2), ("dp", "tp"))
+    b = _auto_mesh((2, 2), ("dp", "tp"))
+    c = _auto_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[::-1])
+    d = _auto_mesh((4,), ("tp",))
+    ids = [_comm.communicator_id(m, "tp") for m in (a, b, c, d)]
+    assert ids[0] == ids[1] and len(set(ids)) == 3
+    assert all(0 <= i < 2**63 for i in ids)
+
+
+@needs_4_devices
+def test_initialize_is_idempotent_and_rejects_a_new_mesh_for_a_known_axis(mesh4, fake_core):
+    jax_arx.initialize(mesh4)
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)))  # an equal mesh
+    assert len(fake_core.endpoints) == 4
+    with pytest.raises(jax_arx.InitializationError,
+                       match=r"mesh axis 'tp' is already set up for another mesh .*Call jax_arx.shutdown\(\)"):
+        jax_arx.initialize(_auto_mesh((4,), ("tp",), devices=jax.devices()[::-1]))
+    jax_arx.initialize(_auto_mesh((4,), ("sp",)))  # a new axis name adds a communicator
+    assert len(fake_core.endpoints) == 8 and _comm.communicator("sp") is not None
+
+
+@needs_4_devices
+def test_shutdown_then_initialize_again(mesh4, fake_core):
+    comm_id = _comm.communicator("tp").comm_id
+    generation = _comm._generation
+    jax_arx.shutdown()
+    assert all(e.closed for e in fake_core.endpoints) and not fake_core.registered
+    assert _comm.communicator("tp") is None
+    jax_arx.shutdown()  # idempotent
+    jax_arx.initialize(mesh4)
+    assert _comm.communicator("tp").comm_id == comm_id and _comm._generation == generation + 1
+    assert len(fake_core.registered) == 4
+
+
+@needs_4_devices
+def test_initialize_uses_the_mesh_in_context(fake_core):
+    mesh = _auto_mesh((4,), ("tp",))
+    with pytest.raises(jax_arx.InitializationError, match=r"pass it, jax_arx.initialize\(mesh\), or set it"):
+        jax_arx.initialize()
+    with jax.set_mesh(mesh):
+        jax_arx.initialize()
+    assert _comm.communicator("tp") is not None
+
+
+@needs_4_devices
+def test_transport_override_and_tcp_address(fake_core, monkeypatch):
+    monkeypatch.setenv("JAX_ARX_TRANSPORT", "tcp")
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    assert {(e.transport, e.options["tcp_addr"]) for e in fake_core.endpoints} == {("tcp", "127.0.0.1")}
+    jax_arx.shutdown()
+    monkeypatch.setenv("JAX_ARX_TCP_ADDR", "198.51.100.9")
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    assert {e.options["tcp_addr"] for e in fake_core.endpoints[4:]} == {"198.51.100.9"}
+
+
+def test_choose_transport():
+    cfg = config.Config()
+    assert _comm.choose_transport(cfg, ["a", "a", "a"]) == "shm"
+    assert _comm.choose_transport(cfg, ["a", "b"]) == "tcp"
+    assert _comm.choose_transport(config.Config(transport="tcp"), ["a", "a"]) == "tcp"
+    assert _comm.choose_transport(config.Config(transport="shm"), ["a", "b"]) == "shm"
+    assert _comm.host_identity() == _comm.host_identity()
+
+
+def test_default_tcp_addr():
+    assert _comm.default_tcp_addr(None) == "127.0.0.1"
+    assert _comm.default_tcp_addr("127.0.0.1:1234") == "127.0.0.1"
+    assert _comm.default_tcp_addr("localhost:1234") == "127.0.0.1"
+    with pytest.raises(jax_arx.InitializationError, match="set JAX_ARX_TCP_ADDR"):
+        _comm.default_tcp_addr("no-such-host.invalid:1234")
+
+
+@needs_4_devices
+def test_initialize_without_the_core_says_how_to_build_it(monkeypatch):
+    monkeypatch.setattr(_comm, "_core_module", None)
+    monkeypatch.setattr(_comm, "_core_import_error", ImportError("No module named 'jax_arx._core'"))
+    with pytest.raises(jax_arx.InitializationError, match=r"jax_arx._core could not be imported .*pip install \."):
+        jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    assert _comm.communicator("tp") is None
+    assert jax_arx.check() is None  # nothing set up, nothing failed
+
+
+@needs_4_devices
+def test_endpoint_creation_failure_closes_what_was_made(fake_core):
+    fake_core.fail_create_rank = 2
+    with pytest.raises(jax_arx.InitializationError,
+                       match=r"could not create the endpoint of axis 'tp' group 0 rank 2 .*no memory for the slots"):
+        jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    assert len(fake_core.endpoints) == 2 and all(e.closed for e in fake_core.endpoints)
+    assert _comm.communicator("tp") is None
+
+
+@needs_4_devices
+def test_check_reports_failures(mesh4, fake_core):
+    assert jax_arx.check() is None
+    ep = fake_core.endpoints[1]
+    fake_core.failed[(ep.comm_id, ep.device_ordinal)] = "communicator 'tp' rank 1 of 4: rank 3 sent nothing for 30 s"
+    with pytest.raises(jax_arx.CollectiveError, match=r"a communicator has failed:\n  communicator 'tp' rank 1"):
+        jax_arx.check()
+    assert issubclass(jax_arx.CollectiveError, RuntimeError)
+
+
+# --- launcher ------------------------------------------------------------------------
+
+def test_split_argv():
+    split = launch._split_argv
+    assert split(["-n", "2", "s.py", "-n", "3"]) == (["-n", "2"], ["s.py", "-n", "3"])
+    assert split(["-n2", "--cpu-devices=2", "s.py"]) == (["-n2", "--cpu-devices=2"], ["s.py"])
+    assert split(["-n", "2", "-m", "pkg.mod", "--x"]) == (["-n", "2"], ["-m", "pkg.mod", "--x"])
+    assert split(["-n", "2", "--", "-weird.py"]) == (["-n", "2"], ["-weird.py"])
+
+
+def test_initialize_distributed_needs_all_or_none_of_the_variables(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.initialize_distributed() is False
+    assert jax_arx.distributed_initialize is launch.initialize_distributed
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID not set while JAX_NUM_PROCESSES"):
+        launch.initialize_distributed()
+
+
+def _launch(args, tmp_path, timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_", "XLA_")) or k in ("JAX_PLATFORMS",)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path)])
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "jax_arx.launch", *args], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_launch_two_processes_psum_and_rendezvous(tmp_path):
+    (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import jax_arx
+        assert jax_arx.distributed_initialize()
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import PartitionSpec as P
+        import fake_core
+        jax_arx._comm._core_module = fake_core
+
+        mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        f = jax.jit(jax.shard_map(lambda: jax.lax.psum(jax.lax.axis_index("dp") + 1.0, "dp"),
+                                  mesh=mesh, in_specs=(), out_specs=P()))
+        print("lax psum", float(f().addressable_data(0)))
+
+        jax_arx.initialize(mesh)
+        jax_arx.initialize(mesh)
+        me = jax.process_index()
+        for e in sorted(fake_core.endpoints, key=lambda e: (e.name, e.rank)):
+            print("endpoint", e.name, e.rank, e.world, e.transport, e.device_ordinal, e.connected, e.secret.hex()[:8])
+
+        # jax_arx's primitive across processes, lowered as jax's all-reduce.
+        from jax_arx import _compat, _psum
+        for prim in (_psum.psum_p, _psum.psum_invariant_p):
+            _compat.register_lowering(prim, _psum.lax_lowering)
+        g = jax.jit(jax.shard_map(lambda: jax_arx.psum(jax.lax.axis_index("dp") + 1.0, "dp"),
+                                  mesh=mesh, in_specs=(), out_specs=P()))
+        print("arx psum", float(g().addressable_data(0)), "jax_arx_psum_invariant" in str(jax.make_jaxpr(g)()))
+        jax_arx.shutdown()
+        jax_arx.initialize(mesh)  # a new generation of keys
+        print("again", len(fake_core.registered))
+        print("args", sys.argv[1:])
+        jax_arx.shutdown()
+        """))
+    proc, _ = _launch(["-n", "2", "--cpu-devices", "2", str(script), "--flag", "x"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    for rank in (0, 1):
+        mine = [line[len(f"[rank {rank}] "):] for line in out if line.startswith(f"[rank {rank}] ")]
+        assert "lax psum 3.0" in mine and "arx psum 3.0 True" in mine
+        assert "again 4" in mine and "args ['--flag', 'x']" in mine
+        endpoints = [line.split() for line in mine if line.startswith("endpoint")]
+        # dp spans the processes (one rank each in 2 groups); tp stays in one (2 ranks of 1 group).
+        assert sorted((e[1], e[2]) for e in endpoints) == (
+            [("dp[0]", str(rank)), ("dp[1]", str(rank)), (f"tp[{rank}]", "0"), (f"tp[{rank}]", "1")])
+        assert all(e[3:5] == ["2", "shm"] and e[6] == "True" for e in endpoints)
+    # Both processes hold the same secret for each group of dp.
+    secrets = {}
+    for line in out:
+        if " endpoint dp" in line:
+            secrets.setdefault(line.split()[3], set()).add(line.split()[-1])
+    assert len(secrets) == 2 and all(len(s) == 1 for s in secrets.values())
+
+
+def test_launch_failing_rank_stops_the_others(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        rank = int(os.environ["JAX_PROCESS_ID"])
+        print("started", os.environ["JAX_NUM_PROCESSES"], os.environ["JAX_COORDINATOR_ADDRESS"].split(":")[0])
+        if rank == 1:
+            print("boom", file=sys.stderr)
+            sys.exit(3)
+        time.sleep(120)
+        """))
+    proc, elapsed = _launch(["-n", "2", "--grace-s", "0.5", str(script)], tmp_path)
+    assert proc.returncode == 3
+    assert elapsed < 30
+    assert "[rank 0] started 2 127.0.0.1" in proc.stdout and "[rank 1] started 2 127.0.0.1" in proc.stdout
+    assert "[rank 1] boom" in proc.stderr
+    assert "[launch] rank 1 exited with status 3; stopping the other ranks in 0.5 s" in proc.stderr
+
+
+def test_launch_module_form(tmp_path):
+    (tmp_path / "arx_launch_probe.py").write_text(
+        "import os, sys\nprint('probe', os.environ['JAX_PROCESS_ID'], os.environ['PYTHONUNBUFFERED'], sys.argv[1:])\n")
+    proc, _ = _launch(["-n", "3", "-m", "arx_launch_probe", "a", "-b"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] probe {rank} 1 ['a', '-b']" in proc.stdout
