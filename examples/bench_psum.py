@@ -14,13 +14,22 @@ Series (one two-process job each, since NCCL reads its environment once):
 
   arx-shm        jax_arx over the shm carrier: jax_arx.psum's own choice, and
                  one-shot and two-shot forced (direct FFI calls); the kernels
-                 write the peer's inbox themselves
+                 write the peer's inbox themselves, the one-shot as jax_arx
+                 chooses per size (today: chunk by chunk, a flag per chunk,
+                 in 16 KiB chunks)
+  arx-shm-whole  the same with the one-shot in one piece, one flag, the
+                 blocks meeting before the flag (JAX_ARX_CUDA_PIPELINE=0)
+  arx-shm-pipe8k the same chunk by chunk in 8 KiB chunks
+                 (JAX_ARX_CUDA_PIPELINE=1, JAX_ARX_CUDA_CHUNK_BYTES=8KiB)
   arx-shm-proxy  the same with JAX_ARX_CUDA_DIRECT=0: the kernels publish and
                  the proxy copies, as over tcp or verbs
   arx-tcp        the same over the tcp carrier
   nccl           jax.lax.psum, NCCL as it comes (NVLink between the GPUs)
   nccl-p2p-off   NCCL_P2P_DISABLE=1 (through host memory)
   nccl-socket    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo
+
+Each arx series also checks, once per size, that jax_arx.psum's result is
+bit-identical to the fp32 rank-order sum (the "exact" column of the JSON).
 
 Writes bench_psum.json and bench_psum.png (matplotlib) into --out and prints
 a table. NCCL's NVLink multicast stays as the environment has it.
@@ -42,6 +51,8 @@ THIS = os.path.abspath(__file__)
 SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 2 << 20, 4 << 20]
 CONFIGS = {
     "arx-shm": {"JAX_ARX_TRANSPORT": "shm"},
+    "arx-shm-whole": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "0"},
+    "arx-shm-pipe8k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "8KiB"},
     "arx-shm-proxy": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_DIRECT": "0"},
     "arx-tcp": {"JAX_ARX_TRANSPORT": "tcp"},
     "nccl": {},
@@ -55,7 +66,10 @@ ARX_ENV = {"JAX_ARX_SLOT_BYTES": "4MiB", "JAX_ARX_SEND_BYTES": "4MiB"}
 
 # --- the worker: one configuration, every size ------------------------------
 
-def worker(config, sizes, k, samples, reps, out_path):
+ARX_COLLECTIVES = ("jax_arx.psum", "one-shot", "two-shot")
+
+
+def worker(config, sizes, k, samples, reps, out_path, which=ARX_COLLECTIVES):
     os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["JAX_PROCESS_ID"]
     import jax
     import jax.numpy as jnp
@@ -78,9 +92,9 @@ def worker(config, sizes, k, samples, reps, out_path):
 
     collectives = {"none": lambda y: y}
     if arx:
-        collectives["jax_arx.psum"] = lambda y: jax_arx.psum(y, "x")
-        collectives["one-shot"] = lambda y: direct(y, 1)
-        collectives["two-shot"] = lambda y: direct(y, 2)
+        arx_calls = {"jax_arx.psum": lambda y: jax_arx.psum(y, "x"), "one-shot": lambda y: direct(y, 1),
+                     "two-shot": lambda y: direct(y, 2)}
+        collectives.update({name: arx_calls[name] for name in which})
     else:
         collectives["jax.lax.psum"] = lambda y: jax.lax.psum(y, "x")
 
@@ -111,6 +125,14 @@ def worker(config, sizes, k, samples, reps, out_path):
         x = jax.make_array_from_callback(flat.shape, NamedSharding(mesh, P("x")), lambda idx: flat[idx])
         base = timed(program(collectives["none"]), x)
         row = {}
+        if arx:
+            # The contract, once per size: the fp32 sum in rank order, rounded once.
+            import ml_dtypes
+            want = (flat[:n].astype(np.float32) + flat[n:].astype(np.float32)).astype(ml_dtypes.bfloat16)
+            once = jax.jit(jax.shard_map(lambda y: jax_arx.psum(y, "x"), mesh=mesh, in_specs=P("x"),
+                                         out_specs=P("x"), check_vma=False))(x)
+            row["exact"] = all(np.array_equal(np.asarray(s.data).view(np.uint16), want.view(np.uint16))
+                               for s in once.addressable_shards)
         for name, coll in collectives.items():
             if name == "none":
                 continue
@@ -123,7 +145,8 @@ def worker(config, sizes, k, samples, reps, out_path):
         row["baseline_program_us"] = base * 1e6
         results[str(nbytes)] = row
         if jax.process_index() == 0:
-            print(f"{config} {nbytes:>8} B: " + ", ".join(f"{a} {b:.1f} us" for a, b in row.items()), flush=True)
+            print(f"{config} {nbytes:>8} B: " + ", ".join(f"{a} {b:.1f} us" if not isinstance(b, bool) else f"{a} {b}"
+                                                          for a, b in row.items()), flush=True)
     if arx:
         jax_arx.check()
     if jax.process_index() == 0:
@@ -141,7 +164,7 @@ def run_config(config, args, out_dir):
     path = os.path.join(out_dir, f"bench_{config}.json")
     cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", THIS, "--worker", config, "--k", str(args.k),
            "--samples", str(args.samples), "--reps", str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
-           "--json", path]
+           "--collectives", args.collectives, "--json", path]
     t = time.time()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     sys.stdout.write(p.stdout[-4000:])
@@ -159,7 +182,8 @@ def table(all_results, sizes):
     for config, res in all_results.items():
         if not res:
             continue
-        names = [n for n in next(iter(res.values())) if n != "baseline_program_us"]
+        names = [n for n, v in next(iter(res.values())).items()
+                 if n != "baseline_program_us" and not isinstance(v, bool)]
         for name in names:
             series.append((config if config.startswith("nccl") else f"{config} {name}", config, name))
     head = f"{'series':<28}" + "".join(f"{_size(s):>10}" for s in sizes)
@@ -212,12 +236,15 @@ def main(argv):
     ap.add_argument("--samples", type=int, default=9)
     ap.add_argument("--reps", type=int, default=5, help="programs per sample, back to back")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--collectives", default=",".join(ARX_COLLECTIVES),
+                    help="arx series to time (of jax_arx.psum, one-shot, two-shot)")
     ap.add_argument("--worker")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     if args.worker:
-        worker(args.worker, args.sizes, args.k, args.samples, args.reps, args.json)
+        worker(args.worker, args.sizes, args.k, args.samples, args.reps, args.json,
+               tuple(c for c in args.collectives.split(",") if c))
         return
     os.makedirs(args.out, exist_ok=True)
     all_results = {}

@@ -24,7 +24,7 @@ JAX_ARX_* variables are read once per process):
   the failure record (through the test-only C hooks in
   ffi/xla/testing_cuda.cc).
 
-Run them all on a machine with 2 GPUs (about 70 s on 2 H200s)::
+Run them all on a machine with 2 GPUs (about 2 minutes on 2 H200s)::
 
     pip install --no-build-isolation . && python -m pytest -m gpu tests/test_gpu_psum.py -v
 
@@ -141,12 +141,16 @@ def test_waits_without_a_peer():
 
 
 @needs_gpus(2)
-@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "proxy"])
-def test_two_processes_command_buffers_on(direct):
-    # direct: the kernels write the peer's inbox themselves (shm carrier);
-    # proxy: they publish and the proxy copies (as over tcp or verbs).
+@pytest.mark.parametrize("direct,pipeline", [("1", "1"), ("1", "0"), ("0", "")],
+                         ids=["direct-pipelined", "direct-whole", "proxy"])
+def test_two_processes_command_buffers_on(direct, pipeline):
+    # direct: the kernels write the peer's inbox themselves (shm carrier),
+    # the one-shot chunk by chunk with a flag per chunk (pipelined) or in one
+    # piece with one flag (whole); proxy: they publish and the proxy copies
+    # (as over tcp or verbs). The other tests run jax_arx's default choice.
     results = _run(["collective", "--layout", "2proc"], nprocs=2,
-                   env={"XLA_FLAGS": CMDBUF_ON, "JAX_ARX_CUDA_DIRECT": direct}, timeout=240)
+                   env={"XLA_FLAGS": CMDBUF_ON, "JAX_ARX_CUDA_DIRECT": direct, "JAX_ARX_CUDA_PIPELINE": pipeline},
+                   timeout=240)
     assert sorted(results) == [0, 1]
     for rank, r in results.items():
         assert r["mismatches"] == [], (rank, r["mismatches"][:5])

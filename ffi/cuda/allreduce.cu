@@ -19,6 +19,10 @@
 //   4. every block sums its share (or, if the seq failed, fills it with NaN);
 //   5. the last block out stores seq_dev and Control::done.
 //
+// In direct mode the one-shot can instead go chunk by chunk, a flag per
+// chunk, with no wait between blocks (oneshot_pipe_kernel, "the pipelined
+// one-shot" below); pipeline_chunks() decides which, per size.
+//
 // seq_dev (DeviceWords::seq) is read at kernel start and advanced by the last
 // block out, so a CUDA graph that captured these kernels replays with the
 // right seq: the launch path keeps no state on the host.
@@ -503,6 +507,376 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(DeviceView v, uint8
   finish(v, seq, o);
 }
 
+// ---- the pipelined one-shot (direct mode) -----------------------------------------
+//
+// Direct mode, chunk by chunk. The partial is cut into `chunks` chunks
+// (chunk_range over the chunk count), and block b of B takes chunks b,
+// b + B, b + 2B, ...; one more block, the service block, does what belongs to
+// the seq as a whole. For each of its chunks c, block b
+//   1. copies chunk c of the partial into every peer's recv[seq & 1][rank];
+//   2. fences (one thread, after the block's barrier: release is cumulative)
+//      and stores its flag for (this rank, chunk c), flag_word(seq, desc),
+//      into every peer's flags at psum_chunk_flag_index, as a carrier would;
+//   3. waits for every peer's flag for (peer, chunk c) to reach seq, bounded
+//      as publish_and_wait's wait is (%globaltimer, Control::abort), one
+//      thread per peer polling;
+//   4. sums chunk c (or fills it with NaN if the wait gave up).
+// A block with several chunks splits its threads: half copy and flag chunk
+// after chunk (the producers), half wait and sum chunk after chunk (the
+// consumers), so that the writes to the peers (out of the GPU) overlap the
+// reads of the peers' data (into it). No block waits for another: chunk c's
+// path depends on no other chunk.
+// The service block publishes the seq (bytes, mode, desc, dtype, then
+// `published` with release) for the proxy's watchdog, and asks L2 for the
+// prefetch ranges. The last block out of all B + 1 settles the seq for the
+// grid: if any block gave up (DeviceWords::fail_*), it records the failure as
+// publish_and_wait does (details first, failed_seq last with release), fills
+// the whole output with NaN and marks the endpoint failed; else it stores the
+// seq-level flags into the peers (flag_index: read only by the watchdog and
+// the failure messages, which print what each peer last sent, so a relaxed
+// store does). Either way it advances seq_dev and Control::done.
+//
+// Buffer reuse: parity is enough, for a reason at the level of the seq, not
+// of the chunk. This rank writes chunk c of seq + 2 into a peer's
+// recv[seq & 1][rank] only in its kernel for seq + 2, which starts after its
+// kernel for seq + 1 completed. That kernel did not fail (after a failure
+// nothing more is written), so its blocks acquired the peer's chunk flags
+// for seq + 1 -- one would do: the peer stores a flag for seq + 1 only from
+// its kernel for seq + 1, which starts after its kernel for seq completed,
+// and with it every block's reads of recv[seq & 1], every chunk's. So the
+// peer is done with all of seq, not just chunk c, before this rank writes
+// any chunk of seq + 2. The argument needs an endpoint's kernels not to
+// overlap (stream order): were they to overlap (programmatic dependent
+// launch), a per-chunk version would not hold, since the peer's chunk-c flag
+// for seq + 1 says nothing about its reads of another chunk for seq.
+// A chunk flag past seq is from a peer that finished seq (its kernel for
+// seq + 1 started after its kernel for seq completed, which needed this
+// rank's chunk flags for seq): it counts as arrived, and the peer's seq + 1
+// data went to the other parity, so recv[seq & 1] still holds seq's chunk c,
+// visible here (the peer fenced it before its seq flag, and the seq + 1 flag
+// comes after that). It cannot be past seq + 1: the peer's seq + 1 needs
+// this rank's seq + 1 flags.
+//
+// Agreement: sender and receiver must cut the partial alike. The chunk count
+// is a function of the size, the world and Config::cuda_chunk_bytes only
+// (pipeline_chunks), and it goes into the descriptor (pipe_tag), so a peer
+// that cut differently, or did not pipeline, shows up as a mismatch (or a
+// timeout), never as a wrong sum.
+
+// Chunks of about this size when Config::cuda_chunk_bytes is 0. Measured on
+// 2 H200s in one run (examples/bench_psum.py, bf16, 2 processes, jax_arx.psum,
+// us at 8 KB / 64 KB / 256 KB / 512 KB / 2 MB / 4 MB):
+//   16 KiB chunks            12.8 / 15.5 / 30.0 / 45.8 / 97.3 / 167.3
+//   8 KiB chunks             11.8 / 18.3 / 38.1 / 51.2 / 96.5 / 166.9
+//   one piece (oneshot_kernel) 12.5 / 21.9 / 41.5 / 71.3 / 132.3 / 212.8
+//   NCCL (NVLink)            18.0 / 16.3 / 33.9 / 19.7 / 28.5 / 42.5
+//   NCCL, NCCL_P2P_DISABLE=1 18.8 / 19.0 / 39.5 / 49.6 / 99.9 / 170.6
+// At 8 KB, 2 MB and 4 MB both chunk sizes cut alike (one chunk; the cap of
+// 128 chunks at world 2), so those differences are noise. Fewer, fatter
+// blocks won at 64 KB - 512 KB (16 KiB: 4 / 16 / 32 blocks of one chunk;
+// 8 KiB: 8 / 32 blocks, then 32 split blocks of two chunks).
+constexpr uint64_t kPipeChunkBytes = 16 << 10;
+// Blocks besides the service block: chunks beyond this many are taken in
+// turns (split blocks, see above).
+constexpr int kPipeBlocks = 32;
+// Vectors a consumer thread has in flight from each peer before the adds.
+constexpr int kPipeUnroll = 2;
+
+// The call site's tag with the chunk count mixed in (see "Agreement").
+__host__ __device__ inline uint64_t pipe_tag(uint64_t tag, int chunks) {
+  return tag ^ (0x5851F42D4C957F2Dull * (uint64_t)(chunks + 1));
+}
+
+// dst[0, bytes) = src[0, bytes) by thread t of n threads of one block; src in
+// device memory. Four loads in flight before their stores.
+__device__ void copy_chunk(uint8_t* dst, const uint8_t* src, uint64_t bytes, int t, int n) {
+  const uint64_t nvec = aligned16(dst) && aligned16(src) ? bytes / 16 : 0;
+  const uint64_t step = (uint64_t)n;
+  uint64_t i = (uint64_t)t;
+  for (; i + 3 * step < nvec; i += 4 * step) {
+    uint4 a[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) a[u] = *reinterpret_cast<const uint4*>(src + 16 * (i + u * step));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) *reinterpret_cast<uint4*>(dst + 16 * (i + u * step)) = a[u];
+  }
+  for (; i < nvec; i += step) *reinterpret_cast<uint4*>(dst + 16 * i) = *reinterpret_cast<const uint4*>(src + 16 * i);
+  for (uint64_t j = nvec * 8 + t; j < bytes / 2; j += step)
+    *reinterpret_cast<uint16_t*>(dst + 2 * j) = *reinterpret_cast<const uint16_t*>(src + 2 * j);
+}
+
+// out[lo, hi) = NaN; lo and hi in bytes, multiples of the element size.
+template <DType D>
+__device__ void fill_nan_range(uint8_t* out, uint64_t lo, uint64_t hi, int t, int n) {
+  using E = Elem<D>;
+  for (uint64_t e = lo / E::kSize + t; e < hi / E::kSize; e += n) {
+    if (E::kSize == 4) *reinterpret_cast<uint32_t*>(out + 4 * e) = E::kNan;
+    else *reinterpret_cast<uint16_t*>(out + 2 * e) = (uint16_t)E::kNan;
+  }
+}
+
+// reduce() for bytes [lo, hi) of the partial, by thread t of n threads of
+// one block; lo is a multiple of 16 (chunk_range), hi of the element size.
+// The same sum: fp32 in rank order from 0.0f, rounded once.
+template <DType D>
+__device__ void reduce_range(const DeviceView& v, const uint8_t* slots, const uint8_t* mine, uint8_t* out, uint64_t lo,
+                             uint64_t hi, int t, int n) {
+  using E = Elem<D>;
+  const uint64_t step = (uint64_t)n;
+  const uint64_t nvec = aligned16(mine) && aligned16(out) ? (hi - lo) / 16 : 0;
+  for (uint64_t i0 = (uint64_t)t; i0 < nvec; i0 += kPipeUnroll * step) {
+    uint4 part[kPipeUnroll][kMaxWorld];
+#pragma unroll
+    for (int u = 0; u < kPipeUnroll; ++u) {
+      const uint64_t at = lo + 16 * (i0 + u * step);
+#pragma unroll
+      for (int src = 0; src < kMaxWorld; ++src)
+        if (src < v.world && i0 + u * step < nvec)
+          part[u][src] = src == v.rank ? *reinterpret_cast<const uint4*>(mine + at)
+                                       : ld_cv_v4(slots + src * v.slot_bytes + at);
+    }
+#pragma unroll
+    for (int u = 0; u < kPipeUnroll; ++u) {
+      const uint64_t i = i0 + u * step;
+      if (i >= nvec) break;
+      float acc[E::kPerVec];
+#pragma unroll
+      for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
+#pragma unroll
+      for (int src = 0; src < kMaxWorld; ++src)  // rank order: every rank gets the same bits
+        if (src < v.world)
+#pragma unroll
+          for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[u][src], k));
+      uint4 o;
+#pragma unroll
+      for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
+      *reinterpret_cast<uint4*>(out + lo + 16 * i) = o;
+    }
+  }
+  for (uint64_t e = (lo + 16 * nvec) / E::kSize + t; e < hi / E::kSize; e += step) {
+    float acc = 0.0f;
+    for (int src = 0; src < v.world; ++src)
+      acc = __fadd_rn(acc, src == v.rank ? E::load(mine + e * E::kSize)
+                                         : E::load_cv(slots + src * v.slot_bytes + e * E::kSize));
+    E::store(out + e * E::kSize, acc);
+  }
+}
+
+// Step 3 for one (peer, chunk): waits until the peer's flag for chunk c
+// reaches seq. false: this block gives up on the seq, and what it found is in
+// the grid's DeviceWords::fail_* (first mismatch or abort kind, missing
+// bits, fail_any), for the last block out to record.
+__device__ bool wait_chunk(const DeviceView& v, uint64_t seq, uint64_t desc, int src, int c, uint64_t start) {
+  DeviceWords* w = v.words;
+  const uint64_t* flag = v.flags + psum_chunk_flag_index(src, c, v.world);
+  unsigned long long missing = 0;
+  for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
+  for (uint32_t turn = 0;; ++turn) {
+    const uint64_t f = ld_acquire_sys(flag);
+    if (flag_progress(f) >= seq) {
+      // Past seq counts as arrived (see the top of this section); at exactly
+      // seq it must carry our descriptor.
+      if (flag_progress(f) == seq && flag_desc(f) != flag_desc(flag_word(seq, desc))) {
+        if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
+          w->fail_flag = f;
+          w->fail_src = (unsigned long long)src;
+        }
+        atomicExch(&w->fail_any, 1ull);
+        return false;
+      }
+      return true;
+    }
+    if ((turn & 15) == 15) {
+      // Control::abort: the host knows the endpoint failed; give up at once.
+      if (ld_acquire_sys(&v.ctl->abort) != 0) {
+        atomicOr(&w->fail_missing, missing);
+        atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
+        atomicExch(&w->fail_any, 1ull);
+        return false;
+      }
+      // Another block gave up: the seq fails anyway (a mismatch is found by
+      // one block, and the peer may never write the chunks this one waits for).
+      if (ld_acquire_gpu(&w->fail_any) != 0) return false;
+    }
+    if (globaltimer() - start > v.timeout_ns) {
+      atomicOr(&w->fail_missing, missing);
+      atomicExch(&w->fail_any, 1ull);
+      return false;
+    }
+  }
+}
+
+// The service block's part: publish the seq for the proxy (its watchdog;
+// in direct mode the proxy sends nothing) unless an earlier seq failed, and
+// spread the L2 prefetches over the block.
+__device__ void pipe_service(const DeviceView& v, uint64_t seq, DType dtype, uint64_t bytes, uint64_t desc,
+                             bool prior, const Prefetch& pf) {
+  if (threadIdx.x == 0 && !prior) {
+    Control* ctl = v.ctl;
+    const int par = (int)(seq & 1);
+    st_relaxed_sys(&ctl->bytes[par], bytes);
+    st_relaxed_sys(&ctl->mode[par], (uint64_t)Mode::kFull);
+    st_relaxed_sys(&ctl->desc[par], desc);
+    st_relaxed_sys(&ctl->dtype[par], (uint64_t)dtype);
+    st_release_sys(&ctl->published, seq);
+  }
+  const uint64_t nthr = blockDim.x, t = threadIdx.x;
+  for (int r = 0; r < pf.count; ++r) {
+    const uint64_t chunk = ((pf.bytes[r] + nthr - 1) / nthr + 15) & ~15ull, off = t * chunk;
+    if (off >= pf.bytes[r]) continue;
+    const uint64_t len = min(chunk, pf.bytes[r] - off) & ~15ull;
+    for (uint64_t o = 0; o < len; o += 1u << 20)  // the instruction takes a 32-bit size
+      prefetch_l2(static_cast<const uint8_t*>(pf.ptr[r]) + off + o, (uint32_t)min(len - o, (uint64_t)1 << 20));
+  }
+}
+
+// Every block, at the end: the last one out settles the seq (see the top of
+// this section). Every thread of the block must call it.
+template <DType D>
+__device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bool prior, uint8_t* out,
+                            uint64_t count) {
+  __shared__ int s_last, s_any;
+  DeviceWords* w = v.words;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // acq_rel: this block's work (and fail_* stores) before it, every other
+    // block's after it for the last one.
+    const unsigned long long n = tagged_arrive(&w->finished, seq);
+    s_last = n >> 16 == seq && (n & 0xffff) == gridDim.x;
+    s_any = s_last && ld_acquire_gpu(&w->fail_any) != 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  // A block gave up: the whole output is NaN, whatever the other blocks
+  // summed (they are all done: they arrived before this block).
+  if (s_any) fill_nan_range<D>(out, 0, count * Elem<D>::kSize, threadIdx.x, blockDim.x);
+  if (threadIdx.x != 0) return;
+  Control* ctl = v.ctl;
+  if (s_any) {
+    const unsigned long long found = ld_acquire_gpu(&w->fail_kind), missing = ld_acquire_gpu(&w->fail_missing);
+    const uint64_t kind = found ? found : (uint64_t)FailureKind::kTimeout;
+    const bool mismatch = kind == (uint64_t)FailureKind::kMismatch;
+    // Nothing was waited for after an earlier failure (prior), so a failure
+    // here always belongs to a seq this rank published. The first failure is
+    // the one kept.
+    if (!prior && ld_acquire_sys(&ctl->failed_seq) == 0) {
+      st_relaxed_sys(&ctl->failed_kind, kind);
+      st_relaxed_sys(&ctl->failed_missing, mismatch ? 0 : missing);
+      st_relaxed_sys(&ctl->failed_flag, mismatch ? w->fail_flag : 0);
+      st_relaxed_sys(&ctl->failed_src, mismatch ? w->fail_src : 0);
+      st_relaxed_sys(&ctl->failed_desc, desc);
+      st_release_sys(&ctl->failed_seq, seq);
+    }
+    w->failed = 1;  // sticky: nothing more is published (see "Buffer reuse")
+    // Cleared for the next grid, which starts after this one completed.
+    w->fail_any = w->fail_kind = w->fail_missing = w->fail_flag = w->fail_src = 0;
+  } else if (!prior) {
+    const uint64_t f = flag_word(seq, desc);
+    for (int step = 1; step < v.world; ++step) {
+      const int peer = (v.rank + step) % v.world;
+      for (int root = 0; root < v.roots; ++root) st_relaxed_sys(v.peer_flags[peer] + flag_index(v.rank, root), f);
+    }
+  }
+  v.words->seq = seq;
+  if (!prior) st_relaxed_sys(&ctl->done, seq);  // for the watchdog: nothing is read on its strength
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v, const uint8_t* in, uint8_t* out,
+                                                                   uint64_t count, uint64_t tag, Prefetch pf,
+                                                                   int chunks) {
+  using E = Elem<D>;
+  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
+  const int par = (int)(seq & 1);
+  const uint64_t desc = describe(Mode::kFull, D, count, pipe_tag(tag, chunks));
+  const uint64_t start = globaltimer();
+  // An earlier seq failed (recorded by an earlier kernel, so every block sees
+  // it): write nothing to the peers, wait for nothing, fill NaN.
+  const bool prior = recorded_failure(v);
+  const int blocks = (int)gridDim.x - 1;
+  if ((int)blockIdx.x == blocks) {
+    pipe_service(v, seq, D, bytes, desc, prior, pf);
+    pipe_finish<D>(v, seq, desc, prior, out, count);
+    return;
+  }
+  __shared__ unsigned s_sent;      // chunks of this block whose copy has read `in`
+  __shared__ volatile int s_failed;  // this block gave up on the seq
+  const int b = (int)blockIdx.x, t = (int)threadIdx.x;
+  const int mine = (chunks - b + blocks - 1) / blocks;  // chunks b, b + blocks, ...
+  const bool split = mine > 1;
+  const int nprod = split ? kThreads / 2 : kThreads;
+  if (t == 0) {
+    s_sent = 0;
+    s_failed = prior ? 1 : 0;
+  }
+  __syncthreads();
+  const uint64_t slot = ((uint64_t)par * v.world + v.rank) * v.slot_bytes;
+  if (t < nprod) {  // producers (every thread, when the block has one chunk)
+    for (int k = 0; k < mine; ++k) {
+      const int c = b + k * blocks;
+      uint64_t lo, hi;
+      chunk_range(bytes, chunks, c, lo, hi);
+      if (!prior) {
+        for (int step = 1; step < v.world; ++step) {  // send order: rank + 1, rank + 2, ...
+          const int peer = (v.rank + step) % v.world;
+          copy_chunk(v.peer_recv[peer] + slot + lo, in + lo, hi - lo, t, nprod);
+        }
+      }
+      if (split) bar_sync(1, nprod);
+      else __syncthreads();
+      if (t == 0) {
+        // The consumers may now overwrite chunk c of `in` (in == out).
+        st_release_cta(&s_sent, (unsigned)k + 1);
+        if (!prior) {
+          // The producers' copies (before the barrier) reach system scope
+          // before the flags that announce them: the fence is cumulative.
+          fence_sys();
+          const uint64_t f = flag_word(seq, desc);
+          for (int step = 1; step < v.world; ++step) {
+            const int peer = (v.rank + step) % v.world;
+            st_relaxed_sys(v.peer_flags[peer] + psum_chunk_flag_index(v.rank, c, v.world), f);
+          }
+        }
+      }
+    }
+  }
+  if (!split || t >= nprod) {  // consumers (every thread, likewise)
+    const int ct = split ? t - nprod : t, ncons = split ? kThreads - nprod : kThreads;
+    const uint8_t* slots = v.recv + (uint64_t)par * v.world * v.slot_bytes;
+    for (int k = 0; k < mine; ++k) {
+      const int c = b + k * blocks;
+      uint64_t lo, hi;
+      chunk_range(bytes, chunks, c, lo, hi);
+      // One thread per peer polls its flag (in this rank's pinned region).
+      if (ct < v.world && ct != v.rank && !s_failed && !wait_chunk(v, seq, desc, ct, c, start)) s_failed = 1;
+      if (ct == 0)
+        while (ld_acquire_cta(&s_sent) <= (unsigned)k) __nanosleep(32);
+      if (split) bar_sync(2, ncons);
+      else __syncthreads();
+      // The peers' chunk c happens-before this through the flags' acquire
+      // loads and the barrier. After a give-up the last block out fills the
+      // whole output with NaN anyway; this keeps the chunk from a wrong sum
+      // meanwhile.
+      if (s_failed) fill_nan_range<D>(out, lo, hi, ct, ncons);
+      else reduce_range<D>(v, slots, in, out, lo, hi, ct, ncons);
+    }
+  }
+  pipe_finish<D>(v, seq, desc, prior, out, count);
+}
+
+// The one place that decides whether a one-shot runs pipelined, and in how
+// many chunks (0: not pipelined). Every rank computes the same from the same
+// size, world and config (see "Agreement"). Config::cuda_pipeline -1 (the
+// default) chooses per size: pipelined at every size, since it measured
+// faster than the one-piece kernel at each from 8 KB to 4 MB (see
+// kPipeChunkBytes; at 8 KB the two are within noise). 0 keeps the one-piece
+// kernel, 1 pipelines at every size.
+int pipeline_chunks(const DeviceView& v, uint64_t bytes) {
+  if (!v.direct || v.pipeline == 0) return 0;
+  const uint64_t target = v.chunk_bytes ? v.chunk_bytes : kPipeChunkBytes;
+  return (int)std::clamp<uint64_t>((bytes + target - 1) / target, 1, (uint64_t)psum_chunk_max(v.world));
+}
+
 // Two 16-byte vectors a thread until the cap (see kUnroll for what was measured).
 int grid_for(const DeviceView& v, uint64_t bytes) {
   const uint64_t per_block = (uint64_t)kThreads * 16 * 2;
@@ -518,6 +892,11 @@ cudaError_t launch(const DeviceView& v, Algorithm algorithm, const void* in, voi
   auto* o = static_cast<uint8_t*>(out);
   switch (algorithm) {
     case Algorithm::kOneShot:
+      if (const int chunks = pipeline_chunks(v, bytes)) {
+        oneshot_pipe_kernel<D><<<std::min(chunks, kPipeBlocks) + 1, kThreads, 0, stream>>>(v, i, o, count, tag, pf,
+                                                                                           chunks);
+        return cudaGetLastError();
+      }
       oneshot_kernel<D><<<grid_for(v, bytes), kThreads, 0, stream>>>(v, i, o, count, tag, pf);
       return cudaGetLastError();
     case Algorithm::kTwoShot: {

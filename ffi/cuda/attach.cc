@@ -67,7 +67,10 @@ cudaError_t map_host(DeviceState& st, void* p, uint64_t bytes, uint8_t*& dev) {
 // and no proxy hop on the way. Measured on 2 H200s (examples/bench_psum.py,
 // bf16 one-shot, us): 13 / 21 / 42 / 72 / 135 / 215 at 8 KB / 64 KB /
 // 256 KB / 512 KB / 2 MB / 4 MB, against 12 / 29 / 74 / 132 / 343 / 616
-// through the proxy. JAX_ARX_CUDA_DIRECT=0 turns it off.
+// through the proxy (those direct figures are the one-shot in one piece;
+// chunk by chunk, a flag per chunk, the default now: 13 / 16 / 30 / 46 / 97 /
+// 167, see kPipeChunkBytes in allreduce.cu). JAX_ARX_CUDA_DIRECT=0 turns it
+// off.
 bool want_direct(const Endpoint& ep) {
   return ep.spec().config.cuda_direct && ep.transport()->kind() == TransportKind::kShm;
 }
@@ -118,6 +121,8 @@ Status attach(Endpoint& ep) {
   // measured slower, see kUnroll in allreduce.cu).
   v.max_blocks = std::clamp(sms / 4, 1, 32);
   v.direct = false;
+  v.pipeline = (int)ep.spec().config.cuda_pipeline;
+  v.chunk_bytes = ep.spec().config.cuda_chunk_bytes;
   bool mapped = want_direct(ep);
   for (int p = 0; p < v.world && mapped; ++p)  // every peer, or none (a carrier that is not connected)
     mapped = p == v.rank || ep.transport()->peer_base(p) != nullptr;

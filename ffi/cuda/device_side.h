@@ -21,13 +21,21 @@ namespace arx::cuda {
 // Words in device memory, one set per endpoint. Only kernels touch them.
 struct DeviceWords {
   unsigned long long seq;  // seq_dev: the last seq a kernel of this endpoint ran
-  unsigned long long go;   // block 0 -> the other blocks: seq * 2 + (1 if the seq failed)
+  unsigned long long go;   // block 0 -> the other blocks: seq * 4 + (1 if the seq failed) + (2 if published)
   // Per-seq counters shared by the blocks of one grid: seq << 16 | count.
   unsigned long long arrived;   // blocks other than 0 whose copy into send[par] is done
   unsigned long long finished;  // blocks done with the seq (the last one advances seq)
   unsigned long long failed;    // 1 once a seq failed (mirrors Control::failed_seq, in device memory)
-  unsigned long long pad[3];
+  // The pipelined one-shot (allreduce.cu): what the blocks of one grid that
+  // gave up waiting found, read and cleared by the grid's last block out.
+  unsigned long long fail_any;      // 1: some block of this grid gave up (the others stop waiting)
+  unsigned long long fail_kind;     // FailureKind::kMismatch or kAborted, the first one found; else 0
+  unsigned long long fail_missing;  // bit flag_index(src, root) per source that had not arrived
+  unsigned long long fail_flag;     // for a mismatch: the flag word that disagreed
+  unsigned long long fail_src;      // for a mismatch: the peer that sent it
+  unsigned long long pad[6];
 };
+static_assert(sizeof(DeviceWords) == 128, "DeviceWords: two lines");
 
 // What the kernels are handed, by value: device addresses of the endpoint's
 // pinned region and of its device words, and the sizes (plain data).
@@ -46,6 +54,11 @@ struct DeviceView {
   // there themselves (data, then the flag with release) and the proxy sends
   // nothing. Null for this rank, and everywhere when not direct.
   bool direct;
+  // Direct mode only: the one-shot goes chunk by chunk, each chunk with its
+  // own flag (Config::cuda_pipeline: -1 per size, 0 off, 1 on), in chunks of
+  // about chunk_bytes (Config::cuda_chunk_bytes; 0: built in).
+  int pipeline;
+  uint64_t chunk_bytes;
   uint8_t* peer_recv[kMaxWorld];
   uint64_t* peer_flags[kMaxWorld];
 };

@@ -47,6 +47,23 @@ __device__ __forceinline__ unsigned long long cas_acq_rel_gpu(unsigned long long
   return old;
 }
 
+// A word in shared memory that one thread of a block hands to the others.
+__device__ __forceinline__ void st_release_cta(unsigned* p, unsigned v) {
+  asm volatile("st.release.cta.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned ld_acquire_cta(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.cta.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads') among `threads` threads of the
+// block, a multiple of 32: the warps that reach it with the same id.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Orders this thread's earlier accesses (and, cumulatively, those it has
 // observed) before its later ones, at system scope.
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
