@@ -17,6 +17,12 @@ Run N local processes with ``python -m jax_arx.launch -n N script.py``.
 
 Public API:
   psum(x, axis_name)      all-reduce sum over one mesh axis (jax.lax.psum's contract)
+  all_gather(x, axis_name, *, axis=0, tiled=False)
+                          gather over one mesh axis (jax.lax.all_gather's contract)
+  psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False)
+                          reduce-scatter over one mesh axis (jax.lax.psum_scatter's)
+  moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None)
+                          a MoE layer's final combine fused with its reduce-scatter
   initialize(mesh=None)   set up communicators for a mesh (collective)
   shutdown()              close them (collective)
   check()                 raise CollectiveError if a communicator has failed
@@ -28,6 +34,7 @@ Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 """
 
 from jax_arx._comm import check, initialize, shutdown
+from jax_arx._prefill import all_gather, moe_combine_psum_scatter, psum_scatter
 from jax_arx._psum import psum
 from jax_arx.errors import (
     CollectiveError,
@@ -36,7 +43,7 @@ from jax_arx.errors import (
     JaxArxError,
     JaxArxFallbackError,
 )
-from jax_arx.launch import initialize_distributed as distributed_initialize
+from jax_arx._distributed import initialize_distributed as distributed_initialize
 
 __version__ = "0.1.0"
 
@@ -46,10 +53,13 @@ __all__ = [
     "InitializationError",
     "JaxArxError",
     "JaxArxFallbackError",
+    "all_gather",
     "check",
     "distributed_initialize",
     "initialize",
+    "moe_combine_psum_scatter",
     "psum",
+    "psum_scatter",
     "shutdown",
 ]
 

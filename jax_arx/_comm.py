@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -63,6 +64,7 @@ class Communicator:
     device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
     slot_bytes: int  # the one-shot limit the endpoints were built with
     send_bytes: int
+    prefill_slot_bytes: int  # the prefill ops' limit (all_gather output, psum_scatter input)
     endpoints: tuple[LocalEndpoint, ...]
 
 
@@ -161,8 +163,9 @@ def initialize(mesh=None) -> None:
     local device of each group, exchanges connection details with the other
     members through jax.distributed's key-value store, connects, and meets
     the other processes at a barrier. Transport per group: ``shm`` when all
-    its members are on this host, else ``tcp``; ``JAX_ARX_TRANSPORT``
-    overrides.
+    its members are on one host, else ``verbs`` when every member has RDMA
+    (configured or found, see ``choose_transport``), else ``tcp``;
+    ``JAX_ARX_TRANSPORT`` overrides.
 
     Args:
       mesh: the ``jax.sharding.Mesh`` the ``shard_map`` calls run over.
@@ -265,12 +268,17 @@ class _Plan:
 
 def _set_up(core, cfg, store, mesh, wanted) -> dict[Hashable, Communicator]:
     me = jax.process_index()
-    hosts = _exchange_hosts(store, {d.process_index for d in mesh.devices.flat})
+    rdma = False
+    if cfg.transport is None:
+        rdma, why = rdma_available(cfg, core)
+        _debug(cfg, "process %d: RDMA %s: %s", me, "usable" if rdma else "not used", why)
+    hosts, rdma_of = _exchange_hosts(store, {d.process_index for d in mesh.devices.flat}, rdma)
     plans: list[_Plan] = []
     for axis, comm_id in wanted.items():
         for g, members in enumerate(groups(mesh, axis)):
             if any(d.process_index == me for d in members):
-                transport = choose_transport(cfg, [hosts[d.process_index] for d in members])
+                transport = choose_transport(cfg, [hosts[d.process_index] for d in members],
+                                             [rdma_of[d.process_index] for d in members])
                 plans.append(_Plan(axis, comm_id, g, members, transport))
     _debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
            ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
@@ -336,7 +344,7 @@ def _set_up(core, cfg, store, mesh, wanted) -> dict[Hashable, Communicator]:
         comms[axis] = Communicator(
             axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
             mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
-            slot_bytes=cfg.slot_bytes, send_bytes=cfg.send_bytes,
+            slot_bytes=cfg.slot_bytes, send_bytes=cfg.send_bytes, prefill_slot_bytes=cfg.prefill_slot_bytes,
             endpoints=tuple(le for p, le in made if p.axis == axis))
     _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
     return comms
@@ -383,29 +391,117 @@ def _platform(device) -> str:
 
 # --- transport choice -------------------------------------------------------
 
-def choose_transport(cfg, member_hosts: list[str]) -> str:
-    """The carrier for one group, given the host identity of each member's
-    process. Every member computes this from the same exchanged data, so
+def choose_transport(cfg, member_hosts: list[str], member_rdma: list[bool] | None = None) -> str:
+    """The carrier for one group, given each member process's host identity
+    and whether it can use RDMA (``rdma_available``, exchanged at the
+    rendezvous). Every member computes this from the same exchanged data, so
     they agree without a further round (the C++ fingerprint check catches a
-    ``JAX_ARX_TRANSPORT`` set differently on different processes)."""
+    ``JAX_ARX_TRANSPORT`` set differently on different processes).
+
+    The rule, in order:
+
+    1. ``JAX_ARX_TRANSPORT``, when set.
+    2. ``shm`` when every member is on one host: a copy through shared
+       memory beats any NIC, so an RDMA device on a single box (a soft-RoCE
+       device on a dev machine, say) never takes over single-host runs.
+    3. ``verbs`` when every member can use RDMA: JAX_ARX_IB_HCA (or
+       NCCL_IB_HCA) is set, or a hardware RDMA device with an active port
+       was found, and this build and host can run the carrier.
+    4. ``tcp``.
+    """
     if cfg.transport is not None:
         return cfg.transport
     if len(set(member_hosts)) == 1:
         return "shm"
-    if rdma_configured(cfg):
+    if member_rdma is not None and len(member_rdma) == len(member_hosts) and all(member_rdma):
         return "verbs"
     return "tcp"
 
 
-def rdma_configured(cfg) -> bool:
-    """Hook: whether groups that span hosts should use the verbs carrier.
+def rdma_available(cfg, core=None, sysfs: str = "/sys/class/infiniband") -> tuple[bool, str]:
+    """Whether this process can take part in a group over the verbs carrier,
+    and why (for JAX_ARX_DEBUG=1 and warnings).
 
-    Returns False until the verbs carrier is built. When it is, decide here
-    from ``cfg.ib_hca`` (``JAX_ARX_IB_HCA`` / ``NCCL_IB_HCA``) and from RDMA
-    devices found on the host. The answer must be the same on every member
-    of a group: anything learned locally (devices found) has to be
-    exchanged like the host identities in ``_exchange_hosts`` first.
+    RDMA counts as configured when ``cfg.ib_hca`` (JAX_ARX_IB_HCA, else
+    NCCL_IB_HCA) is set, and as found when sysfs shows a hardware device
+    with an active port (``rdma_devices_found``). Either way the build must
+    have the verbs carrier and libibverbs must load; an HCA that is
+    configured but unusable is warned about, since the user asked for it.
     """
+    if cfg.ib_hca:
+        source, configured = f"RDMA devices configured ({cfg.ib_hca})", True
+    else:
+        found = rdma_devices_found(sysfs)
+        if not found:
+            return False, ("no RDMA device configured (JAX_ARX_IB_HCA) or found with an active port "
+                           "(soft-RoCE and siw devices count only when configured)")
+        source, configured = f"RDMA devices found ({', '.join(found)})", False
+    problem = None
+    has_verbs = getattr(core, "has_verbs", None)
+    if has_verbs is not None and not has_verbs():
+        problem = ("this jax_arx build has no verbs carrier (it was built without rdma-core's headers; install "
+                   "libibverbs-dev and reinstall jax_arx)")
+    elif not _libibverbs_loads(cfg.ibverbs_lib):
+        problem = (f"libibverbs cannot be loaded ({cfg.ibverbs_lib or 'libibverbs.so.1'}; install libibverbs1 and "
+                   "ibverbs-providers, or set JAX_ARX_IBVERBS_LIB)")
+    if problem is None:
+        return True, source
+    if configured:
+        logger.warning("jax_arx: %s, but %s; groups that span hosts use tcp", source, problem)
+    return False, f"{source}, but {problem}"
+
+
+def rdma_devices_found(sysfs: str = "/sys/class/infiniband") -> list[str]:
+    """The hardware RDMA devices of this host that have a usable port: state
+    ACTIVE and either InfiniBand, or Ethernet with a RoCE v2 GID. Software
+    devices (soft-RoCE ``rxe``, ``siw``: no ``device`` link to a bus device
+    in sysfs) are left out: they are for testing, and are used only when
+    named in JAX_ARX_IB_HCA."""
+    found = []
+    try:
+        names = sorted(os.listdir(sysfs))
+    except OSError:
+        return found
+    for name in names:
+        dev = os.path.join(sysfs, name)
+        if not os.path.exists(os.path.join(dev, "device")):
+            continue
+        try:
+            ports = sorted(os.listdir(os.path.join(dev, "ports")))
+        except OSError:
+            continue
+        if any(_port_usable(os.path.join(dev, "ports", p)) for p in ports):
+            found.append(name)
+    return found
+
+
+def _port_usable(port: str) -> bool:
+    def read(*parts):
+        try:
+            with open(os.path.join(port, *parts)) as f:
+                return f.read().strip()
+        except OSError:  # unused GID entries read as EINVAL
+            return ""
+
+    if not read("state").endswith("ACTIVE"):  # "4: ACTIVE"
+        return False
+    if read("link_layer") == "InfiniBand":
+        return True
+    try:
+        indexes = os.listdir(os.path.join(port, "gid_attrs", "types"))
+    except OSError:
+        return False
+    return any(read("gid_attrs", "types", i) == "RoCE v2" and read("gids", i).strip("0:") for i in indexes)
+
+
+def _libibverbs_loads(name: str | None) -> bool:
+    # The names the carrier tries (ffi/transport/verbs_lib.cc).
+    for candidate in [name] if name else ["libibverbs.so.1", "libibverbs.so"]:
+        try:
+            ctypes.CDLL(candidate)
+            return True
+        except OSError:
+            continue
     return False
 
 
@@ -430,12 +526,15 @@ def host_identity() -> str:
     return "|".join(parts)
 
 
-def _exchange_hosts(store, processes) -> dict[int, str]:
+def _exchange_hosts(store, processes, rdma: bool) -> tuple[dict[int, str], dict[int, bool]]:
+    """Each process's host identity and whether it can use RDMA, as every
+    process sees them: the inputs of ``choose_transport``."""
     me = jax.process_index()
-    mine = host_identity()
+    mine = f"{int(rdma)}{host_identity()}"
     store.set(f"host/{me}", mine.encode())
-    return {p: (mine if p == me else store.get(f"host/{p}", f"process {p} to publish its host").decode())
-            for p in sorted(processes)}
+    got = {p: (mine if p == me else store.get(f"host/{p}", f"process {p} to publish its host").decode())
+           for p in sorted(processes)}
+    return {p: v[1:] for p, v in got.items()}, {p: v[:1] == "1" for p, v in got.items()}
 
 
 def default_tcp_addr(coordinator: str | None) -> str:

@@ -20,6 +20,9 @@ JAX_ARX_ON_FAILURE         raise | abort (exit the process with     raise
                            the failure message)
 JAX_ARX_SLOT_BYTES         per-peer slot; the one-shot size limit   1 MiB
 JAX_ARX_SEND_BYTES         per-parity send buffer (two-shot)        4 MiB
+JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the prefill ops     32 MiB
+                           (all_gather output, psum_scatter input;
+                           0: none, they fall back to jax.lax)
 JAX_ARX_TCP_ADDR           IPv4 address the tcp carrier listens on  the one
                            and advertises                           routing to
                                                                     the
@@ -27,6 +30,24 @@ JAX_ARX_TCP_ADDR           IPv4 address the tcp carrier listens on  the one
 JAX_ARX_IB_HCA             RDMA devices for verbs (else             unset
                            NCCL_IB_HCA)
 JAX_ARX_IB_GID_INDEX       force this RoCE GID index                found
+JAX_ARX_IB_TIMEOUT         verbs QP ack timeout, 4.096 us << N,     14
+                           1..31 (else NCCL_IB_TIMEOUT)
+JAX_ARX_IB_RETRY_CNT       verbs resends before a write fails,      7
+                           0..7 (else NCCL_IB_RETRY_CNT)
+JAX_ARX_IB_TC              verbs traffic class, 0..255 (else        0
+                           NCCL_IB_TC)
+JAX_ARX_IB_SL              verbs service level, 0..15 (else         0
+                           NCCL_IB_SL)
+JAX_ARX_IB_CHUNK_BYTES     split verbs data writes into pieces of   whole
+                           at most this size (a test knob)
+JAX_ARX_IBVERBS_LIB        the libibverbs to load                   libibverbs
+                                                                    .so.1
+JAX_ARX_CUDA_DIRECT        0: GPUs on shm send through the proxy    1
+                           instead of writing peers' inboxes
+JAX_ARX_CUDA_PIPELINE      1: in direct mode, psum goes chunk by    per size
+                           chunk, a flag per chunk; 0: in one
+                           piece, one flag
+JAX_ARX_CUDA_CHUNK_BYTES   its chunk size (a tuning knob)           16 KiB
 JAX_ARX_DEBUG              1: log set-up steps                      0
 =========================  =======================================  =========
 
@@ -65,9 +86,23 @@ class Config:
     on_failure: str = "raise"
     slot_bytes: int = 1 << 20
     send_bytes: int = 4 << 20
+    # all_gather / psum_scatter / the fused MoE combine: the largest gathered
+    # output (or scattered input) per call. An endpoint pins 4x this.
+    prefill_slot_bytes: int = 32 << 20
     tcp_addr: str | None = None  # None: the address that routes to the coordinator
     ib_hca: str | None = None
     ib_gid_index: int | None = None  # None: the verbs carrier finds it
+    # The verbs queue-pair settings; None: the carrier's defaults (ffi/comm/config.h:
+    # timeout 14 = 67 ms, retry count 7, traffic class 0, service level 0, writes whole).
+    ib_timeout: int | None = None
+    ib_retry_cnt: int | None = None
+    ib_tc: int | None = None
+    ib_sl: int | None = None
+    ib_chunk_bytes: int | None = None
+    ibverbs_lib: str | None = None  # None: libibverbs.so.1, then libibverbs.so
+    cuda_direct: bool = True  # shm on GPUs: kernels write the peers' inboxes themselves
+    cuda_pipeline: bool | None = None  # direct mode: chunk by chunk; None: the kernels choose per size
+    cuda_chunk_bytes: int | None = None  # its chunk size; None: built in
     debug: bool = False
 
     def endpoint_options(self, tcp_addr: str | None) -> dict[str, str]:
@@ -77,6 +112,7 @@ class Config:
         options = {
             "slot_bytes": str(self.slot_bytes),
             "send_bytes": str(self.send_bytes),
+            "prefill_slot_bytes": str(self.prefill_slot_bytes),
             "timeout_s": repr(float(self.timeout_s)),
             "idle_spin_ms": str(self.idle_spin_ms),
             "idle_nap_us": str(self.idle_nap_us),
@@ -87,8 +123,20 @@ class Config:
             options["tcp_addr"] = tcp_addr
         if self.ib_hca:
             options["ib_hca"] = self.ib_hca
-        if self.ib_gid_index is not None:
-            options["ib_gid_index"] = str(self.ib_gid_index)
+        # The rest only when set, so the options of a set-up without RDMA stay
+        # the few every carrier reads.
+        for key in ("ib_gid_index", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ib_chunk_bytes"):
+            value = getattr(self, key)
+            if value is not None:
+                options[key] = str(value)
+        if self.ibverbs_lib:
+            options["ibverbs_lib"] = self.ibverbs_lib
+        if not self.cuda_direct:
+            options["cuda_direct"] = "0"
+        if self.cuda_pipeline is not None:
+            options["cuda_pipeline"] = "1" if self.cuda_pipeline else "0"
+        if self.cuda_chunk_bytes is not None:
+            options["cuda_chunk_bytes"] = str(self.cuda_chunk_bytes)
         return options
 
 
@@ -104,6 +152,10 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     defaults = Config()
     slot_bytes = _size(env, "JAX_ARX_SLOT_BYTES", defaults.slot_bytes)
     send_bytes = _size(env, "JAX_ARX_SEND_BYTES", defaults.send_bytes)
+    if send_bytes < slot_bytes:
+        raise ConfigError(f"JAX_ARX_SEND_BYTES ({send_bytes}) must be at least JAX_ARX_SLOT_BYTES ({slot_bytes}): a "
+                          "one-shot partial is staged in a send buffer; raise JAX_ARX_SEND_BYTES or lower "
+                          "JAX_ARX_SLOT_BYTES")
     return Config(
         timeout_s=_positive_float(env, "JAX_ARX_TIMEOUT_S", defaults.timeout_s),
         idle_spin_ms=_nonnegative_int(env, "JAX_ARX_IDLE_SPIN_MS", defaults.idle_spin_ms),
@@ -113,9 +165,19 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         on_failure=_choice(env, "JAX_ARX_ON_FAILURE", ON_FAILURE, defaults.on_failure),
         slot_bytes=slot_bytes,
         send_bytes=send_bytes,
+        prefill_slot_bytes=_size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.prefill_slot_bytes),
         tcp_addr=_ipv4(env, "JAX_ARX_TCP_ADDR"),
         ib_hca=_string(env, "JAX_ARX_IB_HCA") or _string(env, "NCCL_IB_HCA"),
         ib_gid_index=_nonnegative_int(env, "JAX_ARX_IB_GID_INDEX", None),
+        ib_timeout=_int_in(env, "JAX_ARX_IB_TIMEOUT", 1, 31, "NCCL_IB_TIMEOUT"),
+        ib_retry_cnt=_int_in(env, "JAX_ARX_IB_RETRY_CNT", 0, 7, "NCCL_IB_RETRY_CNT"),
+        ib_tc=_int_in(env, "JAX_ARX_IB_TC", 0, 255, "NCCL_IB_TC"),
+        ib_sl=_int_in(env, "JAX_ARX_IB_SL", 0, 15, "NCCL_IB_SL"),
+        ib_chunk_bytes=_size(env, "JAX_ARX_IB_CHUNK_BYTES", None, alignment=1, minimum=64),
+        ibverbs_lib=_string(env, "JAX_ARX_IBVERBS_LIB"),
+        cuda_direct=_flag(env, "JAX_ARX_CUDA_DIRECT", defaults.cuda_direct),
+        cuda_pipeline=_flag(env, "JAX_ARX_CUDA_PIPELINE", None),
+        cuda_chunk_bytes=_size(env, "JAX_ARX_CUDA_CHUNK_BYTES", None),
         debug=_flag(env, "JAX_ARX_DEBUG", defaults.debug),
     )
 
@@ -157,7 +219,20 @@ def _nonnegative_int(env, name, default):
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
 
-def _size(env, name, default):
+def _int_in(env, name, lo, hi, fallback_name=None):
+    """An integer in [lo, hi], or None when unset; ``fallback_name`` (NCCL's
+    variable for the same setting) is read when ``name`` is not set."""
+    if _raw(env, name) is None and fallback_name is not None and _raw(env, fallback_name) is not None:
+        name = fallback_name
+    value = _raw(env, name)
+    if value is None:
+        return None
+    if not re.fullmatch(r"\d+", value) or not lo <= int(value) <= hi:
+        raise ConfigError(f"{name}={value!r} is not accepted: use an integer from {lo} to {hi}")
+    return int(value)
+
+
+def _size(env, name, default, alignment=_SIZE_ALIGNMENT, minimum=1):
     value = _raw(env, name)
     if value is None:
         return default
@@ -168,11 +243,21 @@ def _size(env, name, default):
             f"{name}={value!r} is not accepted: use a byte count, optionally with a binary suffix "
             f"(K, KiB, M, MiB, G, GiB), e.g. {name}=1MiB")
     n = int(m.group(1)) * unit
-    if n <= 0 or n % _SIZE_ALIGNMENT:
+    if alignment > 1 and (n <= 0 or n % alignment):
         raise ConfigError(
             f"{name}={value!r} is not accepted: {n} bytes is not a positive multiple of "
-            f"{_SIZE_ALIGNMENT} bytes; use one, e.g. {name}=1MiB")
+            f"{alignment} bytes; use one, e.g. {name}=1MiB")
+    if n < minimum:
+        raise ConfigError(f"{name}={value!r} is not accepted: use at least {minimum} bytes, e.g. {name}=64KiB")
     return n
+
+
+def _size_or_off(env, name, default):
+    """A size as ``_size`` reads it, or 0: the feature switched off."""
+    value = _raw(env, name)
+    if value is not None and re.fullmatch(r"0+\s*[a-zA-Z]*", value):
+        return 0
+    return _size(env, name, default)
 
 
 def _choice(env, name, choices, default):

@@ -2,6 +2,8 @@
 
 - tests/cpp/test_core.cc: endpoints, proxies, carriers and the host device side
   with ranks as threads, over shm and tcp, against an independent reference.
+- tests/cpp/test_prefill.cc: the prefill-sized ops (all-gather, reduce-scatter,
+  the fused MoE combine) through the work ring, the same way.
 - The same under ThreadSanitizer (tcp only: see the note in test_core.cc), with
   no report allowed.
 - The core cross-compiled for aarch64 (the first users run it on ARM CPUs).
@@ -61,10 +63,19 @@ def test_core(core_build, carrier):
     assert f"{carrier}: ok" in out
 
 
+@pytest.mark.parametrize("carrier", ["shm", "tcp"])
+def test_prefill(core_build, carrier):
+    out = _run([str(core_build / "test_prefill"), carrier], timeout=600)
+    assert f"{carrier}: ok" in out
+
+
 def test_core_under_thread_sanitizer(tsan_build):
     env_opts = "halt_on_error=1 second_deadlock_stack=1"
     os.environ.setdefault("TSAN_OPTIONS", env_opts)
     out = _run([str(tsan_build / "test_core"), "--quick", "tcp"], timeout=900)
+    assert "ThreadSanitizer" not in out, out[-6000:]
+    assert "tcp: ok" in out
+    out = _run([str(tsan_build / "test_prefill"), "--quick", "tcp"], timeout=900)
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
 
@@ -95,4 +106,6 @@ def test_core_cross_compiles_for_aarch64():
     qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
     if qemu and Path("/usr/aarch64-linux-gnu").exists():
         out = _run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), "--quick", "shm"], timeout=900)
+        assert "shm: ok" in out
+        out = _run([qemu, "-L", "/usr/aarch64-linux-gnu", str(d / "test_prefill"), "--quick", "shm"], timeout=900)
         assert "shm: ok" in out

@@ -36,6 +36,17 @@ Status parse_f64(const std::string& key, const std::string& v, double& out) {
   return Status::Ok();
 }
 
+// An integer option with a closed range (the verbs queue-pair settings).
+Status parse_range(const std::string& key, const std::string& v, int64_t lo, int64_t hi, int64_t& out) {
+  int64_t x = 0;
+  ARX_RETURN_IF_ERROR(parse_i64(key, v, x));
+  if (x < lo || x > hi)
+    return Status::Error(strf("jax_arx: option %s=%s is outside [%lld, %lld]", key.c_str(), v.c_str(), (long long)lo,
+                              (long long)hi));
+  out = x;
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) {
@@ -43,6 +54,7 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
   for (const auto& [k, v] : kv) {
     if (k == "slot_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.slot_bytes));
     else if (k == "send_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.send_bytes));
+    else if (k == "prefill_slot_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.prefill_slot_bytes));
     else if (k == "timeout_s") ARX_RETURN_IF_ERROR(parse_f64(k, v, c.timeout_s));
     else if (k == "idle_spin_ms") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_spin_ms));
     else if (k == "idle_nap_us") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_nap_us));
@@ -51,12 +63,32 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
     else if (k == "tcp_addr") c.tcp_addr = v;
     else if (k == "ib_hca") c.ib_hca = v;
     else if (k == "ib_gid_index") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.ib_gid_index));
+    else if (k == "ib_timeout") ARX_RETURN_IF_ERROR(parse_range(k, v, 1, 31, c.ib_timeout));
+    else if (k == "ib_retry_cnt") ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 7, c.ib_retry_cnt));
+    else if (k == "ib_tc") ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 255, c.ib_tc));
+    else if (k == "ib_sl") ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 15, c.ib_sl));
+    else if (k == "ib_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.ib_chunk_bytes));
+    else if (k == "ibverbs_lib") c.ibverbs_lib = v;
+    else if (k == "cuda_direct") c.cuda_direct = v == "1" || v == "true";
+    else if (k == "cuda_pipeline") ARX_RETURN_IF_ERROR(parse_range(k, v, -1, 1, c.cuda_pipeline));
+    else if (k == "cuda_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.cuda_chunk_bytes));
     else if (k == "verbose") c.verbose = v == "1" || v == "true";
     else return Status::Error(strf("jax_arx: unknown endpoint option '%s'", k.c_str()));
   }
   if (c.slot_bytes == 0 || c.slot_bytes % 16 || c.send_bytes % 16)
     return Status::Error(strf("jax_arx: slot_bytes (%llu) and send_bytes (%llu) must be positive multiples of 16",
                               (unsigned long long)c.slot_bytes, (unsigned long long)c.send_bytes));
+  // A one-shot partial is staged in send[parity] before it goes out whole.
+  if (c.send_bytes < c.slot_bytes)
+    return Status::Error(strf("jax_arx: send_bytes (%llu) must be at least slot_bytes (%llu): a one-shot partial is "
+                              "staged in a send buffer; raise JAX_ARX_SEND_BYTES or lower JAX_ARX_SLOT_BYTES",
+                              (unsigned long long)c.send_bytes, (unsigned long long)c.slot_bytes));
+  if (c.cuda_chunk_bytes % 16)
+    return Status::Error(strf("jax_arx: cuda_chunk_bytes (%llu) must be a multiple of 16",
+                              (unsigned long long)c.cuda_chunk_bytes));
+  if (c.prefill_slot_bytes % 16)
+    return Status::Error(strf("jax_arx: prefill_slot_bytes (%llu) must be a multiple of 16",
+                              (unsigned long long)c.prefill_slot_bytes));
   out = c;
   return Status::Ok();
 }

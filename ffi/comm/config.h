@@ -14,6 +14,7 @@ namespace arx {
 struct Config {
   uint64_t slot_bytes = 1 << 20;  // per peer per parity: one-shot partial or two-shot chunk
   uint64_t send_bytes = 4 << 20;  // per parity: a two-shot partial
+  uint64_t prefill_slot_bytes = 32 << 20;  // JAX_ARX_PREFILL_SLOT_BYTES: per parity, a prefill op's gathered output / input (0: none)
   double timeout_s = 30;          // JAX_ARX_TIMEOUT_S: bound of every wait on peers
   int64_t idle_spin_ms = 200;     // JAX_ARX_IDLE_SPIN_MS: proxy spins this long after work
   int64_t idle_nap_us = 200;      // JAX_ARX_IDLE_NAP_US: then naps this long per turn (0: spin)
@@ -22,6 +23,20 @@ struct Config {
   std::string tcp_addr;           // address the tcp carrier listens on and advertises
   std::string ib_hca;             // verbs: device names (JAX_ARX_IB_HCA)
   int64_t ib_gid_index = -1;      // verbs: forced GID index, -1 = find it
+  // verbs: queue-pair settings (NCCL_IB_* style). A write not acknowledged
+  // within 4.096 us << ib_timeout is resent, ib_retry_cnt times, then fails.
+  int64_t ib_timeout = 14;        // JAX_ARX_IB_TIMEOUT, 1..31 (14: 67 ms)
+  int64_t ib_retry_cnt = 7;       // JAX_ARX_IB_RETRY_CNT, 0..7 (soft-RoCE: 6, see verbs.cc)
+  int64_t ib_tc = 0;              // JAX_ARX_IB_TC: traffic class of RoCE packets, 0..255
+  int64_t ib_sl = 0;              // JAX_ARX_IB_SL: service level, 0..15
+  uint64_t ib_chunk_bytes = 0;    // JAX_ARX_IB_CHUNK_BYTES: split data writes (a test knob); 0 = whole
+  std::string ibverbs_lib;        // JAX_ARX_IBVERBS_LIB: the libibverbs to load; empty = the usual names
+  bool cuda_direct = true;         // JAX_ARX_CUDA_DIRECT: GPU writes peers' inboxes itself on shm
+  // JAX_ARX_CUDA_PIPELINE: in direct mode, the one-shot psum goes chunk by
+  // chunk, a flag per chunk (ffi/cuda/allreduce.cu). -1: the kernels choose
+  // per size (pipeline_chunks; today: on at every size); 0: off; 1: on.
+  int64_t cuda_pipeline = -1;
+  uint64_t cuda_chunk_bytes = 0;   // JAX_ARX_CUDA_CHUNK_BYTES: its chunk size (a tuning knob); 0 = built-in
   bool verbose = false;           // JAX_ARX_DEBUG: log set-up steps
 
   // Parses {"slot_bytes": "1048576", ...}; unknown keys are an error, so a

@@ -45,6 +45,8 @@ struct Fingerprint {
   uint64_t slot_bytes, send_bytes;
   uint64_t timeout_ms;
   uint64_t prefill_slot_bytes;
+  uint64_t cuda_chunk_bytes;  // how the CUDA direct path cuts a partial (part of its descriptor)
+  int64_t cuda_pipeline;
   uint32_t transport, platform;
   uint32_t layout_bytes;  // the control blocks' sizes, so builds that disagree on them do not talk
   uint32_t pad;
@@ -62,6 +64,8 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.slot_bytes = s.config.slot_bytes;
   f.send_bytes = s.config.send_bytes;
   f.prefill_slot_bytes = s.config.prefill_slot_bytes;
+  f.cuda_chunk_bytes = s.config.cuda_chunk_bytes;
+  f.cuda_pipeline = s.config.cuda_pipeline;
   f.timeout_ms = (uint64_t)(s.config.timeout_s * 1000);
   f.transport = (uint32_t)s.transport;
   f.platform = (uint32_t)s.platform;
@@ -91,6 +95,11 @@ std::string fingerprint_diff(const Fingerprint& mine, const Fingerprint& theirs,
     return num("slot_bytes", mine.slot_bytes, theirs.slot_bytes, "set JAX_ARX_SLOT_BYTES the same everywhere");
   if (mine.send_bytes != theirs.send_bytes)
     return num("send_bytes", mine.send_bytes, theirs.send_bytes, "set JAX_ARX_SEND_BYTES the same everywhere");
+  if (mine.cuda_pipeline != theirs.cuda_pipeline || mine.cuda_chunk_bytes != theirs.cuda_chunk_bytes)
+    return strf("rank %d has cuda_pipeline %lld / cuda_chunk_bytes %llu, this rank %lld / %llu; set "
+                "JAX_ARX_CUDA_PIPELINE and JAX_ARX_CUDA_CHUNK_BYTES the same everywhere",
+                j, (long long)theirs.cuda_pipeline, (unsigned long long)theirs.cuda_chunk_bytes,
+                (long long)mine.cuda_pipeline, (unsigned long long)mine.cuda_chunk_bytes);
   if (mine.prefill_slot_bytes != theirs.prefill_slot_bytes)
     return num("prefill_slot_bytes", mine.prefill_slot_bytes, theirs.prefill_slot_bytes,
                "set JAX_ARX_PREFILL_SLOT_BYTES the same everywhere");
@@ -170,6 +179,12 @@ Status Endpoint::connect(const std::vector<std::string>& all) {
     carrier[j] = all[j].substr(sizeof(Fingerprint));
   }
   ARX_RETURN_IF_ERROR(transport_->connect(carrier, spec_.config.timeout_s));
+  // The CPU device side posts its psum seqs itself (host/collectives.cc);
+  // the CUDA side does so on shm (cuda/attach.cc). Its puts then run beside
+  // the proxy's (prefill pieces, poll()), which the shm and tcp carriers
+  // allow (tcp: a lock per stream); the verbs carrier keeps every put and
+  // poll on the proxy thread.
+  if (spec_.platform == Platform::kHost && spec_.transport != TransportKind::kVerbs) set_device_sends();
   proxy_ = std::make_unique<Proxy>(*this);
   proxy_->start();
   connected_ = true;

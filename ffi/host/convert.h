@@ -26,17 +26,65 @@ inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+// IEEE binary16, in integer arithmetic: C++ has no portable half type
+// (GCC 12 for aarch64 has no _Float16 in C++).
 inline float f16_to_f32(uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return (float)x;
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = h >> 10 & 0x1f, m = h & 0x3ff;
+  uint32_t u;
+  if (e == 0) {
+    const float f = (float)m * (1.0f / 16777216.0f);  // m * 2^-24, exact
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else if (e == 31) {
+    u = sign | 0x7f800000u | m << 13;  // inf, NaN
+  } else {
+    u = sign | (e - 15 + 127) << 23 | m << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
-inline uint16_t f32_to_f16(float f) {
-  const _Float16 x = (_Float16)f;  // IEEE conversion: round to nearest even
-  uint16_t h;
-  std::memcpy(&h, &x, 2);
-  return h;
+inline uint16_t f32_to_f16(float f) {  // round to nearest, ties to even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = (uint16_t)(u >> 16 & 0x8000);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7e00;   // NaN stays NaN (quiet)
+  if (u >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds to infinity
+  if (u < 0x38800000u) {                        // below 2^-14: subnormal or zero
+    float a;
+    std::memcpy(&a, &u, 4);
+    const float s = a * 16777216.0f;  // |f| * 2^24 < 1024, exact
+    uint32_t q = (uint32_t)s;
+    const float frac = s - (float)q;
+    if (frac > 0.5f || (frac == 0.5f && (q & 1))) ++q;  // may reach 0x400, the smallest normal
+    return sign | (uint16_t)q;
+  }
+  uint32_t h = ((u >> 23) - 127 + 15) << 10 | (u >> 13 & 0x3ff);
+  const uint32_t rest = u & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry moves into the exponent, as it should
+  return sign | (uint16_t)h;
+}
+
+// float8_e4m3fn (the fused MoE combine's expert outputs): 1 sign, 4 exponent
+// bits (bias 7), 3 mantissa bits; no infinities; S.1111.111 is NaN. Exact
+// in fp32, as the CUDA side's __nv_fp8_e4m3 -> float conversion.
+inline float e4m3_to_f32(uint8_t v) {
+  const uint32_t sign = (uint32_t)(v >> 7) << 31, e = (v >> 3) & 0xf, m = v & 7;
+  uint32_t u;
+  if (e == 0xf && m == 7) {
+    u = sign | 0x7fc00000u;
+  } else if (e == 0) {
+    float f = (float)m * (1.0f / 512.0f);  // m / 8 * 2^-6, exact
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else {
+    u = sign | (e - 7 + 127) << 23 | m << 20;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // The bits of a quiet NaN of each type: what a failed collective writes.

@@ -38,3 +38,6 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
 }  // namespace arx::xla
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_host);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_all_gather_host);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_scatter_host);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_host);

@@ -134,9 +134,19 @@ NB_MODULE(_core, m) {
     return false;
 #endif
   });
+  m.def("has_verbs", [] {
+#if ARX_HAVE_VERBS
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("registrations", [] {
     nb::dict platforms, cpu;
     cpu["jax_arx_psum"] = arx::capsule(arx_psum_host);
+    cpu["jax_arx_all_gather"] = arx::capsule(arx_all_gather_host);
+    cpu["jax_arx_psum_scatter"] = arx::capsule(arx_psum_scatter_host);
+    cpu["jax_arx_moe_combine_psum_scatter"] = arx::capsule(arx_moe_combine_psum_scatter_host);
     platforms["cpu"] = cpu;
 #if ARX_HAVE_CUDA
     nb::dict gpu;
@@ -169,5 +179,6 @@ NB_MODULE(_core, m) {
       .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
       .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
       .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
-      .def_prop_ro("oneshot_max_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().slot_bytes; });
+      .def_prop_ro("oneshot_max_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().slot_bytes; })
+      .def_prop_ro("prefill_slot_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().prefill_slot_bytes; });
 }

@@ -1,0 +1,607 @@
+// The prefill-sized ops end to end, ranks as threads of one process:
+// all_gather, reduce_scatter and the fused MoE combine through the work ring,
+// the proxy and a carrier, against an independent reference (conversions
+// written here, sums in rank order from the inputs, never from the library's
+// buffers). Also: prefill ops interleaved with psum on one endpoint, many
+// calls back to back (parity and ring reuse), a producer that publishes
+// pieces out of order (as GPU blocks do), timeouts, mismatches, and the
+// layout's inbox windows. Runs under ThreadSanitizer with --quick (tcp; see
+// test_core.cc for why not shm).
+//
+// usage: test_prefill [--quick] [carrier ...]   (default: shm tcp)
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/atomics.h"
+#include "comm/endpoint.h"
+#include "host/collectives.h"
+#include "host/prefill.h"
+
+using namespace arx;
+
+namespace {
+
+int g_failures = 0;
+#define EXPECT(cond, ...)                                  \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      ++g_failures;                                        \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, "\n");                               \
+    }                                                      \
+  } while (0)
+
+// ---- reference conversions, independent of host/convert.h ------------------
+
+float ref_bf16(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t ref_to_bf16(float f) {  // round half to even on the dropped 16 bits
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t lo = u & 0xffff, hi = u >> 16;
+  return (uint16_t)(hi + (lo > 0x8000 || (lo == 0x8000 && (hi & 1))));
+}
+
+float ref_f16(uint16_t h) {
+  const int e = h >> 10 & 0x1f, m = h & 0x3ff;
+  const double v = e ? std::ldexp(1024 + m, e - 25) : std::ldexp(m, -24);
+  return (float)((h >> 15) ? -v : v);
+}
+
+uint16_t ref_to_f16(float f) {  // finite inputs; round half to even with rint
+  const double a = std::fabs((double)f);
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  if (a < std::ldexp(1.0, -14)) return sign | (uint16_t)std::rint(a * std::ldexp(1.0, 24));
+  int e;
+  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  e -= 1;
+  double q = std::rint((a / std::ldexp(1.0, e) - 1) * 1024);
+  if (q == 1024) { q = 0; ++e; }
+  return sign | (uint16_t)((e + 15) << 10 | (int)q);
+}
+
+float ref_e4m3(uint8_t v) {
+  const int e = v >> 3 & 0xf, m = v & 7;
+  const double a = e ? std::ldexp(8 + m, e - 10) : std::ldexp(m, -9);
+  return (float)((v >> 7) ? -a : a);
+}
+
+float ref_load(DType t, const uint8_t* p) {
+  uint16_t h;
+  float f;
+  switch (t) {
+    case DType::kF32: std::memcpy(&f, p, 4); return f;
+    case DType::kBF16: std::memcpy(&h, p, 2); return ref_bf16(h);
+    case DType::kF16: std::memcpy(&h, p, 2); return ref_f16(h);
+  }
+  return 0;
+}
+
+void ref_store(DType t, uint8_t* p, float f) {
+  uint16_t h;
+  switch (t) {
+    case DType::kF32: std::memcpy(p, &f, 4); return;
+    case DType::kBF16: h = ref_to_bf16(f); std::memcpy(p, &h, 2); return;
+    case DType::kF16: h = ref_to_f16(f); std::memcpy(p, &h, 2); return;
+  }
+}
+
+// ---- rigs -------------------------------------------------------------------
+
+struct Rig {
+  std::vector<std::shared_ptr<Endpoint>> eps;
+  ~Rig() {
+    for (auto& ep : eps)
+      if (ep) ep->close();
+  }
+};
+
+Config test_config() {
+  Config c;
+  c.prefill_slot_bytes = 8 << 20;
+  c.slot_bytes = 64 << 10;
+  c.send_bytes = 64 << 10;
+  c.timeout_s = 20;
+  return c;
+}
+
+bool make_rig(TransportKind kind, int world, Rig& rig, Config cfg = test_config()) {
+  std::vector<std::string> details(world);
+  rig.eps.resize(world);
+  for (int r = 0; r < world; ++r) {
+    EndpointSpec s;
+    s.comm_id = 11;
+    s.rank = r;
+    s.world = world;
+    s.transport = kind;
+    s.name = "prefill";
+    s.secret = "secret-of-this-test";
+    s.config = cfg;
+    const Status st = Endpoint::create(s, rig.eps[r]);
+    if (!st.ok()) {
+      fprintf(stderr, "create: %s\n", st.message().c_str());
+      return false;
+    }
+    details[r] = rig.eps[r]->details();
+  }
+  std::vector<std::thread> ts;
+  std::vector<Status> sts(world);
+  for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { sts[r] = rig.eps[r]->connect(details); });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; ++r)
+    if (!sts[r].ok()) {
+      fprintf(stderr, "connect: %s\n", sts[r].message().c_str());
+      return false;
+    }
+  return true;
+}
+
+void on_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) ts.emplace_back(body, r);
+  for (auto& t : ts) t.join();
+}
+
+std::vector<uint8_t> random_bytes(uint64_t n, std::mt19937& rng) {
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = (uint8_t)rng();
+  return v;
+}
+
+// Random finite values of t, in [-4, 4].
+std::vector<uint8_t> random_values(DType t, uint64_t count, std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(-4.f, 4.f);
+  std::vector<uint8_t> v(count * dtype_size(t));
+  for (uint64_t i = 0; i < count; ++i) ref_store(t, v.data() + i * dtype_size(t), d(rng));
+  return v;
+}
+
+const char* name(TransportKind k) { return transport_name(k); }
+
+// ---- the ops against the reference ------------------------------------------
+
+// sizes: (rows, block bytes) of each rank's part; the gathered output is
+// [rows][world][block].
+void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<uint64_t, uint64_t>>& sizes) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  std::mt19937 rng(world * 31 + (int)kind);
+  for (int rep = 0; rep < 2; ++rep)
+    for (auto [outer, block] : sizes) {
+      const uint64_t bytes = outer * block;
+      std::vector<std::vector<uint8_t>> in(world), out(world);
+      for (int r = 0; r < world; ++r) {
+        in[r] = random_bytes(bytes, rng);
+        out[r].assign(bytes * world, 0xAB);
+      }
+      std::vector<uint8_t> ref;
+      for (uint64_t o = 0; o < outer; ++o)
+        for (int r = 0; r < world; ++r)
+          ref.insert(ref.end(), in[r].begin() + o * block, in[r].begin() + (o + 1) * block);
+      std::vector<Status> sts(world);
+      on_ranks(world, [&](int r) {
+        sts[r] = host::all_gather(*rig.eps[r], in[r].data(), out[r].data(), bytes, outer, 7, std::nullopt, 1);
+      });
+      for (int r = 0; r < world; ++r) {
+        EXPECT(sts[r].ok(), "%s all_gather world %d %llu x %llu bytes rank %d: %s", name(kind), world,
+               (unsigned long long)outer, (unsigned long long)block, r, sts[r].message().c_str());
+        EXPECT(out[r] == ref, "%s all_gather world %d %llu x %llu bytes: rank %d differs from the reference",
+               name(kind), world, (unsigned long long)outer, (unsigned long long)block, r);
+      }
+    }
+}
+
+// shapes: (rows, elements per row of each rank's chunk); the input is
+// [rows][world][elements], the result [rows][elements].
+void test_reduce_scatter(TransportKind kind, int world, DType dtype,
+                         const std::vector<std::pair<uint64_t, uint64_t>>& shapes) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  std::mt19937 rng(world * 57 + (int)dtype);
+  const int es = dtype_size(dtype);
+  for (int rep = 0; rep < 2; ++rep)
+    for (auto [outer, inner] : shapes) {
+      const uint64_t count = outer * inner;  // per-rank result elements
+      std::vector<std::vector<uint8_t>> in(world), out(world);
+      for (int r = 0; r < world; ++r) {
+        in[r] = random_values(dtype, count * world, rng);
+        out[r].assign(count * es, 0xAB);
+      }
+      std::vector<Status> sts(world);
+      on_ranks(world, [&](int r) {
+        sts[r] = host::reduce_scatter(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, outer, 2);
+      });
+      for (int r = 0; r < world; ++r) {
+        EXPECT(sts[r].ok(), "%s reduce_scatter world %d %llu x %llu rank %d: %s", name(kind), world,
+               (unsigned long long)outer, (unsigned long long)inner, r, sts[r].message().c_str());
+        std::vector<uint8_t> ref(count * es);
+        for (uint64_t o = 0; o < outer; ++o)
+          for (uint64_t i = 0; i < inner; ++i) {
+            float acc = 0.0f;
+            for (int s = 0; s < world; ++s)
+              acc += ref_load(dtype, in[s].data() + ((o * world + r) * inner + i) * es);
+            ref_store(dtype, ref.data() + (o * inner + i) * es, acc);
+          }
+        EXPECT(out[r] == ref, "%s reduce_scatter world %d dtype %d %llu x %llu: rank %d differs from the reference",
+               name(kind), world, (int)dtype, (unsigned long long)outer, (unsigned long long)inner, r);
+      }
+    }
+}
+
+struct MoeCase {
+  uint64_t rows, tokens, hidden, topk;
+  bool e4m3;
+};
+
+// Every rank's combined rows, computed here from the inputs.
+std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::vector<uint8_t>& y,
+                                  const std::vector<float>& scale, const std::vector<int32_t>& pos,
+                                  const std::vector<float>& w, const std::vector<uint16_t>& shared) {
+  std::vector<uint16_t> rows(padded * c.hidden, 0);
+  for (uint64_t t = 0; t < c.tokens; ++t)
+    for (uint64_t h = 0; h < c.hidden; ++h) {
+      float acc = ref_bf16(shared[t * c.hidden + h]);
+      for (uint64_t q = 0; q < c.topk; ++q) {
+        const int64_t p = std::clamp<int64_t>(pos[t * c.topk + q], 0, (int64_t)c.rows - 1);
+        // One rounding per term: a fused multiply-add (IEEE fma).
+        if (c.e4m3) {
+          const float f = w[t * c.topk + q] * scale[p * (c.hidden / 128) + h / 128];
+          acc = std::fmaf(f, ref_e4m3(y[p * c.hidden + h]), acc);
+        } else {
+          uint16_t b;
+          std::memcpy(&b, &y[(p * c.hidden + h) * 2], 2);
+          acc = std::fmaf(w[t * c.topk + q], ref_bf16(b), acc);
+        }
+      }
+      rows[t * c.hidden + h] = ref_to_bf16(acc);
+    }
+  return rows;
+}
+
+void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  std::mt19937 rng(world * 91);
+  for (const MoeCase& c : cases) {
+    const uint64_t padded = (c.tokens + world - 1) / world * world, per = padded / world;
+    std::vector<std::vector<uint8_t>> y(world);
+    std::vector<std::vector<float>> scale(world), w(world);
+    std::vector<std::vector<int32_t>> pos(world);
+    std::vector<std::vector<uint16_t>> shared(world), combined(world), out(world);
+    std::uniform_real_distribution<float> d(-2.f, 2.f);
+    for (int r = 0; r < world; ++r) {
+      if (c.e4m3) {
+        y[r] = random_bytes(c.rows * c.hidden, rng);
+        for (auto& b : y[r])
+          if ((b & 0x7f) == 0x7f) b = 0x3c;  // no NaN codes
+        for (uint64_t i = 0; i < c.rows * (c.hidden / 128); ++i) scale[r].push_back(std::ldexp(1.0f + d(rng) / 4, -4));
+      } else {
+        y[r] = random_values(DType::kBF16, c.rows * c.hidden, rng);
+      }
+      for (uint64_t i = 0; i < c.tokens * c.topk; ++i) {
+        // Mostly valid rows; a few out of range, which are clamped.
+        const uint32_t u = rng();
+        const int32_t outside = (u / 50) % 2 ? -1 - (int32_t)(u % 3) : (int32_t)(c.rows + u % 5);
+        pos[r].push_back(u % 50 == 0 ? outside : (int32_t)(u % c.rows));
+        w[r].push_back(d(rng) / 2);
+      }
+      for (uint64_t i = 0; i < c.tokens * c.hidden; ++i) shared[r].push_back(ref_to_bf16(d(rng)));
+      combined[r] = ref_combine(c, padded, y[r], scale[r], pos[r], w[r], shared[r]);
+      out[r].assign(per * c.hidden, 0xABAB);
+    }
+    std::vector<Status> sts(world);
+    on_ranks(world, [&](int r) {
+      host::MoeCombine a;
+      a.y = y[r].data();
+      a.y_scale = c.e4m3 ? scale[r].data() : nullptr;
+      a.pos = pos[r].data();
+      a.w = w[r].data();
+      a.shared = shared[r].data();
+      a.rows = c.rows;
+      a.tokens = c.tokens;
+      a.padded = padded;
+      a.hidden = c.hidden;
+      a.topk = c.topk;
+      sts[r] = host::moe_combine_reduce_scatter(*rig.eps[r], a, out[r].data(), 3);
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT(sts[r].ok(), "%s moe world %d tokens %llu rank %d: %s", name(kind), world, (unsigned long long)c.tokens,
+             r, sts[r].message().c_str());
+      std::vector<uint16_t> ref(per * c.hidden);
+      for (uint64_t i = 0; i < per * c.hidden; ++i) {
+        float acc = 0.0f;
+        for (int s = 0; s < world; ++s) acc += ref_bf16(combined[s][r * per * c.hidden + i]);
+        ref[i] = ref_to_bf16(acc);
+      }
+      EXPECT(out[r] == ref, "%s moe world %d tokens %llu hidden %llu topk %llu %s: rank %d differs from the reference",
+             name(kind), world, (unsigned long long)c.tokens, (unsigned long long)c.hidden,
+             (unsigned long long)c.topk, c.e4m3 ? "e4m3" : "bf16", r);
+    }
+  }
+}
+
+// ---- sequence state and reuse -----------------------------------------------
+
+// Thousands of calls back to back, all-gathers, reduce-scatters, fused
+// combines and psums interleaved on one endpoint: two separate sequences,
+// parity reuse of every buffer, and the ring wrapping many times.
+void test_back_to_back(TransportKind kind, int world, int calls) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  std::vector<int> bad(world, 0);
+  std::vector<std::string> why(world);
+  on_ranks(world, [&](int r) {
+    Endpoint& ep = *rig.eps[r];
+    const uint64_t n = 37;  // per-rank elements: pieces of uneven sizes
+    std::vector<float> in(n * world), out(n * world);
+    for (int c = 1; c <= calls && !bad[r]; ++c) {
+      auto value = [&](int rank, uint64_t i) { return (float)((c * 7 + rank * 3 + (int)i) % 1000); };
+      switch (c % 4) {
+        case 0: {  // all_gather
+          for (uint64_t i = 0; i < n; ++i) in[i] = value(r, i);
+          const Status s = host::all_gather(ep, in.data(), out.data(), n * 4, 1, 11, DType::kF32, 5);
+          if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
+          for (int j = 0; j < world; ++j)
+            for (uint64_t i = 0; i < n; ++i)
+              if (out[j * n + i] != value(j, i)) { bad[r] = c; why[r] = "all_gather value"; }
+          break;
+        }
+        case 1:
+        case 3: {  // reduce_scatter (exact: small integers)
+          for (uint64_t i = 0; i < n * world; ++i) in[i] = value(r, i);
+          const Status s = host::reduce_scatter(ep, DType::kF32, in.data(), out.data(), n, 1, 6);
+          if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
+          for (uint64_t i = 0; i < n; ++i) {
+            float want = 0;
+            for (int j = 0; j < world; ++j) want += value(j, r * n + i);
+            if (out[i] != want) { bad[r] = c; why[r] = "reduce_scatter value"; }
+          }
+          break;
+        }
+        case 2: {  // psum, in between
+          for (uint64_t i = 0; i < n; ++i) in[i] = value(r, i);
+          const Status s = host::allreduce(ep, DType::kF32, in.data(), out.data(), n, 4);
+          if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
+          for (uint64_t i = 0; i < n; ++i) {
+            float want = 0;
+            for (int j = 0; j < world; ++j) want += value(j, i);
+            if (out[i] != want) { bad[r] = c; why[r] = "psum value"; }
+          }
+          break;
+        }
+      }
+    }
+  });
+  for (int r = 0; r < world; ++r)
+    EXPECT(bad[r] == 0, "%s back-to-back world %d: rank %d wrong at call %d: %s", name(kind), world, r, bad[r],
+           why[r].c_str());
+  const PrefillControl* pc = rig.eps[0]->prefill_control();
+  EXPECT(load_acquire(&pc->done) == (uint64_t)(calls - calls / 4), "prefill seq %llu after %d prefill calls",
+         (unsigned long long)load_acquire(&pc->done), calls - calls / 4);
+  EXPECT(load_acquire(&rig.eps[0]->control()->done) == (uint64_t)(calls / 4), "psum seq after %d psums", calls / 4);
+}
+
+// A producer that publishes kRsPiece entries in any order, as the blocks
+// of a GPU kernel do: the proxy still sends the pieces of each destination
+// in order, so a flag that says "piece k" always finds pieces 0..k in place.
+void test_out_of_order_producer(TransportKind kind, int world) {
+  Rig rig;
+  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  const uint64_t per = 29, H = 24, row = H * 2, slice = per * row;  // uneven row pieces
+  const uint64_t seq = 1, desc = 0x123;
+  std::vector<int> bad(world, 0);
+  on_ranks(world, [&](int r) {
+    Endpoint& ep = *rig.eps[r];
+    const Layout& L = ep.layout();
+    uint8_t* send = ep.base() + L.prefill_send_offset((int)(seq & 1), 0, slice);
+    // Row t of destination j holds bytes (r, j, t).
+    for (int j = 0; j < world; ++j)
+      for (uint64_t t = 0; t < per; ++t)
+        std::memset(send + j * slice + t * row, (int)(1 + r * 64 + j * 8 + t % 8), row);
+    std::vector<std::pair<int, int>> order;
+    for (int j = 0; j < world; ++j)
+      for (int k = 0; k < kChunks; ++k) order.push_back({j, k});
+    std::shuffle(order.begin(), order.end(), std::mt19937(r * 5 + 1));
+    PrefillControl* pc = ep.prefill_control();
+    for (auto [j, k] : order) {
+      uint64_t lo, hi;
+      row_piece(per, k, lo, hi);
+      const uint64_t idx = load_relaxed(&pc->published);
+      WorkItem& it = pc->ring[idx % kWorkRing];
+      store_relaxed(&it.op, (uint64_t)WorkOp::kRsPiece);
+      store_relaxed(&it.seq, seq);
+      store_relaxed(&it.piece, (uint64_t)j * kChunks + k);
+      store_relaxed(&it.slice, slice);
+      store_relaxed(&it.lo, lo * row);
+      store_relaxed(&it.hi, hi * row);
+      store_relaxed(&it.desc, desc);
+      store_release(&it.tag, idx + 1);
+      store_relaxed(&pc->published, idx + 1);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    // Receive: whenever a peer's flag says piece k, pieces 0..k are in place.
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.base() + L.flags);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (int s = 0; s < world; ++s) {
+      if (s == r) continue;
+      const uint8_t* recv = ep.base() + L.prefill_recv_offset((int)(seq & 1), s, slice);
+      for (;;) {
+        uint64_t prog = ~0ull;
+        for (int root = 0; root < ep.roots(); ++root)
+          prog = std::min(prog, flag_progress(load_acquire(&flags[prefill_flag_index(s, root)])));
+        if (prog >= prefill_progress(seq, 0)) {
+          const int k = (int)((prog - 1) % 16);
+          uint64_t lo, hi;
+          row_piece(per, k, lo, hi);
+          for (uint64_t t = 0; t < hi; ++t)
+            for (uint64_t b = 0; b < row; ++b)
+              if (recv[t * row + b] != (uint8_t)(1 + s * 64 + r * 8 + t % 8)) bad[r] = 1 + s;
+          if (k == kChunks - 1) break;
+        }
+        if (std::chrono::steady_clock::now() > deadline) { bad[r] = 100 + s; break; }
+        std::this_thread::yield();
+      }
+    }
+    store_release(&pc->done, seq);
+  });
+  for (int r = 0; r < world; ++r)
+    EXPECT(bad[r] == 0, "%s out-of-order producer world %d: rank %d saw a piece before an earlier one (code %d)",
+           name(kind), world, r, bad[r]);
+}
+
+// ---- failures ---------------------------------------------------------------
+
+// A peer that never arrives: the op fails within the timeout, names it,
+// fills NaN, and later calls (prefill or psum) fail at once.
+void test_timeout(TransportKind kind) {
+  Config cfg = test_config();
+  cfg.timeout_s = 0.5;
+  Rig rig;
+  if (!make_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  std::vector<std::vector<uint16_t>> in(2, std::vector<uint16_t>(30, 0x3f80)), out(2, std::vector<uint16_t>(10, 0));
+  std::vector<Status> sts(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  on_ranks(2, [&](int r) {  // rank 2 never calls
+    sts[r] = host::reduce_scatter(*rig.eps[r], DType::kBF16, in[r].data(), out[r].data(), 10, 1, 0);
+  });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT(!sts[0].ok() && sts[0].message().find("rank 2") != std::string::npos &&
+             sts[0].message().find("psum_scatter #1") != std::string::npos,
+         "timeout names the op and the missing rank: %s", sts[0].message().c_str());
+  EXPECT(took < 5, "timeout took %.2f s", took);
+  EXPECT(out[0][0] == 0x7fc0 && out[1][9] == 0x7fc0, "output is NaN after a failed call");
+  std::vector<uint8_t> x(16, 1), y(48, 0);
+  const auto t1 = std::chrono::steady_clock::now();
+  const Status again = host::all_gather(*rig.eps[0], x.data(), y.data(), 16, 1, 1, std::nullopt, 0);
+  EXPECT(!again.ok() && again.message() == sts[0].message(), "a later call reports the same failure: %s",
+         again.message().c_str());
+  EXPECT(y[0] == 0xFF && y[47] == 0xFF, "a failed all_gather of a non-float type leaves 0xFF bytes");
+  std::vector<float> p(4, 1.0f);
+  const Status psum = host::allreduce(*rig.eps[0], DType::kF32, p.data(), p.data(), 4, 0);
+  EXPECT(!psum.ok() && std::isnan(p[0]), "a later psum fails too");
+  EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "later calls fail at once");
+}
+
+// Ranks that issue different prefill ops at the same seq get an error.
+void test_mismatch(TransportKind kind) {
+  Config cfg = test_config();
+  cfg.timeout_s = 5;
+  Rig rig;
+  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  std::vector<float> a(64, 1.0f), o0(128), o1(32);
+  Status s0, s1;
+  on_ranks(2, [&](int r) {
+    if (r == 0) s0 = host::all_gather(*rig.eps[0], a.data(), o0.data(), 256, 1, 11, DType::kF32, 0);
+    else s1 = host::reduce_scatter(*rig.eps[1], DType::kF32, a.data(), o1.data(), 32, 1, 0);
+  });
+  EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
+         s0.message().c_str());
+  EXPECT(!s1.ok() && s1.message().find("different collective") != std::string::npos, "rank 1 mismatch: %s",
+         s1.message().c_str());
+  EXPECT(std::isnan(o0[0]) && std::isnan(o1[0]), "mismatched calls give NaN");
+}
+
+// Sizes beyond the prefill slot are refused before anything is sent.
+void test_too_big(TransportKind kind) {
+  Rig rig;
+  if (!make_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
+  const uint64_t bytes = (8 << 20) / 2 + 16;
+  std::vector<uint8_t> x(bytes), y(2 * bytes);
+  const Status s = host::all_gather(*rig.eps[0], x.data(), y.data(), bytes, 1, 1, std::nullopt, 0);
+  EXPECT(!s.ok() && s.message().find("JAX_ARX_PREFILL_SLOT_BYTES") != std::string::npos, "too big: %s",
+         s.message().c_str());
+  EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
+}
+
+// The layout: prefill areas appended, peer-writable ones inside the inbox,
+// the device side's outside it; psum offsets unchanged.
+void test_layout() {
+  const Layout old = Layout::of(Geometry{4, 1 << 20, 4 << 20, 0});
+  const Layout l = Layout::of(Geometry{4, 1 << 20, 4 << 20, 32 << 20});
+  EXPECT(l.control == old.control && l.flags == old.flags && l.recv == old.recv && l.send == old.send &&
+             l.inbox_lo == old.inbox_lo && l.inbox_hi == old.inbox_hi,
+         "psum offsets do not move");
+  EXPECT(l.prefill_ctl >= l.send + 2 * l.send_bytes && l.prefill_send >= l.prefill_ctl + sizeof(PrefillControl) &&
+             l.prefill_recv >= l.prefill_send + 2 * l.prefill_slot_bytes &&
+             l.total >= l.prefill_recv + 2 * l.prefill_slot_bytes,
+         "prefill areas follow each other");
+  EXPECT(l.inbox_contains(l.prefill_recv_offset(1, 3, (32 << 20) / 4), (32 << 20) / 4), "prefill_recv is in the inbox");
+  EXPECT(!l.inbox_contains(l.prefill_recv_offset(1, 3, (32 << 20) / 4), (32 << 20) / 4 + 1), "but not past it");
+  EXPECT(!l.inbox_contains(l.prefill_send, 1) && !l.inbox_contains(l.prefill_send_offset(1, 3, 16), 16) &&
+             !l.inbox_contains(l.prefill_ctl, 8) && !l.inbox_contains(l.send, 1) && !l.inbox_contains(0, 8),
+         "the device side's areas are not in the inbox");
+  EXPECT(!l.inbox_contains(l.prefill_send + 2 * l.prefill_slot_bytes - 8, 16), "no write straddles into the inbox");
+  EXPECT(l.is_flag(l.flag_offset(prefill_flag_index(7, 1))) && prefill_flag_index(7, 1) < (int)kHandshakeWord,
+         "prefill flags are flag words");
+  for (uint64_t bytes : {0ull, 1ull, 15ull, 100ull, 129ull, 1000003ull}) {
+    uint64_t covered = 0;
+    for (int c = 0; c < kChunks; ++c) {
+      uint64_t lo, hi;
+      piece_range(bytes, c, lo, hi);
+      EXPECT(lo == covered && hi >= lo && (lo % 16 == 0 || lo == bytes), "pieces tile %llu bytes",
+             (unsigned long long)bytes);
+      covered = hi;
+    }
+    EXPECT(covered == bytes, "the last piece ends the chunk of %llu bytes", (unsigned long long)bytes);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<TransportKind> kinds;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") quick = true;
+    else if (a == "shm") kinds.push_back(TransportKind::kShm);
+    else if (a == "tcp") kinds.push_back(TransportKind::kTcp);
+    else { fprintf(stderr, "usage: %s [--quick] [shm] [tcp]\n", argv[0]); return 2; }
+  }
+  if (kinds.empty()) kinds = {TransportKind::kShm, TransportKind::kTcp};
+  test_layout();
+  using Shapes = std::vector<std::pair<uint64_t, uint64_t>>;
+  const Shapes ag_sizes = quick ? Shapes{{1, 0}, {1, 1}, {1, 100}, {3, 7}, {1, 4097}}
+                                : Shapes{{1, 0},   {1, 1},    {1, 7},   {1, 16},    {1, 100},         {1, 129},
+                                         {1, 1000}, {5, 3},   {4, 256}, {7, 1171}, {1, 65539},  {3, 349525}};
+  const Shapes rs_counts = quick ? Shapes{{1, 1}, {1, 9}, {3, 5}, {1, 1001}}
+                                 : Shapes{{1, 1}, {1, 7}, {1, 9}, {1, 255}, {1, 4097}, {1, 65537}, {4, 3}, {9, 130}};
+  const std::vector<MoeCase> moe = quick ? std::vector<MoeCase>{{16, 5, 128, 2, false}, {16, 9, 128, 3, true}}
+                                         : std::vector<MoeCase>{{16, 5, 128, 1, false},  {40, 37, 64, 4, false},
+                                                                {64, 100, 256, 16, false}, {16, 9, 128, 3, true},
+                                                                {50, 77, 256, 8, true},   {8, 3, 128, 16, true}};
+  int passed = 0;
+  for (TransportKind k : kinds) {
+    const int before = g_failures;
+    for (int world : {2, 3, 4}) {
+      test_all_gather(k, world, ag_sizes);
+      test_reduce_scatter(k, world, DType::kF32, rs_counts);
+      test_reduce_scatter(k, world, DType::kBF16, rs_counts);
+      test_reduce_scatter(k, world, DType::kF16, quick ? Shapes{{1, 3}} : Shapes{{1, 1}, {1, 9}, {2, 150}});
+      test_moe(k, world, moe);
+      test_back_to_back(k, world, quick ? 200 : 2000);
+      test_out_of_order_producer(k, world);
+    }
+    test_timeout(k);
+    test_mismatch(k);
+    test_too_big(k);
+    printf("%s: %s\n", name(k), g_failures == before ? "ok" : "FAILED");
+    passed += g_failures == before;
+  }
+  printf("%d passed, %d failed\n", passed, (int)kinds.size() - passed);
+  return g_failures ? 1 : 0;
+}

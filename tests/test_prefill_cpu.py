@@ -1,0 +1,686 @@
+"""jax_arx.all_gather, jax_arx.psum_scatter and jax_arx.moe_combine_psum_scatter
+on the CPU backend, with the real C++ core, across processes.
+
+Each test launches this file as a worker under ``python -m jax_arx.launch``
+(``--worker SUITE``), as tests/test_psum_cpu.py does: every rank builds a 1-D
+mesh over all devices, runs a suite of cases (many per launch: a launch
+costs seconds), and prints one ``RESULT {json}`` line. Results are compared
+bit for bit with references computed here with numpy (and ml_dtypes),
+independently of jax and of jax_arx:
+
+- all_gather: the ranks' blocks stacked / concatenated along the axis;
+- psum_scatter: ``acc = float32 zeros; for r in ranks: acc += x_r`` rounded
+  once, this rank's block of it;
+- the fused MoE combine: each rank's rows ``shared + sum_k w * y[pos]``
+  (float32, rounded once to bfloat16, zero past T), then the rank-order sum
+  above. The routing weights and e4m3 scales here have 8-bit mantissas, so
+  every product is exact and the fused op's multiply-adds, numpy's separate
+  multiply and add, and whatever XLA fuses in the plain-jax combine all give
+  the same bits (tests/cpp/test_prefill.cc checks full-precision weights
+  against IEEE fma).
+
+and with jax.lax's own collectives (all_gather: bit for bit; psum_scatter:
+close, as jax.lax's sum order is its own).
+
+- ``full`` (2 processes over shm, 3 over tcp): every dtype all_gather takes,
+  axes 0, 1, 2 and -1, tiled and stacked, element counts that do not divide
+  into the 8 pieces; psum_scatter in float32, bfloat16 and float16 over
+  every dimension, tiled and not; sizes at and past the prefill slot
+  (``JAX_ARX_PREFILL_SLOT_BYTES=256K`` here; past it: jax.lax); all three
+  interleaved with psum in one program of independent calls, many times;
+  3000 dependent calls in a ``jax.lax.fori_loop``; 200 back-to-back jitted
+  calls; ``jax.grad`` against ``jax.grad`` through jax.lax; the fused MoE
+  combine with bfloat16 and e4m3 ``y``, topk 1 to 16, T not a multiple of
+  the world, against the numpy reference and against moe_combine followed
+  by ``jax.lax.psum_scatter``.
+- ``quick`` (3 processes over shm, 2 over tcp, 4 over shm and tcp, and 2
+  processes with 2 CPU devices each): a subset.
+- ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that issue
+  different prefill ops get an error, never a result; a peer that never
+  calls makes the call fail within the timeout, naming it.
+
+Needs jax_arx installed with its C++ module (``pip install .``); skipped
+otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+
+THIS = os.path.abspath(__file__)
+RESULT = "RESULT "
+PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers
+
+
+# --- the tests ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def core_built(tmp_path_factory):
+    probe = subprocess.run([sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True,
+                           cwd=tmp_path_factory.mktemp("probe"), env=_clean_env())
+    if probe.returncode != 0:
+        pytest.skip("jax_arx is not installed with its C++ module (pip install .): "
+                    + probe.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
+def test_full_suite(core_built, tmp_path, transport, nprocs):
+    results = _run("full", nprocs, transport, tmp_path)
+    _assert_all_correct(results, expect=_FULL_CASES)
+
+
+@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), ("shm", 4), ("tcp", 4)])
+def test_quick_suite(core_built, tmp_path, transport, nprocs):
+    results = _run("quick", nprocs, transport, tmp_path)
+    _assert_all_correct(results, expect=_QUICK_CASES)
+
+
+def test_two_processes_with_two_devices_each(core_built, tmp_path):
+    results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
+    _assert_all_correct(results, expect=_QUICK_CASES)
+    assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
+
+
+def test_failures_are_errors_not_results(core_built, tmp_path):
+    results = _run("failures", 2, "tcp", tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
+    for rank in (0, 1):
+        mismatch = results[rank]["mismatch"]
+        assert not mismatch["finite_result"], mismatch
+        assert "different collective" in mismatch["error"], mismatch
+    missing = results[0]["missing_peer"]
+    assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
+    assert "all_gather #1" in missing["error"], missing
+    assert "rank 1" in missing["check"] and missing["check_type"] == "CollectiveError", missing
+    assert 2.5 < missing["seconds"] < 30, missing
+    assert missing["nan"], missing
+
+
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_moe_combine_reference_is_the_documented_arithmetic(e4m3):
+    """The plain-jax combine (the fused op's reference and fallback) computes
+    the documented sum, clamps pos and zeroes the rows past T."""
+    import jax
+    import jax.numpy as jnp
+    from jax_arx import _prefill
+
+    rng = np.random.default_rng(0)
+    T, R, H, topk = 37, 50, 256, 5
+    if e4m3:
+        y = jnp.asarray(rng.normal(size=(R, H)) * 3, jnp.float8_e4m3fn)
+        y_scale = jnp.asarray(_bf16_valued(rng.uniform(0.01, 1, size=(R, H // 128))))
+    else:
+        y, y_scale = jnp.asarray(rng.normal(size=(R, H)), jnp.bfloat16), None
+    pos = jnp.asarray(rng.integers(-3, R + 3, size=(T, topk)), jnp.int32)
+    w = jnp.asarray(_bf16_valued(rng.normal(size=(T, topk))))
+    shared = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    got = jax.jit(lambda *a: _prefill.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
+    want = reference_combine(np.asarray(y), np.asarray(pos), np.asarray(w), np.asarray(shared),
+                             None if y_scale is None else np.asarray(y_scale), 40)
+    assert got.shape == (40, H) and got.dtype == jnp.bfloat16
+    assert np.asarray(got).tobytes() == want.tobytes()
+
+
+def test_moe_argument_errors_name_the_shapes():
+    import jax.numpy as jnp
+    import jax_arx
+
+    y, pos = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32)
+    w, shared = jnp.zeros((4, 2), jnp.float32), jnp.zeros((4, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"w must be \(4, 2\) and shared \(4, 128\); got w \(4, 3\)"):
+        jax_arx.moe_combine_psum_scatter(y, pos, jnp.zeros((4, 3), jnp.float32), shared, "sp")
+    with pytest.raises(TypeError, match="pos is int64|pos is float32"):
+        jax_arx.moe_combine_psum_scatter(y, pos.astype(jnp.float32), w, shared, "sp")
+    with pytest.raises(ValueError, match=r"needs H a multiple of 128 and y_scale float32 \(8, 1\)"):
+        jax_arx.moe_combine_psum_scatter(y.astype(jnp.float8_e4m3fn), pos, w, shared, "sp",
+                                         y_scale=jnp.zeros((8, 2), jnp.float32))
+
+
+# --- running workers ------------------------------------------------------------
+
+def _clean_env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTHONPATH"))}
+    env.update(extra or {})
+    return env
+
+
+def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
+    """Runs the worker suite under the launcher; returns each rank's RESULT."""
+    full_env = _clean_env({"JAX_ARX_TRANSPORT": transport, "JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES),
+                           "JAX_ARX_SLOT_BYTES": "64K", "JAX_ARX_TIMEOUT_S": "30", **(env or {})})
+    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), "--cpu-devices", str(cpu_devices),
+           "--grace-s", "20", THIS, "--worker", suite]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    elapsed = time.monotonic() - start
+    results = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("[rank ") and RESULT in line:
+            rank = int(line[len("[rank "):line.index("]")])
+            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT):])
+    detail = f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n" \
+             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, detail
+    assert sorted(results) == list(range(nprocs)), detail
+    return results
+
+
+def _assert_all_correct(results, expect):
+    for rank, r in results.items():
+        assert sorted(r["cases"]) == sorted(expect), (rank, sorted(r["cases"]))
+        for name, case in r["cases"].items():
+            assert case["bad"] == [], (rank, name, case["bad"][:5])
+            assert case["checked"] > 0, (rank, name)
+
+
+# --- references (numpy, ml_dtypes) ----------------------------------------------
+
+def _dtypes():
+    import ml_dtypes
+
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+            "float16": np.dtype(np.float16), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+            "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16),
+            "int32": np.dtype(np.int32), "uint32": np.dtype(np.uint32), "bool": np.dtype(np.bool_),
+            "complex64": np.dtype(np.complex64)}
+
+
+def random_array(rng, shape, dt):
+    if dt == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(dt, np.integer):
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dt)
+    if np.issubdtype(dt, np.complexfloating):
+        return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(dt)
+    return (rng.normal(size=shape) * 2).astype(np.float32).astype(dt)
+
+
+def reference_gather(parts, axis, tiled):
+    return np.concatenate(parts, axis=axis) if tiled else np.stack(parts, axis=axis)
+
+
+def reference_sum(parts):
+    """The float32 rank-order sum of ``parts``, rounded once (what psum gives)."""
+    acc = np.zeros(parts[0].shape, np.float32)
+    for p in parts:
+        acc += p.astype(np.float32)
+    return acc.astype(parts[0].dtype)
+
+
+def reference_scatter(parts, dim, tiled, rank):
+    """This rank's block of the float32 rank-order sum of ``parts``."""
+    block = np.split(reference_sum(parts), len(parts), axis=dim)[rank]
+    return block if tiled else np.squeeze(block, axis=dim)
+
+
+def reference_combine(y, pos, w, shared, y_scale, tpad):
+    """One rank's combined rows: float32, rounded once to bfloat16. With
+    8-bit-mantissa weights and scales the products are exact, so this
+    separate multiply and add is the fused op's multiply-add too."""
+    import ml_dtypes
+
+    T, topk = pos.shape
+    p = np.clip(pos, 0, y.shape[0] - 1)
+    rows = y.astype(np.float32)[p]  # [T, topk, H]
+    if y_scale is not None:
+        factor = np.repeat((w[:, :, None] * y_scale[p]).astype(np.float32), 128, axis=2)
+    else:
+        factor = np.broadcast_to(w[:, :, None], rows.shape)
+    acc = shared.astype(np.float32)
+    for k in range(topk):
+        acc = (acc + (factor[:, k] * rows[:, k]).astype(np.float32)).astype(np.float32)
+    out = np.zeros((tpad, y.shape[1]), ml_dtypes.bfloat16)
+    out[:T] = acc.astype(ml_dtypes.bfloat16)
+    return out
+
+
+# --- the worker -------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self):
+        import jax_arx
+
+        jax_arx.distributed_initialize()
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        self.jax, self.jax_arx, self.P = jax, jax_arx, P
+        self.mesh = Mesh(np.array(jax.devices()), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+        jax_arx.initialize(self.mesh)
+        self.world = self.mesh.size
+        self.sharded = NamedSharding(self.mesh, P("sp"))
+        self.cases: dict[str, dict] = {}
+        self.seconds: dict[str, float] = {}
+
+    def smap(self, body, in_specs, out_specs, check_vma=True):
+        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                               check_vma=check_vma))
+
+    def put(self, parts):
+        """A global array whose device ``r`` holds ``parts[r]`` (stacked along
+        a new leading axis that the shard_map body does not see)."""
+        g = np.stack(parts)
+        return self.jax.make_array_from_callback(g.shape, self.sharded, lambda idx: g[idx])
+
+    def mine(self, x):
+        """This process's results of ``x`` (out_specs P("sp") on a leading
+        axis of size 1 per device), by rank."""
+        return {self.rank_of(s.device): np.asarray(s.data)[0] for s in x.addressable_shards}
+
+    def rank_of(self, device):
+        return list(self.mesh.devices.flat).index(device)
+
+    def check(self, case, got, want, what):
+        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
+        entry["checked"] += 1
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape or got.dtype != want.dtype or got.tobytes() != want.tobytes():
+            entry["bad"].append(f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+                                + (f", {int((got != want).sum())} elements differ" if got.shape == want.shape else ""))
+
+    def close(self, case, got, want, what, rtol, atol):
+        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
+        entry["checked"] += 1
+        if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol):
+            entry["bad"].append(f"{what}: not close to jax.lax's result")
+
+    def fail(self, case, message):
+        self.cases.setdefault(case, {"checked": 0, "bad": []})["bad"].append(message)
+
+    def calls(self, f, *args, target=None):
+        text = f.lower(*args).as_text()
+        return [line for line in text.splitlines() if f"custom_call @{target or 'jax_arx_'}" in line]
+
+
+def _lift(fn):
+    """fn on the unstacked per-device value (the shard_map body sees a
+    leading axis of 1) and back."""
+    def body(*xs):
+        out = fn(*[x[0] for x in xs])
+        return tuple(o[None] for o in out) if isinstance(out, tuple) else out[None]
+    return body
+
+
+GATHER_SPECS = ((0, False), (0, True), (1, True), (1, False), (2, True), (-1, False))
+
+
+def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 129, 17))):
+    """Every dtype, axis and tiling, one program per dtype; against numpy and
+    (for a few dtypes) jax.lax.all_gather."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    rng = np.random.default_rng(2)
+    for name in dtype_names or list(_dtypes()):
+        dt = _dtypes()[name]
+        parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s in shapes]
+        xs = [w.put(p) for p in parts]
+        specs = [(i, a, t) for i in range(len(shapes)) for a, t in GATHER_SPECS]
+
+        def body(*xs, gather):
+            return tuple(gather(xs[i], "sp", axis=a, tiled=t) for i, a, t in specs)
+
+        f = w.smap(_lift(partial(body, gather=jax_arx.all_gather)), (P("sp"),) * len(xs), (P("sp"),) * len(specs))
+        n = len(w.calls(f, *xs, target="jax_arx_all_gather"))
+        if n != len(specs):
+            w.fail("gather", f"{name}: {n} jax_arx all_gathers for {len(specs)} calls")
+        outs = f(*xs)
+        lax = None
+        if name in ("float32", "bfloat16", "int8", "bool"):
+            lax = w.smap(_lift(partial(body, gather=jax.lax.all_gather)), (P("sp"),) * len(xs),
+                         (P("sp"),) * len(specs))(*xs)
+        for k, (i, a, t) in enumerate(specs):
+            want = reference_gather(parts[i], a, t)
+            for r, got in w.mine(outs[k]).items():
+                w.check("gather", got, want, f"{name} {shapes[i]} axis {a} tiled {t} rank {r}")
+            if lax is not None:
+                for r, got in w.mine(lax[k]).items():
+                    w.check("gather", w.mine(outs[k])[r], got, f"{name} {shapes[i]} axis {a} tiled {t} vs jax.lax")
+
+
+def _scatter_shapes(world):
+    # (per-rank input shape, dimension, tiled)
+    return [((world * 3, 5, 7), 0, True), ((3, world * 5, 7), 1, True), ((3, 5, world * 7), 2, True),
+            ((world, 5, 7), 0, False), ((3, world, 7), 1, False), ((3, 5, world), -1, False),
+            ((world * 37, 129), 0, True), ((world,), 0, False)]
+
+
+def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16")):
+    """Every dimension and tiling; against the numpy rank-order sum (bits)
+    and jax.lax.psum_scatter (close)."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    rng = np.random.default_rng(3)
+    specs = _scatter_shapes(w.world)
+    for name in dtype_names:
+        dt = _dtypes()[name]
+        parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s, _, _ in specs]
+        xs = [w.put(p) for p in parts]
+
+        def body(*xs, scatter):
+            # jax.lax.psum_scatter emits an invalid op for a negative dimension; jax_arx takes it.
+            return tuple(scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim,
+                                 tiled=t) for x, (_, d, t) in zip(xs, specs))
+
+        f = w.smap(_lift(partial(body, scatter=jax_arx.psum_scatter)), (P("sp"),) * len(xs), (P("sp"),) * len(xs))
+        n = len(w.calls(f, *xs, target="jax_arx_psum_scatter"))
+        if n != len(specs):
+            w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
+        outs = f(*xs)
+        lax = w.smap(_lift(partial(body, scatter=jax.lax.psum_scatter)), (P("sp"),) * len(xs),
+                     (P("sp"),) * len(xs))(*xs)
+        tol = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}[name]
+        for k, (shape, d, t) in enumerate(specs):
+            for r, got in w.mine(outs[k]).items():
+                what = f"{name} {shape} dimension {d} tiled {t} rank {r}"
+                w.check("scatter", got, reference_scatter(parts[k], d, t, r), what)
+                w.close("scatter", got, w.mine(lax[k])[r], what, rtol=tol, atol=tol)
+
+
+def case_sizes(w: _Worker):
+    """At the prefill slot jax_arx runs; past it jax.lax does, the same bits."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    rng = np.random.default_rng(4)
+    at = PREFILL_SLOT_BYTES // 4 // w.world  # float32 elements per rank: gathered output == the slot
+    for n, ours in ((at, True), (at + 4, False)):
+        parts = [random_array(rng, (n,), np.dtype(np.float32)) for _ in range(w.world)]
+        x = w.put(parts)
+        f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp", tiled=True)), P("sp"), P("sp"))
+        if bool(w.calls(f, x)) != ours:
+            w.fail("sizes", f"all_gather of {n} floats per rank: ran with jax_arx {not ours}, expected {ours}")
+        for r, got in w.mine(f(x)).items():
+            w.check("sizes", got, np.concatenate(parts), f"all_gather {n} rank {r}")
+        parts = [random_array(rng, (n * w.world,), np.dtype(np.float32)) for _ in range(w.world)]
+        g = w.put(parts)
+        f = w.smap(_lift(lambda v: jax_arx.psum_scatter(v, "sp", tiled=True)), P("sp"), P("sp"))
+        if bool(w.calls(f, g)) != ours:
+            w.fail("sizes", f"psum_scatter of {n * w.world} floats: ran with jax_arx {not ours}, expected {ours}")
+        lax = w.smap(_lift(lambda v: jax.lax.psum_scatter(v, "sp", tiled=True)), P("sp"), P("sp"))(g)
+        for r, got in w.mine(f(g)).items():
+            if ours:
+                w.check("sizes", got, reference_scatter(parts, 0, True, r), f"psum_scatter {n} rank {r}")
+            else:  # jax.lax's own sum
+                w.check("sizes", got, w.mine(lax)[r], f"psum_scatter {n} rank {r} (jax.lax)")
+
+
+def case_mixed(w: _Worker, iters=20):
+    """all_gather, psum_scatter and psum interleaved in one program, most of
+    them independent (XLA's CPU runtime would start them in different orders
+    on different ranks if jax_arx did not order them), many times over."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    n = w.world
+    a = [random_array(rng, (7, 3), np.dtype(np.float32)) for _ in range(n)]
+    b = [random_array(rng, (n * 11,), np.dtype(ml_dtypes.bfloat16)) for _ in range(n)]
+    c = [random_array(rng, (5, 9), np.dtype(np.float16)) for _ in range(n)]
+
+    def body(a, b, c):
+        g1 = jax_arx.all_gather(a, "sp", axis=1, tiled=True)
+        s1 = jax_arx.psum_scatter(b, "sp", tiled=True)
+        p1 = jax_arx.psum(c, "sp")
+        g2 = jax_arx.all_gather(c, "sp")
+        p2 = jax_arx.psum(a, "sp")
+        s2 = jax_arx.psum_scatter(jax_arx.all_gather(s1, "sp", tiled=True), "sp", tiled=True)  # dependent
+        return g1, s1, p1, g2, p2, s2
+
+    f = w.smap(_lift(body), (P("sp"),) * 3, (P("sp"),) * 6, check_vma=False)
+    calls = w.calls(f, w.put(a), w.put(b), w.put(c))
+    if len(calls) != 7:
+        w.fail("mixed", f"{len(calls)} jax_arx calls, expected 7")
+    xs = (w.put(a), w.put(b), w.put(c))
+    s1 = {r: reference_scatter(b, 0, True, r) for r in range(n)}
+    s1_all = np.concatenate([s1[r] for r in range(n)])
+    wants = lambda r: (np.concatenate(a, axis=1), s1[r], reference_sum(c), np.stack(c), reference_sum(a),
+                       reference_scatter([s1_all] * n, 0, True, r))
+    for it in range(iters):
+        outs = f(*xs)
+        for k, out in enumerate(outs):
+            for r, got in w.mine(out).items():
+                w.check("mixed", got, wants(r)[k], f"iteration {it} output {k} rank {r}")
+
+
+def case_loop(w: _Worker, steps=1000):
+    """Dependent calls back to back in a fori_loop: all_gather, psum_scatter
+    and psum each step (3 * steps calls), small integers, exact."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    n = w.world
+    x0 = [np.arange(13, dtype=np.float32) + 100 * r for r in range(n)]
+
+    def body(x):
+        def step(_, carry):
+            x, t = carry
+            s = jax_arx.psum_scatter(jax_arx.all_gather(x, "sp", tiled=True), "sp", tiled=True)  # n * x
+            return s - (n - 1) * x + 1, t + jax_arx.psum(x[:1], "sp")
+        return jax.lax.fori_loop(0, steps, step, (x, jnp.zeros((1,), jnp.float32)))
+
+    f = w.smap(_lift(body), P("sp"), (P("sp"), P("sp")), check_vma=False)
+    x, t = f(w.put(x0))
+    base = sum(float(v[0]) for v in x0)
+    for r, got in w.mine(x).items():
+        w.check("loop", got, x0[r] + steps, f"x after {steps} steps, rank {r}")
+    for r, got in w.mine(t).items():
+        w.check("loop", got, np.array([steps * base + n * steps * (steps - 1) / 2], np.float32), f"t rank {r}")
+
+
+def case_python_loop(w: _Worker, calls=200):
+    """Back-to-back jitted calls, none waited for until the last."""
+    jax_arx, P = w.jax_arx, w.P
+    n = w.world
+    f = w.smap(_lift(lambda v: jax_arx.psum_scatter(jax_arx.all_gather(v, "sp", tiled=True), "sp", tiled=True)
+                     - (n - 1) * v + 1), P("sp"), P("sp"))
+    x = w.put([np.full((9,), r + 1, np.float32) for r in range(n)])
+    outs = []
+    for _ in range(calls):
+        x = f(x)
+        outs.append(x)
+    for i in (0, calls // 2, calls - 1):
+        for r, got in w.mine(outs[i]).items():
+            w.check("python_loop", got, np.full((9,), r + 1 + i + 1, np.float32), f"call {i} rank {r}")
+
+
+def case_grad(w: _Worker):
+    """jax.grad through jax_arx's gather and scatter equals jax.grad through jax.lax's."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    n = w.world
+    x = w.put([np.linspace(-1, 1, 6 * n, dtype=np.float32).reshape(2 * n, 3) * (r + 1) for r in range(n)])
+    for check_vma in (True, False):
+        def make(gather, scatter):
+            def body(x):
+                g = gather(jnp.sin(x), "sp", axis=1, tiled=True)  # [2n, 3n]
+                s = scatter(g * g, "sp", scatter_dimension=0, tiled=True)  # [2, 3n]
+                return (s * s).sum(keepdims=True) + gather(x, "sp").sum(keepdims=True)
+            f = w.smap(_lift(body), P("sp"), P("sp"), check_vma=check_vma)
+            return jax.jit(jax.grad(lambda x: f(x).sum()))
+
+        got = make(jax_arx.all_gather, jax_arx.psum_scatter)(x)
+        want = make(jax.lax.all_gather, jax.lax.psum_scatter)(x)
+        for r, g in w.mine(got).items():
+            w.close("grad", g, w.mine(want)[r], f"check_vma={check_vma} rank {r}", rtol=1e-5, atol=1e-5)
+
+
+def _bf16_valued(a):
+    """float32 values that bfloat16 holds exactly (8-bit mantissas)."""
+    import ml_dtypes
+
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _moe_inputs(rng, w, T, R, H, topk, e4m3):
+    import ml_dtypes
+
+    n = w.world
+    ys, scales, poss, ws, shareds = [], [], [], [], []
+    for _ in range(n):
+        if e4m3:
+            y = (rng.normal(size=(R, H)) * 4).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            scales.append(_bf16_valued(rng.uniform(0.01, 0.5, size=(R, H // 128))))
+        else:
+            y = rng.normal(size=(R, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
+        ys.append(y)
+        pos = rng.integers(0, R, size=(T, topk), dtype=np.int32)
+        pos[rng.random((T, topk)) < 0.03] = R + 3  # a few out of range: clamped
+        poss.append(pos)
+        ws.append(_bf16_valued(rng.random((T, topk)) / topk))
+        shareds.append(rng.normal(size=(T, H)).astype(np.float32).astype(ml_dtypes.bfloat16))
+    return ys, (scales if e4m3 else None), poss, ws, shareds
+
+
+MOE_SHAPES = ((5, 9, 128, 1), (13, 40, 256, 3), (37, 64, 128, 8), (2, 16, 128, 16), (20, 30, 128, 17))
+
+
+def case_moe(w: _Worker, shapes=MOE_SHAPES):
+    """The fused combine: bf16 and e4m3 y, topk 1 to 16 (17 falls back),
+    T + world - 1 not a multiple of the world; against the numpy reference
+    (bits) and moe_combine + jax.lax.psum_scatter (close)."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    from jax_arx import _prefill
+
+    rng = np.random.default_rng(6)
+    n = w.world
+    for e4m3 in (False, True):
+        cases = []
+        for T, R, H, topk in shapes:
+            T = T * n + 1  # never a multiple of the world
+            cases.append((T, R, H, topk, _moe_inputs(rng, w, T, R, H, topk, e4m3)))
+        args = []
+        for *_, (ys, scales, poss, ws, shareds) in cases:
+            args += [w.put(ys), w.put(scales) if e4m3 else None, w.put(poss), w.put(ws), w.put(shareds)]
+        args = [a for a in args if a is not None]
+        per = 5 if e4m3 else 4
+
+        def body(*flat, lax=False):
+            outs = []
+            for i in range(len(cases)):
+                y, *rest = flat[i * per:(i + 1) * per]
+                scale = rest.pop(0) if e4m3 else None
+                pos, wt, shared = rest
+                if lax:
+                    tpad = -(-pos.shape[0] // n) * n
+                    rows = _prefill.moe_combine(y, pos, wt, shared, y_scale=scale, padded_tokens=tpad)
+                    outs.append(jax.lax.psum_scatter(rows, "sp", tiled=True))
+                else:
+                    outs.append(jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp", y_scale=scale))
+            return tuple(outs)
+
+        f = w.smap(_lift(body), (P("sp"),) * len(args), (P("sp"),) * len(cases))
+        fused = len(w.calls(f, *args, target="jax_arx_moe_combine_psum_scatter"))
+        want_fused = sum(1 for c in cases if c[3] <= 16)
+        if fused != want_fused:
+            w.fail("moe", f"e4m3={e4m3}: {fused} fused calls, expected {want_fused}")
+        outs = f(*args)
+        lax = w.smap(_lift(partial(body, lax=True)), (P("sp"),) * len(args), (P("sp"),) * len(cases))(*args)
+        for k, (T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
+            tpad = -(-T // n) * n
+            combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
+                        for r in range(n)]
+            for r, got in w.mine(outs[k]).items():
+                what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
+                w.check("moe", got, reference_scatter(combined, 0, True, r), what)
+                w.close("moe", got, w.mine(lax[k])[r], what, rtol=2e-2, atol=2e-2)
+
+
+_FULL_CASES = ["gather", "scatter", "sizes", "mixed", "loop", "python_loop", "grad", "moe"]
+_QUICK_CASES = ["gather", "scatter", "mixed", "loop", "moe"]
+
+
+def _timed(w, case, *args, **kwargs):
+    start = time.monotonic()
+    case(w, *args, **kwargs)
+    w.seconds[case.__name__[len("case_"):]] = round(time.monotonic() - start, 2)
+
+
+def _suite_full(w):
+    for case in (case_gather, case_scatter, case_sizes, case_mixed, case_loop, case_python_loop, case_grad,
+                 case_moe):
+        _timed(w, case)
+
+
+def _suite_quick(w):
+    _timed(w, case_gather, ("float32", "bfloat16", "int8"), shapes=((3, 5, 7),))
+    _timed(w, case_scatter, ("float32", "bfloat16"))
+    _timed(w, case_mixed, iters=5)
+    _timed(w, case_loop, steps=200)
+    _timed(w, case_moe, shapes=MOE_SHAPES[1:3])
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _suite_failures(w):
+    """Run with JAX_ARX_TIMEOUT_S=3 and two processes."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    me = jax.process_index()
+    out = {}
+
+    # Ranks that issue different ops (the same bytes): an error, never a result.
+    x = w.put([np.ones((2 * w.world, 8), np.float32) for _ in range(w.world)])
+    if me == 0:
+        f = w.smap(_lift(lambda v: jax_arx.psum_scatter(v, "sp", tiled=True)), P("sp"), P("sp"))
+    else:
+        f = w.smap(_lift(lambda v: jax_arx.all_gather(v[:2], "sp", tiled=True)), P("sp"), P("sp"))
+    error, finite = "", False
+    try:
+        y = np.concatenate(list(w.mine(f(x)).values()))
+        finite = bool(np.isfinite(y).all())
+    except Exception as e:
+        error = _error_text(e)
+    try:
+        jax_arx.check()
+    except jax_arx.CollectiveError as e:
+        error += "\n" + _error_text(e)
+    out["mismatch"] = {"error": error, "finite_result": finite}
+
+    # Fresh endpoints, then a peer that never calls.
+    jax_arx.shutdown()
+    jax_arx.initialize(w.mesh)
+    from jax_arx import _compat
+    client = _compat.distributed_client()
+    f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp")), P("sp"), P("sp"))
+    x = w.put([np.ones((64,), np.float32) for _ in range(w.world)])
+    if me == 0:
+        start = time.monotonic()
+        missing = {"error": "", "nan": False}
+        try:
+            got = list(w.mine(f(x)).values())[0]
+            missing["nan"] = bool(np.isnan(got).all())
+        except Exception as e:
+            missing["error"] = _error_text(e)
+            missing["nan"] = True  # no result at all: nothing wrong was returned
+        missing["seconds"] = time.monotonic() - start
+        try:
+            jax_arx.check()
+            missing["check"], missing["check_type"] = "", None
+        except Exception as e:
+            missing["check"], missing["check_type"] = str(e), type(e).__name__
+        out["missing_peer"] = missing
+        client.key_value_set("test_prefill_cpu/rank0_done", "1")
+    else:
+        out["missing_peer"] = {"skipped": True}
+        client.blocking_key_value_get("test_prefill_cpu/rank0_done", 120_000)
+    return out
+
+
+def _worker_main(argv):
+    suite = argv[argv.index("--worker") + 1]
+    w = _Worker()
+    report = {"world": w.world, "local_devices": len(w.jax.local_devices())}
+    if suite == "failures":
+        report.update(_suite_failures(w))
+    else:
+        {"full": _suite_full, "quick": _suite_quick}[suite](w)
+        report.update(cases=w.cases, seconds=w.seconds)
+    print(RESULT + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker_main(sys.argv)
