@@ -21,6 +21,7 @@ Series (one two-process job each, since NCCL reads its environment once):
                  blocks meeting before the flag (JAX_ARX_CUDA_PIPELINE=0)
   arx-shm-pipe8k the same chunk by chunk in 8 KiB chunks
                  (JAX_ARX_CUDA_PIPELINE=1, JAX_ARX_CUDA_CHUNK_BYTES=8KiB)
+  arx-shm-pipe32k the same in 32 KiB chunks
   arx-shm-proxy  the same with JAX_ARX_CUDA_DIRECT=0: the kernels publish and
                  the proxy copies, as over tcp or verbs
   arx-tcp        the same over the tcp carrier
@@ -53,6 +54,7 @@ CONFIGS = {
     "arx-shm": {"JAX_ARX_TRANSPORT": "shm"},
     "arx-shm-whole": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "0"},
     "arx-shm-pipe8k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "8KiB"},
+    "arx-shm-pipe32k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "32KiB"},
     "arx-shm-proxy": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_DIRECT": "0"},
     "arx-tcp": {"JAX_ARX_TRANSPORT": "tcp"},
     "nccl": {},
