@@ -257,7 +257,6 @@ def moe_combine(y, pos, w, shared, *, y_scale=None, padded_tokens=None):
     in float32 rounded once, zero past ``T``. The reference the fused op is
     tested against, and its fallback (see the note on rounding there)."""
     T, topk = pos.shape
-    H = y.shape[1]
     tpad = T if padded_tokens is None else int(padded_tokens)
     rows = jnp.take(y, pos, axis=0, mode="clip").astype(jnp.float32)  # [T, topk, H]
     if y_scale is not None:

@@ -15,7 +15,6 @@ g++-aarch64-linux-gnu (.ci/run installs it) and is skipped without it.
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from functools import partial
@@ -55,8 +54,10 @@ from functools import partial
 import numpy as np
 import pytest
 
+import launched
+
 THIS = os.path.abspath(__file__)
-RESULT = "RESULT "
+RESULT = launched.RESULT
 PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers
 
 
@@ -64,28 +65,26 @@ PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers
 
 @pytest.fixture(scope="module")
 def core_built(tmp_path_factory):
-    probe = subprocess.run([sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True,
-                           cwd=tmp_path_factory.mktemp("probe"), env=_clean_env())
-    if probe.returncode != 0:
-        pytest.skip("jax_arx is not installed with its C++ module (pip install .): "
-                    + probe.stderr.strip().splitlines()[-1])
+    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
     results = _run("full", nprocs, transport, tmp_path)
-    _assert_all_correct(results, expect=_FULL_CASES)
+    launched.assert_all_correct(results, expect=_FULL_CASES)
 
 
 @pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), ("shm", 4), ("tcp", 4)])
 def test_quick_suite(core_built, tmp_path, transport, nprocs):
     results = _run("quick", nprocs, transport, tmp_path)
-    _assert_all_correct(results, expect=_QUICK_CASES)
+    launched.assert_all_correct(results, expect=_QUICK_CASES)
 
 
 def test_two_processes_with_two_devices_each(core_built, tmp_path):
     results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
-    _assert_all_correct(results, expect=_QUICK_CASES)
+    launched.assert_all_correct(results, expect=_QUICK_CASES)
     assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
 
 
@@ -145,39 +144,10 @@ def test_moe_argument_errors_name_the_shapes():
 
 # --- running workers ------------------------------------------------------------
 
-def _clean_env(extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTHONPATH"))}
-    env.update(extra or {})
-    return env
-
 
 def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
-    """Runs the worker suite under the launcher; returns each rank's RESULT."""
-    full_env = _clean_env({"JAX_ARX_TRANSPORT": transport, "JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES),
-                           "JAX_ARX_SLOT_BYTES": "64K", "JAX_ARX_TIMEOUT_S": "30", **(env or {})})
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), "--cpu-devices", str(cpu_devices),
-           "--grace-s", "20", THIS, "--worker", suite]
-    start = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
-    elapsed = time.monotonic() - start
-    results = {}
-    for line in p.stdout.splitlines():
-        if line.startswith("[rank ") and RESULT in line:
-            rank = int(line[len("[rank "):line.index("]")])
-            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT):])
-    detail = f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n" \
-             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
-    assert p.returncode == 0, detail
-    assert sorted(results) == list(range(nprocs)), detail
-    return results
-
-
-def _assert_all_correct(results, expect):
-    for rank, r in results.items():
-        assert sorted(r["cases"]) == sorted(expect), (rank, sorted(r["cases"]))
-        for name, case in r["cases"].items():
-            assert case["bad"] == [], (rank, name, case["bad"][:5])
-            assert case["checked"] > 0, (rank, name)
+    return launched.run_suite(THIS, suite, nprocs, transport, cwd, cpu_devices=cpu_devices, timeout=timeout,
+                              env={"JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES), "JAX_ARX_SLOT_BYTES": "64K", "JAX_ARX_TIMEOUT_S": "30", **(env or {})})
 
 
 # --- references (numpy, ml_dtypes) ----------------------------------------------
@@ -412,7 +382,7 @@ def case_mixed(w: _Worker, iters=20):
     """all_gather, psum_scatter and psum interleaved in one program, most of
     them independent (XLA's CPU runtime would start them in different orders
     on different ranks if jax_arx did not order them), many times over."""
-    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jax_arx, P = w.jax_arx, w.P
     import ml_dtypes
 
     rng = np.random.default_rng(5)

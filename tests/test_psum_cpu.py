@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -48,8 +47,10 @@ import zlib
 import numpy as np
 import pytest
 
+import launched
+
 THIS = os.path.abspath(__file__)
-RESULT = "RESULT "
+RESULT = launched.RESULT
 SLOT_BYTES = 64 * 1024  # JAX_ARX_SLOT_BYTES in the workers: the one-shot limit
 
 
@@ -57,30 +58,26 @@ SLOT_BYTES = 64 * 1024  # JAX_ARX_SLOT_BYTES in the workers: the one-shot limit
 
 @pytest.fixture(scope="module")
 def core_built(tmp_path_factory):
-    # In a fresh interpreter outside the source tree: the workers import the
-    # installed jax_arx, not the sources next to this file.
-    probe = subprocess.run([sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True,
-                           cwd=tmp_path_factory.mktemp("probe"), env=_clean_env())
-    if probe.returncode != 0:
-        pytest.skip("jax_arx is not installed with its C++ module (pip install .): "
-                    + probe.stderr.strip().splitlines()[-1])
+    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("shm", 3), ("tcp", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
     results = _run("full", nprocs, transport, tmp_path)
-    _assert_all_correct(results, expect=_FULL_CASES)
+    launched.assert_all_correct(results, expect=_FULL_CASES)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_four_processes(core_built, tmp_path, transport):
     results = _run("quick", 4, transport, tmp_path)
-    _assert_all_correct(results, expect=_QUICK_CASES)
+    launched.assert_all_correct(results, expect=_QUICK_CASES)
 
 
 def test_two_processes_with_two_devices_each(core_built, tmp_path):
     results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
-    _assert_all_correct(results, expect=_QUICK_CASES)
+    launched.assert_all_correct(results, expect=_QUICK_CASES)
     assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
 
 
@@ -102,42 +99,10 @@ def test_failures_are_errors_not_sums(core_built, tmp_path, transport):
 
 # --- running workers ------------------------------------------------------------
 
-def _clean_env(extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTHONPATH"))}
-    env.update(extra or {})
-    return env
-
 
 def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
-    """Runs the worker suite under the launcher; returns each rank's RESULT."""
-    full_env = _clean_env({"JAX_ARX_TRANSPORT": transport, "JAX_ARX_SLOT_BYTES": str(SLOT_BYTES),
-                           "JAX_ARX_TIMEOUT_S": "20", **(env or {})})
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), "--cpu-devices", str(cpu_devices),
-           "--grace-s", "20", THIS, "--worker", suite]
-    start = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
-    elapsed = time.monotonic() - start
-    results = {}
-    for line in p.stdout.splitlines():
-        if line.startswith("[rank ") and RESULT in line:
-            rank = int(line[len("[rank "):line.index("]")])
-            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT):])
-    detail = f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n" \
-             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
-    assert p.returncode == 0, detail
-    assert sorted(results) == list(range(nprocs)), detail
-    return results
-
-
-def _assert_all_correct(results, expect):
-    for rank, r in results.items():
-        assert sorted(r["cases"]) == sorted(expect), (rank, sorted(r["cases"]))
-        for name, case in r["cases"].items():
-            assert case["bad"] == [], (rank, name, case["bad"][:5])
-            assert case["checked"] > 0, (rank, name)
-    # Bit-identical on every rank: the same CRC over every jax_arx result.
-    digests = {r["digest"] for r in results.values()}
-    assert len(digests) == 1, {k: r["digest"] for k, r in results.items()}
+    return launched.run_suite(THIS, suite, nprocs, transport, cwd, cpu_devices=cpu_devices, timeout=timeout,
+                              env={"JAX_ARX_SLOT_BYTES": str(SLOT_BYTES), "JAX_ARX_TIMEOUT_S": "20", **(env or {})})
 
 
 # --- the worker -------------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""Running a test file's worker suites under ``python -m jax_arx.launch``.
+
+A multi-process test module launches itself as the worker
+(``THIS --worker SUITE``): every rank runs the suite and prints one line
+``RESULT {json}``; the test asserts on what each rank reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+RESULT = "RESULT "
+
+
+def clean_env(extra=None):
+    """The environment without the caller's jax / XLA / jax_arx settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTHONPATH"))}
+    env.update(extra or {})
+    return env
+
+
+def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
+    """Runs ``worker --worker suite`` on ``nprocs`` processes over ``transport``
+    (cwd outside the source tree, so the installed jax_arx is imported);
+    returns each rank's RESULT, after checking that every rank succeeded."""
+    full_env = clean_env({"JAX_ARX_TRANSPORT": transport, **(env or {})})
+    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), "--cpu-devices", str(cpu_devices),
+           "--grace-s", "20", worker, "--worker", suite]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    elapsed = time.monotonic() - start
+    results = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("[rank ") and RESULT in line:
+            rank = int(line[len("[rank "):line.index("]")])
+            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT):])
+    detail = f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n" \
+             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, detail
+    assert sorted(results) == list(range(nprocs)), detail
+    return results
+
+
+def assert_all_correct(results, expect):
+    """Every rank ran exactly the expected cases, checked something in each,
+    and found no mismatch; where ranks report a digest of all their results,
+    it is the same on every rank (bit-identical results)."""
+    for rank, r in results.items():
+        assert sorted(r["cases"]) == sorted(expect), (rank, sorted(r["cases"]))
+        for name, case in r["cases"].items():
+            assert case["bad"] == [], (rank, name, case["bad"][:5])
+            assert case["checked"] > 0, (rank, name)
+    digests = {r["digest"] for r in results.values() if "digest" in r}
+    assert len(digests) <= 1, {k: r.get("digest") for k, r in results.items()}
+
+
+def core_is_installed(cwd):
+    """None when jax_arx with its C++ module imports in a fresh interpreter
+    (outside the source tree), else the reason it does not."""
+    probe = subprocess.run([sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True,
+                           cwd=cwd, env=clean_env())
+    if probe.returncode == 0:
+        return None
+    return "jax_arx is not installed with its C++ module (pip install .): " + probe.stderr.strip().splitlines()[-1]
