@@ -49,7 +49,7 @@ def parse_args():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--tokens", type=int, default=4, help="decode batch: tokens per step")
     p.add_argument("--context", type=int, default=64, help="KV cache length")
-    p.add_argument("--calls", type=int, default=64, help="dependent collectives per timed program")
+    p.add_argument("--calls", type=int, default=200, help="dependent collectives per timed program")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median)")
     p.add_argument("--sizes-kb", default="8,64,256,512")
     p.add_argument("--json", help="write the measurements to this file (rank 0)")
