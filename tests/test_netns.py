@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import launched
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "two_hosts.py"
 NET = "198.51.100"
@@ -64,9 +66,11 @@ def test_psum_across_two_hosts_over_tcp(two_hosts):
     port = _free_port()
     procs = []
     for i, ns in enumerate(two_hosts):
-        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"{NET}.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(i), JAX_PLATFORMS="cpu", JAX_ARX_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
-        env.pop("JAX_ARX_TRANSPORT", None)  # automatic choice: different hosts -> tcp
+        # A clean environment (no jax/XLA settings of the test process), and
+        # no JAX_ARX_TRANSPORT: the automatic choice must find tcp.
+        env = launched.clean_env(dict(JAX_COORDINATOR_ADDRESS=f"{NET}.1:{port}", JAX_NUM_PROCESSES="2",
+                                      JAX_PROCESS_ID=str(i), JAX_PLATFORMS="cpu", JAX_ARX_TIMEOUT_S="60",
+                                      PYTHONUNBUFFERED="1"))
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(WORKER)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
