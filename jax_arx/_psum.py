@@ -52,7 +52,7 @@ FFI_TARGET = "jax_arx_psum"
 
 # Algorithm numbers, the handler's `algorithm` attribute.
 ONE_SHOT = 1  # every rank sends its whole partial to every peer, then sums
-TWO_SHOT = 2  # reduce-scatter then all-gather (CUDA side, later)
+TWO_SHOT = 2  # reduce-scatter then all-gather, each its own seq (CUDA side, mesh)
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
@@ -143,12 +143,27 @@ class _Decision(NamedTuple):
 
 def choose_algorithm(nbytes: int, comm: _comm.Communicator) -> int | None:
     """The algorithm for a partial of ``nbytes`` on ``comm``, or None when no
-    algorithm takes that size. The one place the size envelope is decided:
-    the one-shot sends the whole partial into each peer's slot, so it takes
-    up to ``slot_bytes``."""
-    if nbytes <= comm.slot_bytes:
+    algorithm takes that size (then jax.lax.psum). The one place the size
+    envelope is decided:
+
+    - one-shot up to ``JAX_ARX_ONESHOT_MAX_BYTES`` (default, and at most,
+      ``slot_bytes``: the whole partial goes into each peer's slot);
+    - above it, on GPUs, two-shot up to ``min(send_bytes, world * slot_bytes)``
+      (the partial is staged in a send buffer, and each peer's chunk fills a
+      slot); the CPU device side has no two-shot.
+
+    Measured on 2 H200s (examples/bench_psum.py): at world 2 the two-shot is
+    never faster than the one-shot (it moves the same bytes and adds a round
+    trip), so the one-shot takes all it can; the two-shot extends the envelope.
+    """
+    cfg = _config.load()
+    oneshot_max = min(comm.slot_bytes, cfg.oneshot_max_bytes or comm.slot_bytes)
+    if nbytes <= oneshot_max:
         return ONE_SHOT
-    # The CUDA two-shot will take partials up to send_bytes here.
+    world = comm.endpoints[0].world if comm.endpoints else 0
+    on_gpu = bool(comm.endpoints) and comm.endpoints[0].device.platform != "cpu"
+    if on_gpu and world > 0 and nbytes <= min(comm.send_bytes, world * comm.slot_bytes):
+        return TWO_SHOT
     return None
 
 

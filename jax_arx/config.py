@@ -20,6 +20,8 @@ JAX_ARX_ON_FAILURE         raise | abort (exit the process with     raise
                            the failure message)
 JAX_ARX_SLOT_BYTES         per-peer slot; the one-shot size limit   1 MiB
 JAX_ARX_SEND_BYTES         per-parity send buffer (two-shot)        4 MiB
+JAX_ARX_ONESHOT_MAX_BYTES  one-shot up to here, then two-shot (GPU)  slot
+                           up to min(send, world x slot)            bytes
 JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the prefill ops     32 MiB
                            (all_gather output, psum_scatter input;
                            0: none, they fall back to jax.lax)
@@ -85,6 +87,7 @@ class Config:
     fallback: str = "lax"
     on_failure: str = "raise"
     slot_bytes: int = 1 << 20
+    oneshot_max_bytes: int | None = None  # None: slot_bytes (see _psum.choose_algorithm)
     send_bytes: int = 4 << 20
     # all_gather / psum_scatter / the fused MoE combine: the largest gathered
     # output (or scattered input) per call. An endpoint pins 4x this.
@@ -164,6 +167,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         fallback=_choice(env, "JAX_ARX_FALLBACK", FALLBACKS, defaults.fallback),
         on_failure=_choice(env, "JAX_ARX_ON_FAILURE", ON_FAILURE, defaults.on_failure),
         slot_bytes=slot_bytes,
+        oneshot_max_bytes=_size(env, "JAX_ARX_ONESHOT_MAX_BYTES", None),
         send_bytes=send_bytes,
         prefill_slot_bytes=_size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.prefill_slot_bytes),
         tcp_addr=_ipv4(env, "JAX_ARX_TCP_ADDR"),
