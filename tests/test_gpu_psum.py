@@ -364,10 +364,11 @@ def worker_collective(layout, quick):
                                            first=int(bad[0]), got=float(got[bad[0]]), want=float(want[bad[0]])))
                 digest = (digest * 1000003 + int(_bits(got).astype(np.uint64).sum())) % (1 << 61)
 
-    # 2. jax_arx.psum itself (its algorithm choice), aliasing, prefetch operands.
+    # 2. jax_arx.psum itself (its algorithm choice: one-shot, and past the
+    # 1 MiB slot the two-shot), aliasing, prefetch operands.
     for name in DTYPES if not CPU_SMOKE else ():
         dt = _np_dtype(name)
-        for c in (5, 4097):
+        for c in (5, 4097, (3 << 19) // dt.itemsize + 1):
             p = _inputs(dt, c, world, seed=7 + c)
             out = _sharded(jax, mesh, lambda x: jax_arx.psum(x, "x"))(_global(jax, mesh, p))
             for rank, got in _local_results(out, c).items():
