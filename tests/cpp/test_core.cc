@@ -11,6 +11,9 @@
 // a release store through one mapping with the acquire load through the
 // other, so it reports races that are not there. Sanitizer runs use tcp,
 // whose receiving thread writes through the region's own address.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -254,6 +257,36 @@ void test_mismatch(TransportKind kind) {
   for (auto& ep : rig.eps) ep->close();
 }
 
+// JAX_ARX_ON_FAILURE=abort: the failure ends the process with its message
+// and exit status 1 (in a forked child, so the test goes on).
+void test_abort_on_failure(TransportKind kind) {
+  int err_pipe[2];
+  if (pipe(err_pipe) != 0) { EXPECT(false, "pipe"); return; }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(err_pipe[1], 2);
+    close(err_pipe[0]);
+    Config cfg;
+    cfg.timeout_s = 0.3;
+    cfg.abort_on_failure = true;
+    Rig rig;
+    if (!make_rig(kind, 2, rig, cfg)) _exit(3);
+    std::vector<float> in(4, 1.0f), out(4);
+    host::allreduce(*rig.eps[0], DType::kF32, in.data(), out.data(), 4, 0);  // rank 1 never calls
+    _exit(0);  // not reached: the failure ends the process
+  }
+  close(err_pipe[1]);
+  std::string err;
+  char buf[512];
+  for (ssize_t n; (n = read(err_pipe[0], buf, sizeof buf)) > 0;) err.append(buf, (size_t)n);
+  close(err_pipe[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 1, "abort: child status %d, stderr: %s", status, err.c_str());
+  EXPECT(err.find("waiting for rank 1") != std::string::npos && err.find("JAX_ARX_ON_FAILURE=abort") != std::string::npos,
+         "abort message names the peer and the setting: %s", err.c_str());
+}
+
 // Ranks whose settings differ fail connect, saying what differs.
 void test_fingerprint(TransportKind kind) {
   std::vector<std::shared_ptr<Endpoint>> eps(2);
@@ -305,6 +338,7 @@ int main(int argc, char** argv) {
     test_timeout(k);
     test_mismatch(k);
     test_fingerprint(k);
+    test_abort_on_failure(k);
     printf("%s: %s\n", transport_name(k), g_failures == before ? "ok" : "FAILED");
     passed += g_failures == before;
   }
