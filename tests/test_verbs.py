@@ -214,7 +214,7 @@ def test_verbs_soft_roce(tmp_path):
 
 @pytest.mark.verbs
 @pytest.mark.slow
-def test_psum_soft_roce():
+def test_psum_soft_roce(summary_line):
     """jax_arx.psum between two processes in the VM over soft-RoCE, every result
     checked bit for bit against numpy's fp32 rank-order sum (bf16, f16, f32,
     sizes 1 to 131071, 288 back-to-back calls per phase): two roots per rank,
@@ -256,6 +256,10 @@ def test_psum_soft_roce():
     # The bytes really crossed the veth wire.
     sent = re.search(r"psum over verbs: veth0 sent (\d+) packets", out)
     assert sent and int(sent.group(1)) > 1000, sent
+    for line in out.splitlines():
+        if line.startswith("verbs_psum: [rank 0] PASS"):
+            summary_line(line if len(line) < 400 else line[:400] + " ...")
+    summary_line(f"soft-RoCE psum test: {wall:.1f} s wall, veth0 sent {sent.group(1)} packets")
 
 
 # --- configuration and the automatic choice (no RDMA needed) ----------------
