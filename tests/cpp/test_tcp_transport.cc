@@ -3,9 +3,9 @@
 // puts, a large put, frames the receiver must refuse, strangers that must
 // write nothing, connect errors and close. Returns non-zero on failure.
 //
-// Raw-socket cases speak the wire format by hand (Hello and FrameHeader
-// below mirror ffi/transport/tcp.cc): they stand for a stranger or a faulty
-// peer, which is exactly what the receiver's checks are for.
+// Raw-socket cases speak the wire format by hand (transport/tcp_wire.h): they
+// stand for a stranger or a faulty peer, which is exactly what the receiver's
+// checks are for.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -26,9 +26,11 @@
 #include "comm/config.h"
 #include "comm/layout.h"
 #include "comm/region.h"
+#include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
 using namespace arx;
+using namespace arx::tcp_wire;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -47,22 +49,6 @@ std::mutex g_print_mu;
     }                                                                            \
   } while (0)
 
-constexpr uint64_t kHelloMagic = 0x4f4c4c4548585241ull;
-constexpr uint64_t kFrameMagic = 0x454d415246585241ull;
-constexpr uint64_t kByeMagic = 0x0000455942585241ull;
-constexpr uint64_t kAckMagic = 0x00004b4341585241ull;
-struct Hello {
-  uint64_t magic;
-  uint32_t version;
-  int32_t world, rank, root;
-  uint32_t secret_len;
-  uint32_t reserved;
-  uint8_t secret[64];
-};
-struct FrameHeader {
-  uint64_t magic, offset, len, flag_offset, flag_value;
-};
-static_assert(sizeof(Hello) == 96 && sizeof(FrameHeader) == 40, "wire format");
 
 const std::string kSecret = "test-secret-\x01\x02\x03-0123456789abcdef";
 
@@ -507,12 +493,12 @@ bool read_ack(int fd) {
 Hello make_hello(const std::string& secret, int world, int rank, int root) {
   Hello h{};
   h.magic = kHelloMagic;
-  h.version = 1;
+  h.version = kWireVersion;
   h.world = world;
   h.rank = rank;
   h.root = root;
   h.secret_len = (uint32_t)secret.size();
-  memcpy(h.secret, secret.data(), std::min<size_t>(secret.size(), 64));
+  memcpy(h.secret, secret.data(), std::min<size_t>(secret.size(), kMaxSecret));
   return h;
 }
 
