@@ -26,8 +26,10 @@
 
 #include "comm/endpoint.h"
 #include "host/collectives.h"
+#include "rig.h"
 
 using namespace arx;
+using namespace arx::testing;
 
 namespace {
 
@@ -92,48 +94,7 @@ void ref_store(DType t, uint8_t* p, float f) {
   }
 }
 
-struct Rig {
-  std::vector<std::shared_ptr<Endpoint>> eps;
-};
 
-bool make_rig(TransportKind kind, int world, Rig& rig, Config cfg = Config()) {
-  std::vector<std::string> details(world);
-  rig.eps.resize(world);
-  for (int r = 0; r < world; ++r) {
-    EndpointSpec s;
-    s.comm_id = 7;
-    s.device_ordinal = 0;
-    s.rank = r;
-    s.world = world;
-    s.transport = kind;
-    s.name = "test";
-    s.secret = "secret-of-this-test";
-    s.config = cfg;
-    Status st = Endpoint::create(s, rig.eps[r]);
-    if (!st.ok()) {
-      fprintf(stderr, "create: %s\n", st.message().c_str());
-      return false;
-    }
-    details[r] = rig.eps[r]->details();
-  }
-  std::vector<std::thread> ts;
-  std::vector<Status> sts(world);
-  for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { sts[r] = rig.eps[r]->connect(details); });
-  for (auto& t : ts) t.join();
-  for (int r = 0; r < world; ++r)
-    if (!sts[r].ok()) {
-      fprintf(stderr, "connect: %s\n", sts[r].message().c_str());
-      return false;
-    }
-  return true;
-}
-
-// Every rank runs `body(rank)` in its own thread.
-void on_ranks(int world, const std::function<void(int)>& body) {
-  std::vector<std::thread> ts;
-  for (int r = 0; r < world; ++r) ts.emplace_back(body, r);
-  for (auto& t : ts) t.join();
-}
 
 void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-4.f, 4.f);
@@ -148,7 +109,7 @@ void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt1993
 
 void test_allreduce(TransportKind kind, int world, DType dtype, const std::vector<uint64_t>& counts, int repeats) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) {
+  if (!make_rig(kind, world, rig, Config())) {
     EXPECT(false, "rig %s world %d", transport_name(kind), world);
     return;
   }
@@ -195,7 +156,7 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
 // Thousands of back-to-back calls: parity reuse under load.
 void test_back_to_back(TransportKind kind, int world, int calls) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, world, rig, Config())) { EXPECT(false, "rig"); return; }
   std::vector<int> bad(world, 0);
   on_ranks(world, [&](int r) {
     std::vector<float> in(97), out(97);

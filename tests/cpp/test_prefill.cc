@@ -24,8 +24,11 @@
 #include "comm/endpoint.h"
 #include "host/collectives.h"
 #include "host/prefill.h"
+#include "rig.h"
 
 using namespace arx;
+using arx::testing::on_ranks;
+using arx::testing::Rig;
 
 namespace {
 
@@ -102,13 +105,6 @@ void ref_store(DType t, uint8_t* p, float f) {
 
 // ---- rigs -------------------------------------------------------------------
 
-struct Rig {
-  std::vector<std::shared_ptr<Endpoint>> eps;
-  ~Rig() {
-    for (auto& ep : eps)
-      if (ep) ep->close();
-  }
-};
 
 Config test_config() {
   Config c;
@@ -119,42 +115,10 @@ Config test_config() {
   return c;
 }
 
-bool make_rig(TransportKind kind, int world, Rig& rig, Config cfg = test_config()) {
-  std::vector<std::string> details(world);
-  rig.eps.resize(world);
-  for (int r = 0; r < world; ++r) {
-    EndpointSpec s;
-    s.comm_id = 11;
-    s.rank = r;
-    s.world = world;
-    s.transport = kind;
-    s.name = "prefill";
-    s.secret = "secret-of-this-test";
-    s.config = cfg;
-    const Status st = Endpoint::create(s, rig.eps[r]);
-    if (!st.ok()) {
-      fprintf(stderr, "create: %s\n", st.message().c_str());
-      return false;
-    }
-    details[r] = rig.eps[r]->details();
-  }
-  std::vector<std::thread> ts;
-  std::vector<Status> sts(world);
-  for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { sts[r] = rig.eps[r]->connect(details); });
-  for (auto& t : ts) t.join();
-  for (int r = 0; r < world; ++r)
-    if (!sts[r].ok()) {
-      fprintf(stderr, "connect: %s\n", sts[r].message().c_str());
-      return false;
-    }
-  return true;
+bool prefill_rig(TransportKind kind, int world, Rig& rig, const Config& cfg = test_config()) {
+  return testing::make_rig(kind, world, rig, cfg, "prefill", 11);
 }
 
-void on_ranks(int world, const std::function<void(int)>& body) {
-  std::vector<std::thread> ts;
-  for (int r = 0; r < world; ++r) ts.emplace_back(body, r);
-  for (auto& t : ts) t.join();
-}
 
 std::vector<uint8_t> random_bytes(uint64_t n, std::mt19937& rng) {
   std::vector<uint8_t> v(n);
@@ -178,7 +142,7 @@ const char* name(TransportKind k) { return transport_name(k); }
 // [rows][world][block].
 void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<uint64_t, uint64_t>>& sizes) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
   std::mt19937 rng(world * 31 + (int)kind);
   for (int rep = 0; rep < 2; ++rep)
     for (auto [outer, block] : sizes) {
@@ -210,7 +174,7 @@ void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<
 void test_reduce_scatter(TransportKind kind, int world, DType dtype,
                          const std::vector<std::pair<uint64_t, uint64_t>>& shapes) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
   std::mt19937 rng(world * 57 + (int)dtype);
   const int es = dtype_size(dtype);
   for (int rep = 0; rep < 2; ++rep)
@@ -274,7 +238,7 @@ std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::
 
 void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
   std::mt19937 rng(world * 91);
   for (const MoeCase& c : cases) {
     const uint64_t padded = (c.tokens + world - 1) / world * world, per = padded / world;
@@ -341,7 +305,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
 // parity reuse of every buffer, and the ring wrapping many times.
 void test_back_to_back(TransportKind kind, int world, int calls) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
   std::vector<int> bad(world, 0);
   std::vector<std::string> why(world);
   on_ranks(world, [&](int r) {
@@ -400,7 +364,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
 // in order, so a flag that says "piece k" always finds pieces 0..k in place.
 void test_out_of_order_producer(TransportKind kind, int world) {
   Rig rig;
-  if (!make_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
   const uint64_t per = 29, H = 24, row = H * 2, slice = per * row;  // uneven row pieces
   const uint64_t seq = 1, desc = 0x123;
   std::vector<int> bad(world, 0);
@@ -471,7 +435,7 @@ void test_timeout(TransportKind kind) {
   Config cfg = test_config();
   cfg.timeout_s = 0.5;
   Rig rig;
-  if (!make_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!prefill_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
   std::vector<std::vector<uint16_t>> in(2, std::vector<uint16_t>(30, 0x3f80)), out(2, std::vector<uint16_t>(10, 0));
   std::vector<Status> sts(2);
   const auto t0 = std::chrono::steady_clock::now();
@@ -501,7 +465,7 @@ void test_mismatch(TransportKind kind) {
   Config cfg = test_config();
   cfg.timeout_s = 5;
   Rig rig;
-  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!prefill_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
   std::vector<float> a(64, 1.0f), o0(128), o1(32);
   Status s0, s1;
   on_ranks(2, [&](int r) {
@@ -518,7 +482,7 @@ void test_mismatch(TransportKind kind) {
 // Sizes beyond the prefill slot are refused before anything is sent.
 void test_too_big(TransportKind kind) {
   Rig rig;
-  if (!make_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
+  if (!prefill_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
   const uint64_t bytes = (8 << 20) / 2 + 16;
   std::vector<uint8_t> x(bytes), y(2 * bytes);
   const Status s = host::all_gather(*rig.eps[0], x.data(), y.data(), bytes, 1, 1, std::nullopt, 0);

@@ -1,0 +1,66 @@
+// Ranks as threads of one process: a communicator's endpoints, created and
+// connected together, for the C++ core tests.
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/endpoint.h"
+
+namespace arx::testing {
+
+// Every rank's endpoint; closed when the rig goes.
+struct Rig {
+  std::vector<std::shared_ptr<Endpoint>> eps;
+  ~Rig() {
+    for (auto& ep : eps)
+      if (ep) ep->close();
+  }
+};
+
+// Creates `world` endpoints over `kind` and connects them concurrently, as
+// ranks do. False (with the reason on stderr) if any step fails.
+inline bool make_rig(TransportKind kind, int world, Rig& rig, const Config& cfg, const std::string& name = "test",
+                     int64_t comm_id = 7) {
+  std::vector<std::string> details(world);
+  rig.eps.resize(world);
+  for (int r = 0; r < world; ++r) {
+    EndpointSpec s;
+    s.comm_id = comm_id;
+    s.rank = r;
+    s.world = world;
+    s.transport = kind;
+    s.name = name;
+    s.secret = "secret-of-this-test";
+    s.config = cfg;
+    const Status st = Endpoint::create(s, rig.eps[r]);
+    if (!st.ok()) {
+      fprintf(stderr, "create: %s\n", st.message().c_str());
+      return false;
+    }
+    details[r] = rig.eps[r]->details();
+  }
+  std::vector<std::thread> ts;
+  std::vector<Status> sts(world);
+  for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { sts[r] = rig.eps[r]->connect(details); });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; ++r)
+    if (!sts[r].ok()) {
+      fprintf(stderr, "connect: %s\n", sts[r].message().c_str());
+      return false;
+    }
+  return true;
+}
+
+// Every rank runs `body(rank)` in its own thread.
+inline void on_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) ts.emplace_back(body, r);
+  for (auto& t : ts) t.join();
+}
+
+}  // namespace arx::testing
