@@ -179,12 +179,10 @@ Status Endpoint::connect(const std::vector<std::string>& all) {
     carrier[j] = all[j].substr(sizeof(Fingerprint));
   }
   ARX_RETURN_IF_ERROR(transport_->connect(carrier, spec_.config.timeout_s));
-  // The CPU device side posts its psum seqs itself (host/collectives.cc);
-  // the CUDA side does so on shm (cuda/attach.cc). Its puts then run beside
-  // the proxy's (prefill pieces, poll()), which the shm and tcp carriers
-  // allow (tcp: a lock per stream); the verbs carrier keeps every put and
-  // poll on the proxy thread.
-  if (spec_.platform == Platform::kHost && spec_.transport != TransportKind::kVerbs) set_device_sends();
+  // The CPU device side posts its psum seqs itself (host/collectives.cc)
+  // where the carrier allows puts beside the proxy's; the CUDA side does so
+  // on shm (cuda/attach.cc).
+  if (spec_.platform == Platform::kHost && transport_->puts_from_any_thread()) set_device_sends();
   proxy_ = std::make_unique<Proxy>(*this);
   proxy_->start();
   connected_ = true;

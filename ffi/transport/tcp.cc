@@ -168,6 +168,9 @@ class TcpTransport final : public Transport {
   Status connect(const std::vector<std::string>& details, double timeout_s) override;
   Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
              uint64_t flag_value) override;
+  // Each outbound stream has its own lock, and so has the sticky error.
+  bool puts_from_any_thread() const override { return true; }
+
   Status poll() override {
     std::lock_guard<std::mutex> lk(send_error_mu_);
     return send_error_;

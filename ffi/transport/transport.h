@@ -59,6 +59,10 @@ class Transport {
   // `src` lies inside this endpoint's region.
   virtual Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
                      uint64_t flag_value) = 0;
+  // Whether put() may be called from a thread other than the proxy's, while
+  // the proxy puts and polls (the CPU device side sends its own psum seqs
+  // where it may).
+  virtual bool puts_from_any_thread() const = 0;
   // Reaps completions; returns the first error, which is sticky.
   virtual Status poll() = 0;
   // This process's mapping of `peer`'s whole region, where a carrier has one

@@ -133,6 +133,10 @@ class VerbsTransport final : public Transport {
   Status connect(const std::vector<std::string>& details, double timeout_s) override;
   Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
              uint64_t flag_value) override;
+  // The signalled-every-N counters and the completion reaping are the
+  // proxy thread's alone.
+  bool puts_from_any_thread() const override { return false; }
+
   Status poll() override {
     if (error_.ok()) reap();
     return error_;
