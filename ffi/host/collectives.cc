@@ -42,8 +42,6 @@ Status wait_peers(Endpoint& ep, uint64_t seq, uint64_t desc) {
 
 }  // namespace
 
-void fill_nan_buffer(DType dtype, void* out, uint64_t count) { fill_nan(dtype, out, count); }
-
 Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag) {
   const uint64_t bytes = count * dtype_size(dtype);
   if (ep.failed()) {

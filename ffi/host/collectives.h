@@ -20,7 +20,4 @@ namespace arx::host {
 // Callers serialize calls on one endpoint (Endpoint::host_call_mu).
 Status allreduce(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag);
 
-// Fills count elements of dtype at out with NaN: what a failed call leaves.
-void fill_nan_buffer(DType dtype, void* out, uint64_t count);
-
 }  // namespace arx::host

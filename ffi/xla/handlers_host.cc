@@ -5,11 +5,24 @@
 #include <vector>
 
 #include "host/collectives.h"
+#include "host/convert.h"
 #include "host/prefill.h"
 #include "xla/handlers.h"
 
 namespace arx::xla {
 namespace {
+
+// Fills every result from index `from` on with what a failed call leaves:
+// NaN of a reducing type, every byte 0xFF otherwise (a NaN in every
+// floating type). Never stale memory.
+void fill_failed_results(ffi::RemainingRets& rets, size_t from) {
+  for (size_t j = from; j < rets.size(); ++j)
+    if (auto yj = rets.get<ffi::AnyBuffer>(j); yj.has_value()) {
+      if (auto dj = dtype_of((*yj)->element_type()))
+        host::fill_nan(*dj, (*yj)->untyped_data(), (*yj)->element_count());
+      else std::memset((*yj)->untyped_data(), 0xFF, (*yj)->size_bytes());
+    }
+}
 
 // x[0..n) -> y[0..n), each summed over the communicator, one collective per
 // pair in operand order. Operands past the n-th are dependency operands:
@@ -40,25 +53,11 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     const Status s = host::allreduce(*ep, *dtype, x->untyped_data(), (*y)->untyped_data(), x->element_count(),
                                      (uint64_t)site * 64 + i);
     if (!s.ok()) {
-      for (size_t j = i + 1; j < rets.size(); ++j)  // the rest of the call gives NaN too, never stale memory
-        if (auto yj = rets.get<ffi::AnyBuffer>(j); yj.has_value())
-          if (auto dj = dtype_of((*yj)->element_type())) host::fill_nan_buffer(*dj, (*yj)->untyped_data(), (*yj)->element_count());
+      fill_failed_results(rets, i + 1);  // the rest of the call too, never stale memory
       return ffi::Error::Internal(s.message());
     }
   }
   return ffi::Error::Success();
-}
-
-// Fills every result from index `from` on with what a failed call leaves:
-// NaN of a reducing type, every byte 0xFF otherwise (a NaN in every
-// floating type). Never stale memory.
-void fill_failed_results(ffi::RemainingRets& rets, size_t from) {
-  for (size_t j = from; j < rets.size(); ++j)
-    if (auto yj = rets.get<ffi::AnyBuffer>(j); yj.has_value()) {
-      if (auto dj = dtype_of((*yj)->element_type()))
-        host::fill_nan_buffer(*dj, (*yj)->untyped_data(), (*yj)->element_count());
-      else std::memset((*yj)->untyped_data(), 0xFF, (*yj)->size_bytes());
-    }
 }
 
 // The rows of the gathered / scattered dimension (host/prefill.h): the
