@@ -50,6 +50,9 @@ JAX_ARX_CUDA_PIPELINE      1: in direct mode, psum goes chunk by    per size
                            chunk, a flag per chunk; 0: in one
                            piece, one flag
 JAX_ARX_CUDA_CHUNK_BYTES   its chunk size (a tuning knob)           16 KiB
+JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size      built in
+                           carries its flags inside the data (0:
+                           never)
 JAX_ARX_DEBUG              1: log set-up steps                      0
 =========================  =======================================  =========
 
@@ -106,6 +109,7 @@ class Config:
     cuda_direct: bool = True  # shm on GPUs: kernels write the peers' inboxes themselves
     cuda_pipeline: bool | None = None  # direct mode: chunk by chunk; None: the kernels choose per size
     cuda_chunk_bytes: int | None = None  # its chunk size; None: built in
+    cuda_ll_max_bytes: int | None = None  # direct mode: flags inside the data up to here; 0 never; None built in
     debug: bool = False
 
     def endpoint_options(self, tcp_addr: str | None) -> dict[str, str]:
@@ -140,6 +144,8 @@ class Config:
             options["cuda_pipeline"] = "1" if self.cuda_pipeline else "0"
         if self.cuda_chunk_bytes is not None:
             options["cuda_chunk_bytes"] = str(self.cuda_chunk_bytes)
+        if self.cuda_ll_max_bytes is not None:
+            options["cuda_ll_max_bytes"] = str(self.cuda_ll_max_bytes)
         return options
 
 
@@ -182,6 +188,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         cuda_direct=_flag(env, "JAX_ARX_CUDA_DIRECT", defaults.cuda_direct),
         cuda_pipeline=_flag(env, "JAX_ARX_CUDA_PIPELINE", None),
         cuda_chunk_bytes=_size(env, "JAX_ARX_CUDA_CHUNK_BYTES", None),
+        cuda_ll_max_bytes=_size_or_off(env, "JAX_ARX_CUDA_LL_MAX_BYTES", None),
         debug=_flag(env, "JAX_ARX_DEBUG", defaults.debug),
     )
 

@@ -72,6 +72,7 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
     else if (k == "cuda_direct") c.cuda_direct = v == "1" || v == "true";
     else if (k == "cuda_pipeline") ARX_RETURN_IF_ERROR(parse_range(k, v, -1, 1, c.cuda_pipeline));
     else if (k == "cuda_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.cuda_chunk_bytes));
+    else if (k == "cuda_ll_max_bytes") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.cuda_ll_max_bytes));
     else if (k == "verbose") c.verbose = v == "1" || v == "true";
     else return Status::Error(strf("jax_arx: unknown endpoint option '%s'", k.c_str()));
   }
@@ -86,6 +87,9 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
   if (c.cuda_chunk_bytes % 16)
     return Status::Error(strf("jax_arx: cuda_chunk_bytes (%llu) must be a multiple of 16",
                               (unsigned long long)c.cuda_chunk_bytes));
+  if (c.cuda_ll_max_bytes < -1)
+    return Status::Error(strf("jax_arx: cuda_ll_max_bytes (%lld) must be -1 (built in), 0 (off) or a size",
+                              (long long)c.cuda_ll_max_bytes));
   if (c.prefill_slot_bytes % 16)
     return Status::Error(strf("jax_arx: prefill_slot_bytes (%llu) must be a multiple of 16",
                               (unsigned long long)c.prefill_slot_bytes));

@@ -37,6 +37,10 @@ struct Config {
   // per size (pipeline_chunks; today: on at every size); 0: off; 1: on.
   int64_t cuda_pipeline = -1;
   uint64_t cuda_chunk_bytes = 0;   // JAX_ARX_CUDA_CHUNK_BYTES: its chunk size (a tuning knob); 0 = built-in
+  // JAX_ARX_CUDA_LL_MAX_BYTES: in direct mode, a one-shot psum up to this
+  // size goes with its flags inside the data (ffi/cuda/allreduce.cu, "LL").
+  // -1: built in; 0: never.
+  int64_t cuda_ll_max_bytes = -1;
   bool verbose = false;           // JAX_ARX_DEBUG: log set-up steps
 
   // Parses {"slot_bytes": "1048576", ...}; unknown keys are an error, so a

@@ -47,6 +47,7 @@ struct Fingerprint {
   uint64_t prefill_slot_bytes;
   uint64_t cuda_chunk_bytes;  // how the CUDA direct path cuts a partial (part of its descriptor)
   int64_t cuda_pipeline;
+  int64_t cuda_ll_max_bytes;
   uint32_t transport, platform;
   uint32_t layout_bytes;  // the control blocks' sizes, so builds that disagree on them do not talk
   uint32_t pad;
@@ -66,6 +67,7 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.prefill_slot_bytes = s.config.prefill_slot_bytes;
   f.cuda_chunk_bytes = s.config.cuda_chunk_bytes;
   f.cuda_pipeline = s.config.cuda_pipeline;
+  f.cuda_ll_max_bytes = s.config.cuda_ll_max_bytes;
   f.timeout_ms = (uint64_t)(s.config.timeout_s * 1000);
   f.transport = (uint32_t)s.transport;
   f.platform = (uint32_t)s.platform;
@@ -100,6 +102,10 @@ std::string fingerprint_diff(const Fingerprint& mine, const Fingerprint& theirs,
                 "JAX_ARX_CUDA_PIPELINE and JAX_ARX_CUDA_CHUNK_BYTES the same everywhere",
                 j, (long long)theirs.cuda_pipeline, (unsigned long long)theirs.cuda_chunk_bytes,
                 (long long)mine.cuda_pipeline, (unsigned long long)mine.cuda_chunk_bytes);
+  if (mine.cuda_ll_max_bytes != theirs.cuda_ll_max_bytes)
+    return strf("rank %d has cuda_ll_max_bytes %lld, this rank %lld; set JAX_ARX_CUDA_LL_MAX_BYTES the same "
+                "everywhere",
+                j, (long long)theirs.cuda_ll_max_bytes, (long long)mine.cuda_ll_max_bytes);
   if (mine.prefill_slot_bytes != theirs.prefill_slot_bytes)
     return num("prefill_slot_bytes", mine.prefill_slot_bytes, theirs.prefill_slot_bytes,
                "set JAX_ARX_PREFILL_SLOT_BYTES the same everywhere");

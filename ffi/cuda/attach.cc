@@ -123,6 +123,11 @@ Status attach(Endpoint& ep) {
   v.direct = false;
   v.pipeline = (int)ep.spec().config.cuda_pipeline;
   v.chunk_bytes = ep.spec().config.cuda_chunk_bytes;
+  v.ll_max_bytes = ep.spec().config.cuda_ll_max_bytes;
+  v.pctl = reinterpret_cast<PrefillControl*>(base + L.prefill_ctl);
+  v.prefill_send = base + L.prefill_send;
+  v.prefill_recv = base + L.prefill_recv;
+  v.prefill_slot_bytes = L.prefill_slot_bytes;
   bool mapped = want_direct(ep);
   for (int p = 0; p < v.world && mapped; ++p)  // every peer, or none (a carrier that is not connected)
     mapped = p == v.rank || ep.transport()->peer_base(p) != nullptr;
@@ -134,6 +139,7 @@ Status attach(Endpoint& ep) {
       if (e != cudaSuccess) return cuda_error(ep, "pinning a peer's region (cudaHostRegister)", e);
       v.peer_recv[p] = dev + L.recv;
       v.peer_flags[p] = reinterpret_cast<uint64_t*>(dev + L.flags);
+      v.peer_prefill_recv[p] = dev + L.prefill_recv;
     }
     v.direct = true;
     ep.set_device_sends();  // the proxy sends no psum seq from now on

@@ -33,9 +33,17 @@ struct DeviceWords {
   unsigned long long fail_missing;  // bit flag_index(src, root) per source that had not arrived
   unsigned long long fail_flag;     // for a mismatch: the flag word that disagreed
   unsigned long long fail_src;      // for a mismatch: the peer that sent it
-  unsigned long long pad[6];
+  // The prefill ops (prefill.cu): their own sequence state, as on the host
+  // (layout.h, "Sequence state"), and, for the proxy path, how many work
+  // ring entries the kernels have published (the next entry's index).
+  unsigned long long prefill_seq;   // the last prefill seq a kernel of this endpoint ran
+  unsigned long long ring_published;
+  unsigned long long pad0[4];
+  // Per piece, the blocks of one grid done with their share of it:
+  // seq << 16 | count (the last one publishes the piece).
+  unsigned long long piece_arrived[kChunks];
 };
-static_assert(sizeof(DeviceWords) == 128, "DeviceWords: two lines");
+static_assert(sizeof(DeviceWords) == 192, "DeviceWords: three lines");
 
 // What the kernels are handed, by value: device addresses of the endpoint's
 // pinned region and of its device words, and the sizes (plain data).
@@ -59,8 +67,19 @@ struct DeviceView {
   // about chunk_bytes (Config::cuda_chunk_bytes; 0: built in).
   int pipeline;
   uint64_t chunk_bytes;
+  // Direct mode only: a one-shot up to this many bytes carries its flags
+  // inside the data (Config::cuda_ll_max_bytes; -1: built in, 0: never).
+  int64_t ll_max_bytes;
   uint8_t* peer_recv[kMaxWorld];
   uint64_t* peer_flags[kMaxWorld];
+  // The prefill ops (layout.h, "Prefill-sized ops"): the work ring and this
+  // rank's buffers, each [2 parities][prefill_slot_bytes]; in direct mode,
+  // each peer's prefill_recv[0] (null for this rank, and when not direct).
+  PrefillControl* pctl;
+  uint8_t* prefill_send;
+  const uint8_t* prefill_recv;
+  uint64_t prefill_slot_bytes;
+  uint8_t* peer_prefill_recv[kMaxWorld];
 };
 
 // Weight ranges the next kernels read: the kernel asks L2 for them while it

@@ -1,0 +1,74 @@
+// Element types on the device: conversions on raw bits, the same as
+// ffi/host/convert.h (so the CUDA and host device sides round alike), 16-byte
+// vectors of each type, and the grid's thread numbering. Shared by the
+// kernels of ffi/cuda.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "comm/layout.h"
+#include "cuda/ptx.cuh"
+
+namespace arx::cuda {
+
+// Conversions on raw bits, the same as ffi/host/convert.h: bf16 rounds to
+// nearest even by integer arithmetic (NaN stays a quiet NaN with its sign and
+// top payload bits), f16 with cvt.rn (IEEE round to nearest even).
+
+__device__ __forceinline__ float bf16_to_f32(uint32_t h) { return __uint_as_float(h << 16); }
+
+__device__ __forceinline__ uint32_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x0040) & 0xffff;
+  u += 0x7fffu + ((u >> 16) & 1);
+  return u >> 16;
+}
+
+__device__ __forceinline__ float f16_to_f32(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+
+__device__ __forceinline__ uint32_t f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
+
+// An element type: its size, its DType, and 16-byte vectors of it.
+template <DType D>
+struct Elem;
+
+template <>
+struct Elem<DType::kF32> {
+  static constexpr int kSize = 4, kPerVec = 4;
+  static constexpr uint32_t kNan = 0x7fc00000u;
+  __device__ static float get(const uint4& v, int k) { return __uint_as_float((&v.x)[k]); }
+  __device__ static void put(uint4& v, int k, float f) { (&v.x)[k] = __float_as_uint(f); }
+  __device__ static float load_cv(const uint8_t* p) { return __uint_as_float(ld_cv_u32(p)); }
+  __device__ static float load(const uint8_t* p) { return *reinterpret_cast<const float*>(p); }
+  __device__ static void store(uint8_t* p, float f) { *reinterpret_cast<float*>(p) = f; }
+};
+
+template <DType D>
+struct Elem16 {
+  static constexpr int kSize = 2, kPerVec = 8;
+  static constexpr uint32_t kNan = D == DType::kBF16 ? 0x7fc0u : 0x7e00u;
+  __device__ static float to_f32(uint32_t h) { return D == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h); }
+  __device__ static uint32_t from_f32(float f) { return D == DType::kBF16 ? f32_to_bf16(f) : f32_to_f16(f); }
+  __device__ static float get(const uint4& v, int k) { return to_f32(((&v.x)[k >> 1] >> (16 * (k & 1))) & 0xffff); }
+  __device__ static void put(uint4& v, int k, float f) {
+    uint32_t& w = (&v.x)[k >> 1];
+    const int shift = 16 * (k & 1);
+    w = (w & ~(0xffffu << shift)) | (from_f32(f) << shift);
+  }
+  __device__ static float load_cv(const uint8_t* p) { return to_f32(ld_cv_u16(p)); }
+  __device__ static float load(const uint8_t* p) { return to_f32(*reinterpret_cast<const uint16_t*>(p)); }
+  __device__ static void store(uint8_t* p, float f) { *reinterpret_cast<uint16_t*>(p) = (uint16_t)from_f32(f); }
+};
+template <>
+struct Elem<DType::kBF16> : Elem16<DType::kBF16> {};
+template <>
+struct Elem<DType::kF16> : Elem16<DType::kF16> {};
+
+__device__ __forceinline__ uint64_t global_thread() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ uint64_t grid_threads() { return (uint64_t)gridDim.x * blockDim.x; }
+__device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+}  // namespace arx::cuda
