@@ -259,6 +259,15 @@ constexpr int kPrefillFlagBase = 128;
 static_assert(kPrefillFlagBase + 2 * kMaxWorld * kRoots <= (int)kHandshakeWord, "prefill flags overlap the handshake");
 ARX_HD int prefill_flag_index(int src, int root) { return kPrefillFlagBase + src * kRoots + root; }
 
+// Flag words of the prefill ops in CUDA direct mode (ffi/cuda/prefill.cu):
+// the kernels write a peer's prefill_recv themselves, piece by piece from
+// many blocks at once, so a piece's flag cannot cover the earlier pieces as
+// a carrier's ordered channel does; each (source, piece) has its own word,
+// progress prefill_progress(seq, piece) with the op's descriptor, written
+// only by kernels.
+constexpr int kPrefillPieceFlagBase = kPrefillFlagBase + 2 * kMaxWorld * kRoots;
+ARX_HD int prefill_piece_flag_index(int src, int piece) { return kPrefillPieceFlagBase + src * kChunks + piece; }
+
 // Flag words of the pipelined one-shot psum (CUDA direct mode, ffi/cuda/
 // allreduce.cu): the kernels write a partial into each peer's inbox chunk by
 // chunk, each chunk followed by its own flag, so the peer sums chunk c as soon
@@ -268,7 +277,7 @@ ARX_HD int prefill_flag_index(int src, int root) { return kPrefillFlagBase + src
 // of the communicator: a partial goes in at most psum_chunk_max(world) chunks.
 constexpr int kPsumChunkFlagBase = 240;
 constexpr int kPsumChunkFlagWords = 256;
-static_assert(kPsumChunkFlagBase >= kPrefillFlagBase + 2 * kMaxWorld * kRoots, "chunk flags overlap the prefill flags");
+static_assert(kPsumChunkFlagBase >= kPrefillPieceFlagBase + kMaxWorld * kChunks, "chunk flags overlap the prefill flags");
 static_assert(kPsumChunkFlagBase + kPsumChunkFlagWords <= (int)kHandshakeWord, "chunk flags overlap the handshake");
 ARX_HD int psum_chunk_max(int world) { return kPsumChunkFlagWords / (world > 0 ? world : 1); }
 ARX_HD int psum_chunk_flag_index(int src, int chunk, int world) {
