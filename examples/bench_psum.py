@@ -15,8 +15,15 @@ Series (one two-process job each, since NCCL reads its environment once):
   arx-shm        jax_arx over the shm carrier: jax_arx.psum's own choice, and
                  one-shot and two-shot forced (direct FFI calls); the kernels
                  write the peer's inbox themselves, the one-shot as jax_arx
-                 chooses per size (today: chunk by chunk, a flag per chunk,
-                 in 16 KiB chunks)
+                 chooses per size (today: up to 16 KiB in 16-byte lines
+                 that carry their flags inside the data, the "LL" one-shot;
+                 above, chunk by chunk, a flag per chunk, in 16 KiB chunks)
+  arx-shm-noll   the same with the LL one-shot off
+                 (JAX_ARX_CUDA_LL_MAX_BYTES=0): chunk by chunk at every size
+  arx-shm-ll128k the same with LL up to its cap, 128 KiB
+                 (JAX_ARX_CUDA_LL_MAX_BYTES=128KiB); with arx-shm-noll, what
+                 the built-in limit was chosen from (run them with
+                 --sizes 8192,16384,32768,65536,131072)
   arx-shm-whole  the same with the one-shot in one piece, one flag, the
                  blocks meeting before the flag (JAX_ARX_CUDA_PIPELINE=0)
   arx-shm-pipe8k the same chunk by chunk in 8 KiB chunks
@@ -41,17 +48,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 import numpy as np
+
+from bench_common import median_seconds, run_config as launch_config, size_label
 
 THIS = os.path.abspath(__file__)
 SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 2 << 20, 4 << 20]
 CONFIGS = {
     "arx-shm": {"JAX_ARX_TRANSPORT": "shm"},
+    "arx-shm-noll": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "0"},
+    "arx-shm-ll128k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "128KiB"},
     "arx-shm-whole": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "0"},
     "arx-shm-pipe8k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "8KiB"},
     "arx-shm-pipe32k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "32KiB"},
@@ -109,16 +117,7 @@ def worker(config, sizes, k, samples, reps, out_path, which=ARX_COLLECTIVES):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 
     def timed(f, x):
-        f(x).block_until_ready()  # compile, capture, warm up
-        f(x).block_until_ready()
-        per_run = []
-        for _ in range(samples):
-            t = time.perf_counter()
-            for _ in range(reps):
-                y = f(x)
-            y.block_until_ready()
-            per_run.append((time.perf_counter() - t) / reps)
-        return statistics.median(per_run)
+        return median_seconds(f, x, samples, reps)
 
     results = {}
     for nbytes in sizes:
@@ -164,19 +163,9 @@ def run_config(config, args, out_dir):
     if config.startswith("arx"):
         env.update(ARX_ENV)
     path = os.path.join(out_dir, f"bench_{config}.json")
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", THIS, "--worker", config, "--k", str(args.k),
-           "--samples", str(args.samples), "--reps", str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
-           "--collectives", args.collectives, "--json", path]
-    t = time.time()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    sys.stdout.write(p.stdout[-4000:])
-    if p.returncode != 0:
-        sys.stderr.write(p.stderr[-6000:])
-        print(f"{config}: failed with status {p.returncode}", flush=True)
-        return None
-    print(f"{config}: {time.time() - t:.0f} s", flush=True)
-    with open(path) as f:
-        return json.load(f)
+    return launch_config(THIS, config, env, ["--k", str(args.k), "--samples", str(args.samples), "--reps",
+                                             str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
+                                             "--collectives", args.collectives], path, args.timeout)
 
 
 def table(all_results, sizes):
@@ -188,7 +177,7 @@ def table(all_results, sizes):
                  if n != "baseline_program_us" and not isinstance(v, bool)]
         for name in names:
             series.append((config if config.startswith("nccl") else f"{config} {name}", config, name))
-    head = f"{'series':<28}" + "".join(f"{_size(s):>10}" for s in sizes)
+    head = f"{'series':<28}" + "".join(f"{size_label(s):>10}" for s in sizes)
     lines = [head, "-" * len(head)]
     for label, config, name in series:
         cells = []
@@ -197,10 +186,6 @@ def table(all_results, sizes):
             cells.append(f"{v:>10.1f}" if v is not None else f"{'-':>10}")
         lines.append(f"{label:<28}" + "".join(cells))
     return "\n".join(lines), series
-
-
-def _size(b):
-    return f"{b >> 20} MB" if b >= 1 << 20 else f"{b >> 10} KB"
 
 
 def plot(all_results, series, sizes, path):

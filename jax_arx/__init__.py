@@ -16,7 +16,10 @@ and ``jax.shard_map``::
 Run N local processes with ``python -m jax_arx.launch -n N script.py``.
 
 Public API:
-  psum(x, axis_name)      all-reduce sum over one mesh axis (jax.lax.psum's contract)
+  psum(x, axis_name, *, prefetch=None)
+                          all-reduce sum over one mesh axis (jax.lax.psum's contract);
+                          on GPUs, prefetch (up to 8 arrays, e.g. the next layer's
+                          weights) is fetched into L2 while the call waits
   all_gather(x, axis_name, *, axis=0, tiled=False)
                           gather over one mesh axis (jax.lax.all_gather's contract)
   psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False)

@@ -65,7 +65,8 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     jax_arx runs a gather over one axis that ``jax_arx.initialize(mesh)`` set
     up, of any element type of at least one byte (the bytes are copied as
     they are), whose gathered output fits ``JAX_ARX_PREFILL_SLOT_BYTES``, on
-    the CPU backend over the shm or tcp carrier. Anything else is computed by
+    CPUs or NVIDIA GPUs over the shm or tcp carrier (not yet over verbs).
+    Anything else is computed by
     ``jax.lax.all_gather`` (logged once per reason on the ``"jax_arx"``
     logger, or raising ``JaxArxFallbackError`` if ``JAX_ARX_FALLBACK=error``).
 
@@ -121,8 +122,9 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
 
     jax_arx runs a sum over one axis that ``jax_arx.initialize(mesh)`` set
     up, of float32, bfloat16 or float16, whose input fits
-    ``JAX_ARX_PREFILL_SLOT_BYTES``, on the CPU backend over the shm or tcp
-    carrier; anything else falls back to ``jax.lax.psum_scatter`` as
+    ``JAX_ARX_PREFILL_SLOT_BYTES``, on CPUs or NVIDIA GPUs over the shm or
+    tcp carrier (not yet over verbs); anything else falls back to
+    ``jax.lax.psum_scatter`` as
     ``all_gather`` does.
 
     Args:
@@ -213,7 +215,8 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
 
     jax_arx runs it with ``T`` up to what the prefill slot holds
     (``Tpad * H * 2 <= JAX_ARX_PREFILL_SLOT_BYTES``), ``topk`` up to 16 and
-    ``H`` a multiple of 8, on the CPU backend over shm or tcp; otherwise
+    ``H`` a multiple of 8, on CPUs or NVIDIA GPUs over shm or tcp (not yet
+    over verbs); otherwise
     (logged once per reason) it computes ``moe_combine`` with jax ops and
     reduce-scatters it with ``jax_arx.psum_scatter``. No ``jax.grad`` or
     ``jax.vmap`` rules: it is meant for inference.
@@ -383,11 +386,9 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None, lax_nam
                         "over every mesh axis of size > 1")
     if axis in _compat.unreduced_axes(aval):
         return fallback(("unreduced", axis), f"the input is typed unreduced or reduced over {axis!r}")
-    where = {(le.device.platform, le.transport) for le in comm.endpoints}
-    if any(platform != "cpu" for platform, _ in where):
-        return fallback(("platform", axis), "the prefill ops run on the CPU backend only so far (their CUDA device "
-                        "side is not built yet)")
-    if any(transport not in ("shm", "tcp") for _, transport in where):
+    # Endpoints live on CPUs or NVIDIA GPUs (jax_arx.initialize refuses
+    # other devices); both device sides run these ops over shm and tcp.
+    if any(le.transport not in ("shm", "tcp") for le in comm.endpoints):
         return fallback(("transport", axis), "the prefill ops run over the shm and tcp carriers only so far (the "
                         "verbs carrier does not register their receive buffers yet)")
     if nbytes is None:

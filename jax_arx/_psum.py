@@ -23,6 +23,15 @@ Attributes: the communicator id, the algorithm and the call site's tag;
 every process lowers the same HLO, and the handler finds its endpoint from
 the id and the device it runs on.
 
+A bind may also carry prefetch operands after the leaves (the primitives'
+``prefetch`` parameter counts them): arrays that the kernels after the sum
+read, which the CUDA handler asks the GPU's L2 cache to fetch while it waits
+for the peers. They are a hint, never read for the result. The lowering is
+per platform (``_psum_lowering``): for CUDA they become the call's last
+operands, after the dependency operands, with a ``prefetch`` attribute that
+counts them; for the CPU backend (whose handler binds exactly comm_id,
+algorithm and site) they are left out, as by every fallback to jax.lax.
+
 What jax_arx does not run (see ``_decide``) goes to ``jax.lax.psum``, with
 one log line per distinct reason, or raises ``JaxArxFallbackError`` when
 ``JAX_ARX_FALLBACK=error``.
@@ -39,6 +48,7 @@ from functools import partial
 from typing import NamedTuple
 
 import jax
+from jax.interpreters import ad as _ad  # the JVP registry: jax's public API for primitives
 import numpy as np
 
 from jax_arx import _comm
@@ -56,10 +66,14 @@ TWO_SHOT = 2  # reduce-scatter then all-gather, each its own seq (CUDA side, mes
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
+# The most prefetch arrays one call takes: the CUDA handler's kMaxPrefetch
+# (ffi/cuda/device_side.h), which rejects more.
+MAX_PREFETCH = 8
+
 
 ### public function
 
-def psum(x, axis_name, *, axis_index_groups=None):
+def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
     """All-reduce sum of ``x`` over the mesh axis ``axis_name``, run by
     jax_arx: a drop-in replacement for ``jax.lax.psum`` inside ``jax.jit`` +
     ``jax.shard_map``.
@@ -84,22 +98,41 @@ def psum(x, axis_name, *, axis_index_groups=None):
     The leaves of a pytree that jax_arx runs are summed by one call, one
     leaf after the other.
 
+    ``prefetch`` names arrays that the kernels after this sum read, such as
+    the next layer's weights as the ``shard_map`` body sees them: on GPUs,
+    while the call waits for its peers (and DRAM is idle), it asks the L2
+    cache to fetch them. It is a hint: the result is the same, bit for bit,
+    with or without it, and the arrays are not differentiated through (they
+    get no cotangent from this call). It is ignored on the CPU backend,
+    wherever the sum falls back to ``jax.lax.psum``, for arrays batched by a
+    ``jax.vmap`` (another array per batch member), and for constants. The
+    arrays become operands of the call, so it starts only once they are
+    computed: pass arrays that are already available, such as parameters;
+    an array computed after the psum would delay it (and a later in-place
+    update of one waits for the psum).
+
     Args:
       x: array or pytree of arrays.
       axis_name: a mesh axis name, or a tuple of them.
       axis_index_groups: as in ``jax.lax.psum``; jax_arx does not run these
         (they fall back).
+      prefetch: None, an array, or a pytree of at most ``MAX_PREFETCH`` (8)
+        arrays of any dtype, on the device this body runs on (inside
+        ``shard_map`` every value is).
 
     Returns:
       The sum, with the structure, shapes and dtypes of ``x``.
 
     Raises:
+      ValueError: ``prefetch`` has more than 8 leaves.
+      TypeError: a leaf of ``prefetch`` is not an array.
       JaxArxFallbackError: with ``JAX_ARX_FALLBACK=error``, when the call is
         outside what jax_arx runs; the message says what and why.
       NameError, ValueError: as ``jax.lax.psum`` raises them (unbound axis
         name, invariant input with automatic ``pvary`` disabled, ...).
     """
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    hint = _prefetch_operands(prefetch)  # checked even where it is dropped: the same program runs on GPUs
     if not axes:
         return x
     leaves, treedef = jax.tree.flatten(x)
@@ -115,23 +148,46 @@ def psum(x, axis_name, *, axis_index_groups=None):
         else:
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():  # one group in practice: one communicator, one algorithm
-        for i, y in zip(idx, _bind([leaves[i] for i in idx], axes, decision)):
+        # The first call prefetches; the hint is dropped with the leaves left to jax.lax.
+        for i, y in zip(idx, _bind([leaves[i] for i in idx], axes, decision, hint)):
             out[i] = y
+        hint = ()
     return jax.tree.unflatten(treedef, out)
 
 
-def _bind(leaves, axes, decision):
+def _prefetch_operands(prefetch) -> tuple:
+    """The leaves of ``psum``'s ``prefetch`` argument that can be operands
+    of the call: traced arrays of ordinary dtypes. A constant is not a
+    buffer the program reads from DRAM, and an extended dtype (a PRNG key)
+    has no plain buffer type; both are dropped, as a hint may be."""
+    if prefetch is None:
+        return ()
+    leaves = jax.tree.leaves(prefetch)
+    if len(leaves) > MAX_PREFETCH:
+        raise ValueError(f"jax_arx.psum: prefetch has {len(leaves)} arrays; a call prefetches at most "
+                         f"{MAX_PREFETCH} (MAX_PREFETCH, the CUDA handler's limit): pass the largest ones")
+    for leaf in leaves:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(f"jax_arx.psum: prefetch takes arrays or pytrees of arrays, got a leaf of type "
+                            f"{type(leaf).__name__}")
+    return tuple(leaf for leaf in leaves if isinstance(leaf, _compat.Tracer)
+                 and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended))
+
+
+def _bind(leaves, axes, decision, prefetch=()):
     """Sums ``leaves`` with one bind, typed as jax.lax.psum's own non-constant
-    path (bind_psum_invariant) types each of them."""
+    path (bind_psum_invariant) types each of them, prefetching the arrays
+    ``prefetch``."""
     params = dict(axes=axes, comm_id=decision.comm_id, algorithm=decision.algorithm)
+    prim = psum_p
     if _compat.check_vma_enabled():
+        prim = psum_invariant_p
         leaves = list(leaves)
         for i, leaf in enumerate(leaves):
             missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(leaf)))
             if missing and _compat.auto_pcast_enabled():
                 leaves[i] = _compat.pvary(leaf, missing)
-        return psum_invariant_p.bind(*leaves, **params)
-    return psum_p.bind(*leaves, **params)
+    return prim.bind(*leaves, *prefetch, prefetch=len(prefetch), **params)
 
 
 ### what jax_arx runs, and what it leaves to jax.lax
@@ -241,26 +297,37 @@ def _fallback(key: tuple, why: str) -> None:
 
 
 ### rules
+#
+# Every rule takes the bind's operands: the leaves to sum, then the
+# `prefetch` operands (the last `prefetch` of them), which have no results
+# and no cotangents and are never read for a result.
 
-def _psum_abstract_eval(*avals, axes, comm_id, algorithm, invariant):
+def _split(operands, prefetch):
+    """(leaves, prefetch operands) of a bind's operands."""
+    n = len(operands) - prefetch
+    return list(operands[:n]), list(operands[n:])
+
+
+def _psum_abstract_eval(*avals, axes, comm_id, algorithm, prefetch, invariant):
     # jax.lax.psum's own rules, leaf by leaf: the same result types, shape
     # checks and NamedAxisEffects as the collectives this replaces.
     # invariant=False: jax's psum (check_vma=False); True: jax's
     # psum_invariant (the output no longer varies over `axes`, and an input
     # that does not vary over them is a type error).
     outs, effects = [], set()
-    for aval in avals:
+    for aval in _split(avals, prefetch)[0]:
         out, eff = _compat.lax_psum_abstract_eval(aval, axes, invariant=invariant)
         outs.append(out)
         effects |= set(eff)
     return outs, effects
 
 
-def _psum_lowering(ctx, *xs, axes, comm_id, algorithm):
+def _psum_lowering(ctx, *operands, axes, comm_id, algorithm, prefetch):
     # has_side_effect: XLA must neither merge two identical sums nor drop an
     # unused one, since every rank must issue the same collectives in the
     # same order. The attributes carry no pointers, so every process lowers
     # the same HLO.
+    xs, pf = _split(operands, prefetch)
     comm = _comm.communicator_by_id(comm_id)
     why = None
     if comm is None:
@@ -273,48 +340,101 @@ def _psum_lowering(ctx, *xs, axes, comm_id, algorithm):
                    f"jax_arx.initialize set axis {axes[0]!r} up for devices {comm.device_ids}")
     if why is not None:
         _fallback(*why)
-        return _compat.lax_psum_lowering(ctx, xs, axes=axes)
+        return _compat.lax_psum_lowering(ctx, xs, axes=axes)  # the prefetch hint goes with jax_arx
     attributes = dict(comm_id=comm_id, algorithm=algorithm, site=call_site_tag(ctx))
-    return emit_ordered_call(ctx, FFI_TARGET, xs, attributes)
+    # The prefetch operands, per platform, read off the module being
+    # lowered. For CUDA alone they go last, after the dependency operands,
+    # with a `prefetch` attribute that counts them (only when there are
+    # some: a call without them lowers the same everywhere). Any other
+    # module leaves them out: the CPU handler binds exactly comm_id,
+    # algorithm and site, and rejects other attributes; a module lowered for
+    # several platforms at once has one call for all of them. (Not one rule
+    # per platform through jax's registry: in a module for several
+    # platforms jax would emit each rule's call in a branch of a switch on
+    # the platform, out of the ordering's reach, and jax 0.10.2 fails to
+    # build that switch for a primitive with several results.)
+    if not pf or tuple(ctx.module_context.platforms) != ("cuda",):
+        return emit_ordered_call(ctx, FFI_TARGET, xs, attributes)
+    attributes["prefetch"] = len(pf)
+    return emit_ordered_call(ctx, FFI_TARGET, xs, attributes, trailing=pf)
 
 
-def lax_lowering(ctx, *xs, axes, comm_id, algorithm):
+def lax_lowering(ctx, *operands, axes, comm_id, algorithm, prefetch=0):
     """Lowers either primitive the way jax.lax.psum lowers (an XLA
-    all-reduce per leaf), ignoring jax_arx's attributes: a stand-in for the
-    FFI call in tests that run without the C++ module."""
-    return _compat.lax_psum_lowering(ctx, xs, axes=axes)
+    all-reduce per leaf), ignoring jax_arx's attributes and the prefetch
+    operands: a stand-in for the FFI call in tests that run without the C++
+    module."""
+    return _compat.lax_psum_lowering(ctx, _split(operands, prefetch)[0], axes=axes)
 
 
-def _psum_transpose_rule(cts, *args, axes, comm_id, algorithm):
+def _psum_jvp(prim, primals, tangents, *, axes, comm_id, algorithm, prefetch):
+    # The primitive is linear in its leaves, but not jax's linear JVP (the
+    # same bind on every operand's tangent, zeros instantiated): the
+    # tangent is the sum of the leaves' nonzero tangents, one call with no
+    # prefetch operands, or none when they are all zero. The linear JVP
+    # would hand the tangent's call zeros the size of the weights to
+    # prefetch, and sum zeros whenever only the weights have tangents.
+    params = dict(axes=axes, comm_id=comm_id, algorithm=algorithm)
+    ys = prim.bind(*primals, prefetch=prefetch, **params)
+    dxs = _split(tangents, prefetch)[0]
+    dys = [_compat.Zero(jax.typeof(y).to_tangent_aval()) for y in ys]
+    live = [i for i, t in enumerate(dxs) if type(t) is not _compat.Zero]
+    if live:
+        for i, dy in zip(live, prim.bind(*[dxs[i] for i in live], prefetch=0, **params)):
+            dys[i] = dy
+    return ys, dys
+
+
+def _no_ct(a):
+    # The cotangent of an operand that is not summed: a symbolic zero for a
+    # linear input, None for a constant of the linear program. Constants
+    # occur as leaves (jax.linear_transpose of a sum of a pytree with a leaf
+    # that does not depend on the input) and as prefetch operands, which get
+    # no cotangent.
+    return _compat.Zero(a.aval.to_ct_aval()) if _compat.is_undefined_primal(a) else None
+
+
+def _psum_transpose_rule(cts, *args, axes, comm_id, algorithm, prefetch):
     # As jax: psum is psum + pbroadcast, so the cotangent is summed again.
     # Same shapes and dtypes as the primals, hence the same decision. Leaves
-    # with a symbolic zero cotangent have nothing to sum.
-    assert all(_compat.is_undefined_primal(a) for a in args)
-    out = [_compat.Zero(a.aval.to_ct_aval()) for a in args]
-    live = [i for i, ct in enumerate(cts) if type(ct) is not _compat.Zero]
+    # with a symbolic zero cotangent, or that are constants, have nothing to
+    # sum. The sum of the cotangents prefetches nothing: what the backward
+    # pass reads next is not what the forward pass read.
+    xs, pf = _split(args, prefetch)
+    out = [_no_ct(a) for a in xs]
+    live = [i for i, (ct, a) in enumerate(zip(cts, xs))
+            if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)]
     if live:
-        summed = psum_p.bind(*[cts[i] for i in live], axes=axes, comm_id=comm_id, algorithm=algorithm)
+        summed = psum_p.bind(*[cts[i] for i in live], axes=axes, comm_id=comm_id, algorithm=algorithm,
+                             prefetch=0)
         for i, y in zip(live, summed):
             out[i] = y
-    return out
+    return out + [_no_ct(a) for a in pf]
 
 
-def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, algorithm):
+def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, algorithm, prefetch):
     # As jax: the cotangent of an invariant result is itself invariant, i.e.
     # already the same on every device; it only has to be typed as varying.
-    assert all(_compat.is_undefined_primal(a) for a in args)
-    return [_compat.Zero(a.aval.to_ct_aval()) if type(ct) is _compat.Zero else _compat.pvary(ct, axes)
-            for ct, a in zip(cts, args)]
+    xs, pf = _split(args, prefetch)
+    return [_compat.pvary(ct, axes) if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)
+            else _no_ct(a) for ct, a in zip(cts, xs)] + [_no_ct(a) for a in pf]
 
 
-def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, algorithm):
+def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, algorithm, prefetch):
     invariant = prim is psum_invariant_p
+    vals_in, pf_vals = _split(vals_in, prefetch)
+    dims_in, pf_dims = _split(dims_in, prefetch)
     if axis_data.name in axes:
         # A vmap over the very axis being summed: jax's rule sums the batch
-        # dimension locally; there is nothing of ours to keep.
+        # dimension locally; there is nothing of ours to keep (the prefetch
+        # hint included).
         pairs = [_compat.lax_psum_batcher(axis_data, [v], [d], axes=axes, invariant=invariant)
                  for v, d in zip(vals_in, dims_in)]
         return [o for o, _ in pairs], [d for _, d in pairs]
+    # A prefetch operand batched by this vmap is another array per batch
+    # member, not the one the next kernels read: its hint is dropped. The
+    # others stay with the first call.
+    pf = [v for v, d in zip(pf_vals, pf_dims) if d is None]
     # The sum is elementwise across devices, so each batch dimension stays
     # where it is; but a batched partial grew by the batch size, so decide
     # again for those leaves (and keep the others' decision).
@@ -327,10 +447,11 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, algorithm
         else:
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():
-        summed = prim.bind(*[vals_in[i] for i in idx], axes=axes, comm_id=decision.comm_id,
-                           algorithm=decision.algorithm)
+        summed = prim.bind(*[vals_in[i] for i in idx], *pf, axes=axes, comm_id=decision.comm_id,
+                           algorithm=decision.algorithm, prefetch=len(pf))
         for i, y in zip(idx, summed):
             out[i] = y
+        pf = []
     return out, list(dims_in)
 
 
@@ -421,13 +542,15 @@ def call_site_tag(ctx) -> int:
     return int.from_bytes(digest, "little") >> 16  # 48 bits: the handler tags leaves as site * 64 + i
 
 
-def emit_ordered_call(ctx, target: str, xs, attributes: dict[str, int]):
+def emit_ordered_call(ctx, target: str, xs, attributes: dict[str, int], *, trailing=()):
     """Emits a side-effecting call of the FFI target ``target`` on operands
-    ``xs`` at the end of the current block, reading, as trailing dependency
-    operands, results of the jax_arx calls before it (see the comment
-    above). Returns its results, typed by ``ctx.avals_out``. Every jax_arx
-    collective lowers through here: they all take sequence numbers on the
-    same endpoints, so they all join one chain."""
+    ``xs`` at the end of the current block, reading, as dependency operands
+    after them, results of the jax_arx calls before it (see the comment
+    above), and then the operands ``trailing`` (psum's prefetch operands,
+    which the handler finds at the end). Returns its results, typed by
+    ``ctx.avals_out``. Every jax_arx collective lowers through here: they
+    all take sequence numbers on the same endpoints, so they all join one
+    chain."""
     a = _analysis(ctx)
     ip = _compat.ir.InsertionPoint.current
     ops = ip.block.operations
@@ -450,7 +573,8 @@ def emit_ordered_call(ctx, target: str, xs, attributes: dict[str, int]):
         v = _ordering_value(op, ctx, a)
         if v is not None and v not in deps and v not in xs:
             deps.append(v)
-    results = _compat.ffi_custom_call(ctx, target, [*xs, *deps], has_side_effect=True, attributes=attributes)
+    results = _compat.ffi_custom_call(ctx, target, [*xs, *deps, *trailing], has_side_effect=True,
+                                      attributes=attributes)
     if ip.ref_operation is None:
         b.last_call, b.nested, b.seen = results[0].owner.operation, [], len(ops)
     return results
@@ -581,17 +705,24 @@ def _reaches(value, target, block) -> bool:
 
 ### registration
 
+# Params of both primitives: axes, comm_id, algorithm, and prefetch (how
+# many of the operands, the last ones, are prefetch operands).
+#
 # cacheable=False: by default jax lowers a primitive once per distinct
 # (params, types) into a private function and pastes copies of it wherever
 # the same equation recurs. The ordering and the site tag above need the
 # lowering rule to run for every call, in place, where it sees the block the
 # call ends up in.
+#
+# Autodiff: the transposes (`deflinear2`, which skips a zero cotangent) and
+# the JVP `_psum_jvp`, registered after it in place of its linear JVP.
 psum_p = _compat.Primitive("jax_arx_psum")
 psum_p.multiple_results = True
 psum_p.def_impl(partial(_compat.apply_primitive, psum_p))
 psum_p.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=False))
 _compat.register_lowering(psum_p, _psum_lowering, cacheable=False)
 _compat.deflinear2(psum_p, _psum_transpose_rule)
+_ad.primitive_jvps[psum_p] = partial(_psum_jvp, psum_p)
 _compat.register_batcher(psum_p, partial(_psum_batcher, psum_p))
 
 psum_invariant_p = _compat.Primitive("jax_arx_psum_invariant")
@@ -600,4 +731,5 @@ psum_invariant_p.def_impl(partial(_compat.apply_primitive, psum_invariant_p))
 psum_invariant_p.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=True))
 _compat.register_lowering(psum_invariant_p, _psum_lowering, cacheable=False)
 _compat.deflinear2(psum_invariant_p, _psum_invariant_transpose_rule)
+_ad.primitive_jvps[psum_invariant_p] = partial(_psum_jvp, psum_invariant_p)
 _compat.register_batcher(psum_invariant_p, partial(_psum_batcher, psum_invariant_p))

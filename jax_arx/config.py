@@ -50,7 +50,7 @@ JAX_ARX_CUDA_PIPELINE      1: in direct mode, psum goes chunk by    per size
                            chunk, a flag per chunk; 0: in one
                            piece, one flag
 JAX_ARX_CUDA_CHUNK_BYTES   its chunk size (a tuning knob)           16 KiB
-JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size      built in
+JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size      16 KiB
                            carries its flags inside the data (0:
                            never)
 JAX_ARX_DEBUG              1: log set-up steps                      0

@@ -26,12 +26,15 @@ def clean_env(extra=None):
 def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
     """Runs ``worker --worker suite`` on ``nprocs`` processes over ``transport``
     (cwd outside the source tree, so the installed jax_arx is imported);
-    returns each rank's RESULT, after checking that every rank succeeded."""
+    returns each rank's RESULT, after checking that every rank succeeded.
+    ``cpu_devices``: CPU devices per process, or None for jax's default
+    backend (GPUs, where the worker picks its own)."""
     full_env = clean_env({"JAX_ARX_TRANSPORT": transport, **(env or {})})
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), "--cpu-devices", str(cpu_devices),
+    devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices is not None else []
+    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices,
            "--grace-s", "20", worker, "--worker", suite]
     start = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    p = _run_launcher(cmd, full_env, cwd, timeout)
     elapsed = time.monotonic() - start
     results = {}
     for line in p.stdout.splitlines():
@@ -43,6 +46,27 @@ def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None,
     assert p.returncode == 0, detail
     assert sorted(results) == list(range(nprocs)), detail
     return results
+
+
+def _run_launcher(cmd, env, cwd, timeout):
+    """subprocess.run(cmd) with its output captured; past ``timeout`` the
+    launcher gets SIGTERM, which stops its ranks (each leads its own process
+    group, out of reach of a kill of the launcher alone), so none is left
+    running on a device. Returns the CompletedProcess; the timeout shows as
+    a nonzero status with what was printed until then."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        err += f"\n[run_suite] timed out after {timeout} s; stopped the launcher and its ranks\n"
+        return subprocess.CompletedProcess(cmd, p.returncode or 124, out, err)
 
 
 def assert_all_correct(results, expect):

@@ -10,7 +10,8 @@ JAX_ARX_* variables are read once per process):
   rank restricted to its GPU with CUDA_VISIBLE_DEVICES), with XLA command
   buffers on and off: every dtype, sizes from 16 bytes to the two-shot limit
   with odd element counts, bit-identical to an fp32 rank-order reference
-  computed with numpy and ml_dtypes, both algorithms; inputs aliased to
+  computed with numpy and ml_dtypes, both algorithms, and each one-shot
+  path of the direct mode (LL, pipelined, whole); inputs aliased to
   outputs; prefetch operands; 10,000 back-to-back calls; proof that XLA
   captured the launches in a CUDA graph (the handler runs once per capture,
   not once per call) and that replays stay correct;
@@ -22,9 +23,11 @@ JAX_ARX_* variables are read once per process):
   slots and flags in the pinned region itself, on time, late, stale, with
   a different descriptor, or never, and checks the result, the timeout and
   the failure record (through the test-only C hooks in
-  ffi/xla/testing_cuda.cc).
+  ffi/xla/testing_cuda.cc); the same for the LL one-shot's lines, torn
+  halves and stale flags included, with the endpoint in direct mode and its
+  own region standing in for the peer's (arx_testing_loopback).
 
-Run them all on a machine with 2 GPUs (about 2 minutes on 2 H200s)::
+Run them all on a machine with 2 GPUs (about 3 minutes on 2 H200s)::
 
     pip install --no-build-isolation . && python -m pytest -m gpu tests/test_gpu_psum.py -v
 
@@ -140,16 +143,30 @@ def test_waits_without_a_peer():
     assert r["cases"] and all(c["ok"] for c in r["cases"].values()), json.dumps(r["cases"], indent=1)
 
 
+@needs_gpus(1)
+def test_ll_waits_without_a_peer():
+    r = _run(["wait_ll"], env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]},
+             timeout=150)[0]
+    if r.get("missing_hook"):
+        pytest.skip(f"ffi/xla/testing_cuda.cc has no {r['missing_hook']}")
+    assert r["cases"] and all(c["ok"] for c in r["cases"].values()), json.dumps(r["cases"], indent=1)
+
+
 @needs_gpus(2)
-@pytest.mark.parametrize("direct,pipeline", [("1", "1"), ("1", "0"), ("0", "")],
-                         ids=["direct-pipelined", "direct-whole", "proxy"])
-def test_two_processes_command_buffers_on(direct, pipeline):
+@pytest.mark.parametrize("direct,pipeline,ll", [("1", "1", ""), ("1", "1", "0"), ("1", "0", "0"), ("1", "", "128KiB"),
+                                                ("0", "", "")],
+                         ids=["direct-ll-pipelined", "direct-pipelined", "direct-whole", "direct-ll-max", "proxy"])
+def test_two_processes_command_buffers_on(direct, pipeline, ll):
     # direct: the kernels write the peer's inbox themselves (shm carrier),
-    # the one-shot chunk by chunk with a flag per chunk (pipelined) or in one
-    # piece with one flag (whole); proxy: they publish and the proxy copies
-    # (as over tcp or verbs). The other tests run jax_arx's default choice.
+    # the one-shot up to the LL limit (16 KiB built in; ll: JAX_ARX_CUDA_LL_MAX_BYTES,
+    # 0 off, 128 KiB its cap) in 16-byte lines that carry their flags (LL), above
+    # it chunk by chunk with a flag per chunk (pipelined) or in one piece with one
+    # flag (whole); proxy: they publish and the proxy copies (as over tcp or
+    # verbs). So each direct path runs every dtype and odd counts on both sides
+    # of the limits. The other tests run jax_arx's default choice.
     results = _run(["collective", "--layout", "2proc"], nprocs=2,
-                   env={"XLA_FLAGS": CMDBUF_ON, "JAX_ARX_CUDA_DIRECT": direct, "JAX_ARX_CUDA_PIPELINE": pipeline},
+                   env={"XLA_FLAGS": CMDBUF_ON, "JAX_ARX_CUDA_DIRECT": direct, "JAX_ARX_CUDA_PIPELINE": pipeline,
+                        "JAX_ARX_CUDA_LL_MAX_BYTES": ll},
                    timeout=240)
     assert sorted(results) == [0, 1]
     for rank, r in results.items():
@@ -332,9 +349,10 @@ def worker_collective(layout, quick):
 
     # 1. Every dtype, sizes from 16 bytes to the two-shot limit, odd counts,
     # both algorithms: one program per dtype holding every case, in the
-    # same order on every rank.
+    # same order on every rank. 16384 and 131072 are the LL one-shot's
+    # built-in limit and cap (direct mode): each with a size just past it.
     byte_sizes = [16, 8192, 65536, slot, twoshot_max] if quick else \
-        [16, 48, 1000, 8192, 65536, 262144, 524288, slot, twoshot_max]
+        [16, 48, 1000, 8192, 16384, 16400, 65536, 131072, 131088, 262144, 524288, slot, twoshot_max]
     for name in DTYPES:
         dt = _np_dtype(name)
         counts = sorted({c for b in byte_sizes for c in (b // dt.itemsize, b // dt.itemsize - 1)} | {1, 3})
@@ -375,10 +393,10 @@ def worker_collective(layout, quick):
                 checked += 1
                 if not np.array_equal(_bits(got), _bits(reference(p))):
                     mismatches.append(dict(dtype=name, count=c, what="jax_arx.psum", rank=rank))
-    for alg in ALGORITHMS:
+    # 4001 bf16: the LL one-shot in direct mode (below its built-in limit).
+    for alg, c in ((a, c) for a in ALGORITHMS for c in (4001, 100003)):
         dt = _np_dtype("bfloat16")
-        c = 100003
-        p = _inputs(dt, c, world, seed=11 + alg)
+        p = _inputs(dt, c, world, seed=11 + alg + c)
         for alias, prefetch in ((True, False), (False, not CPU_SMOKE)):  # the CPU handler takes no prefetch
             def body(x, alias=alias, prefetch=prefetch, alg=alg):
                 # Weights the next kernels would read: prefetched into L2 while the kernel waits.
@@ -506,10 +524,21 @@ def worker_peer_exit():
     os._exit(0)  # the peer is gone: skip the shutdown barriers
 
 
+# The LL one-shot (ffi/comm/layout.h, "The LL one-shot"): its slots, the
+# tag that sets its descriptor apart, and the flag its lines carry.
+LL_SLOT_BYTES = 256 << 10  # kLLSlotBytes: kLLMaxPayload (128 KiB) in 16-byte lines of 8 payload bytes
+LL_TAG = 0x9E3779B97F4A7C15  # ll_tag(tag) = tag ^ LL_TAG
+
+
+def ll_flag(seq, desc):
+    return (desc & 0xFFFFFF) << 8 | ((seq >> 1) & 0x7F) << 1 | 1
+
+
 class FakePeer:
     """One endpoint with no peer process: the test is the peer. It writes
     the peer's slots and flags into the pinned region exactly where a
-    carrier would (ffi/comm/layout.h)."""
+    carrier would (ffi/comm/layout.h), and the peer's LL lines where the
+    peer's kernel would."""
 
     MODES = {"full": 1, "scatter": 2, "gather": 3}
     DTYPE = {"float32": 1, "bfloat16": 2, "float16": 3}
@@ -566,6 +595,50 @@ class FakePeer:
 
     def fail(self, message):
         self.lib.arx_testing_fail(__import__("ctypes").c_int64(self.comm_id), 0, message.encode())
+
+    def loopback(self, ll_max_bytes=128 << 10):
+        """Direct mode, with this endpoint's own region standing in for the
+        peer's (arx_testing_loopback): one-shots up to ll_max_bytes go LL,
+        and what the kernel sends lands at this rank's own places, which its
+        waits never read."""
+        import ctypes
+        assert self.lib.arx_testing_loopback(ctypes.c_int64(self.comm_id), 0, ctypes.c_int64(ll_max_bytes)) == 0
+        # ll_recv is the last area, whole pages: [total - 2 * world * slot, total).
+        self.ll_recv = self.total - 2 * self.world * LL_SLOT_BYTES
+
+    def describe_ll(self, dtype, count, tag=0):
+        return self.describe("full", dtype, count, tag ^ LL_TAG)
+
+    def _ll_at(self, seq, src):
+        return self.base + self.ll_recv + ((seq & 1) * self.world + src) * LL_SLOT_BYTES
+
+    def write_lines(self, seq, src, data: np.ndarray, flag, halves=(True, True)):
+        """data as src's LL lines for seq, {data0, flag, data1, flag}, the last
+        one padded, in ll_recv[seq & 1][src]; flags only in the halves asked
+        for. The data goes in first with both flags 0, then the flags: this
+        copy is not 8-byte atomic as the kernel's stores are, and the kernel
+        must never see a flag before its data."""
+        import ctypes
+        raw = np.frombuffer(np.ascontiguousarray(data).tobytes(), np.uint8)
+        words = np.concatenate([raw, np.zeros(-len(raw) % 8, np.uint8)]).view(np.uint32).reshape(-1, 2)
+        lines = np.zeros((len(words), 4), np.uint32)
+        lines[:, 0], lines[:, 2] = words[:, 0], words[:, 1]
+        ctypes.memmove(self._ll_at(seq, src), lines.ctypes.data, lines.nbytes)
+        lines[:, 1] = flag if halves[0] else 0
+        lines[:, 3] = flag if halves[1] else 0
+        ctypes.memmove(self._ll_at(seq, src), lines.ctypes.data, lines.nbytes)
+        return lines
+
+    def read_lines(self, seq, src, n):
+        import ctypes
+        raw = (ctypes.c_uint8 * (16 * n)).from_address(self._ll_at(seq, src))
+        return np.frombuffer(bytes(raw), np.uint32).reshape(n, 4)
+
+    def flag_words(self, src):
+        """The flag words at flag_index(src, root), every root."""
+        import ctypes
+        raw = (ctypes.c_uint64 * self.roots).from_address(self.base + self.flags + 8 * 2 * src)
+        return [int(w) for w in raw]
 
     def close(self):
         import ctypes
@@ -706,10 +779,156 @@ def worker_wait():
     _emit(cases=cases)
 
 
+def worker_wait_ll():
+    """The LL one-shot's wait with no peer: the endpoint in direct mode with
+    its own region standing in for the peer's (FakePeer.loopback); the test
+    writes the peer's lines (on time, late, torn, stale, of another
+    collective, never) and reads what the kernel sent and zeroed."""
+    import ctypes
+    import jax
+    import jax.numpy as jnp
+    import jax_arx  # registers the handlers
+    from jax_arx import _core
+    lib = ctypes.CDLL(_core.__file__)
+    if not hasattr(lib, "arx_testing_loopback"):
+        _emit(missing_hook="arx_testing_loopback")
+        return
+    timeout_s = 2.0
+    cases = {}
+
+    def run(comm_id, alias=False):
+        return jax.jit(lambda x: _direct(x, comm_id, 1, alias=alias), donate_argnums=(0,) if alias else ())
+
+    def case(name, ok, **info):
+        cases[name] = dict(ok=bool(ok), **{k: (v if isinstance(v, (int, float, str, bool, list)) else str(v))
+                                           for k, v in info.items()})
+
+    def nlines(data):
+        return -(-data.nbytes // 8)
+
+    bf = _np_dtype("bfloat16")
+
+    # On time (seq 1), then late with the halves of each line arriving apart
+    # (seq 2), then a stale line (seq 3): one endpoint. 1001 bf16: the last
+    # line holds 2 bytes and 6 of padding.
+    peer = FakePeer(lib, 9101, rank=0, timeout_s=timeout_s)
+    peer.loopback()
+    n = 1001
+    mine, theirs = _inputs(bf, n, 2, seed=21)
+    desc = peer.describe_ll("bfloat16", n)
+    f = run(9101)
+    xd = jnp.asarray(mine)
+    f.lower(xd).compile()
+    peer.write_lines(1, 1, theirs, ll_flag(1, desc))
+    got = np.asarray(f(xd))
+    ctl = peer.control()
+    # Loopback: this rank's lines for rank 1 are in its own ll_recv[1][0],
+    # and its seq-level flag words at flag_index(0, root).
+    sent = peer.read_lines(1, 0, nlines(mine))
+    want_sent = np.zeros_like(sent)
+    raw = np.concatenate([np.frombuffer(mine.tobytes(), np.uint8), np.zeros(-mine.nbytes % 8, np.uint8)])
+    want_sent[:, 0], want_sent[:, 2] = raw.view(np.uint32)[0::2], raw.view(np.uint32)[1::2]
+    want_sent[:, 1] = want_sent[:, 3] = ll_flag(1, desc)
+    zeroed = not peer.read_lines(1, 1, nlines(theirs)).any()
+    case("ll_on_time", np.array_equal(_bits(got), _bits(reference([mine, theirs]))) and ctl["published"] == 1
+         and ctl["done"] == 1 and ctl["bytes"][1] == 2 * n and ctl["desc"][1] == desc
+         and np.array_equal(sent, want_sent) and peer.flag_words(0) == [1 << 24 | desc] * peer.roots and zeroed,
+         zeroed=zeroed, sent_ok=bool(np.array_equal(sent, want_sent)), flags=peer.flag_words(0), control=ctl)
+
+    mine2, theirs2 = _inputs(bf, n, 2, seed=22)
+    t = time.perf_counter()
+    y = f(jnp.asarray(mine2))
+    peer.write_lines(2, 1, theirs2, ll_flag(2, desc), halves=(True, False))
+    time.sleep(0.3)
+    ctl = peer.control()
+    waiting = ctl["published"] == 2 and ctl["done"] == 1  # half a line is not a line
+    peer.write_lines(2, 1, theirs2, ll_flag(2, desc))
+    got = np.asarray(y)
+    late_s = time.perf_counter() - t
+    case("ll_late_torn", waiting and late_s >= 0.3 and np.array_equal(_bits(got), _bits(reference([mine2, theirs2])))
+         and not peer.read_lines(2, 1, nlines(theirs2)).any(), late_s=late_s, control=ctl)
+
+    # Seq 3 uses seq 1's slot: lines carrying seq 1's flag are stale and
+    # never taken (the kernel zeroed seq 1's; the test writes them again).
+    peer.write_lines(3, 1, theirs, ll_flag(1, desc))
+    t = time.perf_counter()
+    got = np.asarray(f(xd))
+    stale_s = time.perf_counter() - t
+    ctl = peer.control()
+    msg = peer.failure()
+    case("ll_stale_never", np.isnan(got.astype(np.float32)).all() and timeout_s * 0.9 <= stale_s <= timeout_s + 3
+         and ctl["failed_seq"] == 3 and ctl["failed_kind"] == 1 and ctl["failed_missing"] == 0b1100
+         and ctl["done"] == 3 and "rank 1" in msg and "timed out" in msg, stale_s=stale_s, control=ctl, message=msg)
+    peer.close()
+
+    # Rank 1 of 2 (the sum starts with the peer's partial): f16 aliased with
+    # a 2-byte tail in 2 blocks of lines, f32 with a 4-byte tail, and bf16 at
+    # the cap, 128 KiB in 16 blocks, seqs 1, 2, 3.
+    peer = FakePeer(lib, 9102, rank=1, timeout_s=timeout_s)
+    peer.loopback()
+    ok, info = True, {}
+    for seq, (dt, c, alias) in enumerate(((np.dtype(np.float16), 4097, True), (np.dtype(np.float32), 1001, False),
+                                          (bf, 65536, False)), start=1):
+        mine, theirs = _inputs(dt, c, 2, seed=30 + seq)
+        peer.write_lines(seq, 0, theirs, ll_flag(seq, peer.describe_ll(dt.name, c)))
+        got = np.asarray(run(9102, alias=alias)(jnp.asarray(mine)))
+        info[f"{dt.name}/{c}"] = same = bool(np.array_equal(_bits(got), _bits(reference([theirs, mine]))))
+        ok &= same and not peer.read_lines(seq, 0, nlines(theirs)).any()
+    case("ll_rank1_tails_blocks", ok and peer.control()["done"] == 3, **info)
+    peer.close()
+
+    # A peer that issued another collective at this seq: its lines carry
+    # another flag (never taken) and its flag word another descriptor, an
+    # LL one (another size) or not (the one-piece kernel, no lines):
+    # reported at once, not at the timeout.
+    for comm_id, other in ((9103, "ll"), (9104, "whole")):
+        peer = FakePeer(lib, comm_id, rank=0, timeout_s=timeout_s)
+        peer.loopback()
+        n = 512
+        mine, theirs = _inputs(np.dtype(np.float32), n, 2, seed=40)
+        if other == "ll":
+            d = peer.describe_ll("float32", n + 2)
+            peer.write_lines(1, 1, np.concatenate([theirs, theirs[:2]]), ll_flag(1, d))
+        else:
+            d = peer.describe("full", "float32", n)
+        peer.flag(1, 1, d)
+        f = run(comm_id)
+        xd = jnp.asarray(mine)
+        f.lower(xd).compile()
+        t = time.perf_counter()
+        got = np.asarray(f(xd))
+        mismatch_s = time.perf_counter() - t
+        ctl = peer.control()
+        msg = peer.failure()
+        case(f"ll_mismatch_{other}", np.isnan(got).all() and mismatch_s < 1.0 and ctl["failed_kind"] == 2
+             and ctl["failed_src"] == 1 and ctl["failed_flag"] == 1 << 24 | d and "different collective" in msg,
+             mismatch_s=mismatch_s, control=ctl, message=msg)
+        peer.close()
+
+    # The host fails the endpoint: Control::abort stops the LL wait at once.
+    peer = FakePeer(lib, 9105, rank=0, timeout_s=30.0)
+    peer.loopback()
+    f = run(9105)
+    xd = jnp.asarray(mine)
+    f.lower(xd).compile()
+    t = time.perf_counter()
+    y = f(xd)
+    time.sleep(0.3)
+    peer.fail("jax_arx: test: lost rank 1: connection reset")
+    got = np.asarray(y)
+    abort_s = time.perf_counter() - t
+    ctl = peer.control()
+    case("ll_abort", np.isnan(got).all() and abort_s < 2.0 and ctl["abort"] == 1 and ctl["failed_kind"] == 3
+         and "lost rank 1" in peer.failure(), abort_s=abort_s, control=ctl)
+    peer.close()
+
+    _emit(cases=cases)
+
+
 def main(argv):
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", required=True, choices=("collective", "peer_exit", "wait"))
+    ap.add_argument("--worker", required=True, choices=("collective", "peer_exit", "wait", "wait_ll"))
     ap.add_argument("--layout", default="2proc", choices=("2proc", "1proc"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
@@ -721,6 +940,8 @@ def main(argv):
         worker_collective(a.layout, a.quick)
     elif a.worker == "peer_exit":
         worker_peer_exit()
+    elif a.worker == "wait_ll":
+        worker_wait_ll()
     else:
         worker_wait()
 

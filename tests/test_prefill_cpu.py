@@ -40,7 +40,8 @@ close, as jax.lax's sum order is its own).
   calls makes the call fail within the timeout, naming it.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
-otherwise.
+otherwise. The worker suites do not depend on the backend:
+tests/test_gpu_prefill.py runs them on GPUs (``run_worker``).
 """
 
 from __future__ import annotations
@@ -321,12 +322,13 @@ def _scatter_shapes(world):
             ((world * 37, 129), 0, True), ((world,), 0, False)]
 
 
-def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16")):
+def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), specs=None):
     """Every dimension and tiling; against the numpy rank-order sum (bits)
-    and jax.lax.psum_scatter (close)."""
+    and jax.lax.psum_scatter (close). ``specs``: (per-rank input shape,
+    dimension, tiled) triples, ``_scatter_shapes`` by default."""
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     rng = np.random.default_rng(3)
-    specs = _scatter_shapes(w.world)
+    specs = specs or _scatter_shapes(w.world)
     for name in dtype_names:
         dt = _dtypes()[name]
         parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s, _, _ in specs]
@@ -592,12 +594,21 @@ def _suite_failures(w):
     me = jax.process_index()
     out = {}
 
+    def step(what):  # progress on stderr, so a slow or stuck rank shows where
+        print(f"[failures] {time.monotonic():.3f} rank {me}: {what}", file=sys.stderr, flush=True)
+
     # Ranks that issue different ops (the same bytes): an error, never a result.
-    x = w.put([np.ones((2 * w.world, 8), np.float32) for _ in range(w.world)])
+    step("mismatch")
+    # Each program is the collective alone (its own input, no slicing): on
+    # GPUs, XLA's multi-process autotuning matches up what the processes
+    # compile, and two programs with different fusions in them could wait on
+    # each other in the compiler instead of in jax_arx.
     if me == 0:
+        x = w.put([np.ones((2 * w.world, 8), np.float32) for _ in range(w.world)])
         f = w.smap(_lift(lambda v: jax_arx.psum_scatter(v, "sp", tiled=True)), P("sp"), P("sp"))
     else:
-        f = w.smap(_lift(lambda v: jax_arx.all_gather(v[:2], "sp", tiled=True)), P("sp"), P("sp"))
+        x = w.put([np.ones((2, 8), np.float32) for _ in range(w.world)])
+        f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp", tiled=True)), P("sp"), P("sp"))
     error, finite = "", False
     try:
         y = np.concatenate(list(w.mine(f(x)).values()))
@@ -609,10 +620,13 @@ def _suite_failures(w):
     except jax_arx.CollectiveError as e:
         error += "\n" + _error_text(e)
     out["mismatch"] = {"error": error, "finite_result": finite}
+    step(f"mismatch done: {error.strip()[:300]!r}")
 
     # Fresh endpoints, then a peer that never calls.
     jax_arx.shutdown()
+    step("shut down")
     jax_arx.initialize(w.mesh)
+    step("initialized again")
     from jax_arx import _compat
     client = _compat.distributed_client()
     f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp")), P("sp"), P("sp"))
@@ -640,17 +654,25 @@ def _suite_failures(w):
     return out
 
 
-def _worker_main(argv):
-    suite = argv[argv.index("--worker") + 1]
+SUITES = {"full": _suite_full, "quick": _suite_quick}
+
+
+def run_worker(suite, suites=SUITES):
+    """Runs worker suite ``suite`` on this process's devices, whatever the
+    backend (tests/test_gpu_prefill.py runs the same suites on GPUs), and
+    prints the RESULT line. ``suite``: "failures", or names of ``suites``
+    joined by "+", run in that order in one launch."""
     w = _Worker()
-    report = {"world": w.world, "local_devices": len(w.jax.local_devices())}
+    report = {"world": w.world, "local_devices": len(w.jax.local_devices()),
+              "platform": w.jax.devices()[0].platform}
     if suite == "failures":
         report.update(_suite_failures(w))
     else:
-        {"full": _suite_full, "quick": _suite_quick}[suite](w)
+        for name in suite.split("+"):
+            suites[name](w)
         report.update(cases=w.cases, seconds=w.seconds)
     print(RESULT + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker_main(sys.argv)
+    run_worker(sys.argv[sys.argv.index("--worker") + 1])

@@ -24,7 +24,9 @@ and a CRC of all jax_arx results must be the same on every rank.
   if jax_arx did not order them (they raced within 50 iterations before it
   did); ``jax.grad`` through jax_arx.psum against ``jax.grad`` through
   ``jax.lax.psum`` (to float32 rounding: jax.lax.psum, gloo here, may add
-  in another order).
+  in another order); ``prefetch=`` (a pytree of weights, a hint for the
+  CUDA handler that the CPU one never sees): the same bits as without it,
+  under jit, grad and vmap, and no prefetch operands in the CPU call.
 - ``quick`` (4 processes; 2 processes with 2 CPU devices each): a subset.
 - ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that call psum
   with different sizes get an error saying so, never a sum; then, after
@@ -390,7 +392,70 @@ def case_grad(w: _Worker):
                     entry["bad"].append(f"check_vma={check_vma} {what}: {ga} != {gb}")
 
 
-_FULL_CASES = ["sizes", "pytree", "mixed", "donated", "loop2000", "python_loop", "scan", "independent6", "grad"]
+def case_prefetch(w: _Worker):
+    """jax_arx.psum(..., prefetch=weights) is jax_arx.psum(...): the hint is
+    for the CUDA handler; on the CPU backend the call has no prefetch
+    operands (the CPU handler binds exactly comm_id, algorithm and site).
+    The same bits with and without it, under jit, grad and vmap."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    dts = _dtypes()
+    rng = np.random.default_rng(11)
+    g = {"a": rng.normal(size=(w.world, 5)).astype(np.float32),
+         "b": rng.normal(size=(w.world, 7)).astype(dts["bfloat16"]),
+         "c": rng.normal(size=(w.world, 2, 3)).astype(np.float16)}
+    # Weights the next layer would read: sharded over tp, and replicated.
+    replicated = w.jax.sharding.NamedSharding(w.mesh, P())
+    gw = [rng.normal(size=(w.world * 4, 16)).astype(dts["bfloat16"]),
+          rng.integers(0, 9, size=(w.world, 33)).astype(np.int8), rng.normal(size=(64,)).astype(np.float32)]
+    ws = [w.put(gw[0]), w.put(gw[1]), jax.make_array_from_callback(gw[2].shape, replicated, lambda idx: gw[2][idx])]
+    w_specs = [P("tp"), P("tp"), P()]
+    x = jax.tree.map(w.put, g)
+
+    def both(body, in_specs, out_specs, check_vma=True):
+        """``body(..., prefetch)`` jitted with a prefetch tree and without."""
+        return [w.smap(lambda *a, p=p: body(*a, prefetch={"w": a[-1], "w0": a[-1][0]} if p else None),
+                       in_specs, out_specs, check_vma=check_vma) for p in (True, False)]
+
+    # jit, a pytree of three dtypes: one call, no prefetch operands.
+    f, plain = both(lambda t, ws, prefetch: jax_arx.psum(t, "tp", prefetch=prefetch), (P("tp"), w_specs), P())
+    calls = w.count_calls(f, x, ws)
+    if len(calls) != 1 or "prefetch" in calls[0] or calls[0].rsplit(" : (", 1)[-1].split("->")[0].count("tensor<") != 3:
+        w.fail("prefetch", f"expected one call of the three leaves, without prefetch operands, got {calls}")
+    out, out_plain = f(x, ws), plain(x, ws)
+    for k in g:
+        for got, got_plain in zip(w.shards(out[k]), w.shards(out_plain[k])):
+            w.check("prefetch", got, reference_sum(g[k], g[k].dtype)[None], f"leaf {k}")
+            w.check("prefetch", got, got_plain, f"leaf {k} vs without prefetch", ours=False)
+
+    # grad, with respect to the input and to the weights (used, and prefetched).
+    xg = w.put(rng.normal(size=(w.world, 6)).astype(np.float32))
+    for check_vma in (True, False):
+        def loss_body(x, ws, prefetch):
+            y = jax_arx.psum(jnp.sin(x) * ws[2][0], "tp", prefetch=prefetch)
+            return (y * y).sum(keepdims=True)
+
+        f, plain = both(loss_body, (P("tp"), w_specs), P("tp"), check_vma=check_vma)
+        grads = [jax.jit(jax.grad(lambda x, ws, h=h: h(x, ws).sum(), argnums=(0, 1), allow_int=True))(xg, ws)
+                 for h in (f, plain)]
+        for i, (a, b) in enumerate([(grads[0][0], grads[1][0]), (grads[0][1][2], grads[1][1][2])]):
+            for got, got_plain in zip(w.shards(a), w.shards(b)):
+                w.check("prefetch", got, got_plain, f"check_vma={check_vma} gradient {i} vs without prefetch",
+                        ours=False)  # gradients differ between ranks: not in the digest
+
+    # vmap inside the shard_map: rows summed one by one, batched into one call.
+    gv = rng.normal(size=(w.world * 3, 9)).astype(np.float32)
+    f, plain = both(lambda v, ws, prefetch: jax.vmap(lambda r: jax_arx.psum(r, "tp", prefetch=prefetch))(v),
+                    (P("tp"), w_specs), P())
+    xv = w.put(gv)
+    want = reference_sum(gv.reshape(w.world, 3, 9), np.float32)
+    for got, got_plain in zip(w.shards(f(xv, ws)), w.shards(plain(xv, ws))):
+        w.check("prefetch", got, want, "vmap")
+        w.check("prefetch", got, got_plain, "vmap vs without prefetch", ours=False)
+
+
+_FULL_CASES = ["sizes", "pytree", "mixed", "donated", "loop2000", "python_loop", "scan", "independent6", "grad",
+               "prefetch"]
 _QUICK_CASES = ["sizes", "mixed", "loop2000", "scan", "independent6"]
 
 
@@ -402,7 +467,7 @@ def _timed(w, case, *args, **kwargs):
 
 def _suite_full(w):
     for case in (case_sizes, case_pytree, case_mixed, case_donated, case_loop2000, case_python_loop, case_scan,
-                 case_independent6, case_grad):
+                 case_independent6, case_grad, case_prefetch):
         _timed(w, case)
 
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -272,7 +273,11 @@ std::string Endpoint::describe_recorded_failure() const {
     if (j == spec_.rank) continue;
     last += strf(" r%d=", j);
     for (int r = 0; r < roots; ++r) {
-      const uint64_t p = flag_progress(load_relaxed(&flags[index(j, r)]));
+      uint64_t p = flag_progress(load_relaxed(&flags[index(j, r)]));
+      // CUDA direct mode: the peer's kernels write one word per piece
+      // instead (layout.h, prefill_piece_flag_index); the furthest counts.
+      for (int c = 0; prefill && c < kChunks; ++c)
+        p = std::max(p, flag_progress(load_relaxed(&flags[prefill_piece_flag_index(j, c)])));
       if (!prefill) last += strf("%s%llu", r ? "/" : "", (unsigned long long)p);
       else if (p == 0) last += strf("%snothing", r ? "/" : "");
       else last += strf("%s#%llu piece %llu", r ? "/" : "", (unsigned long long)((p - 1) / 16),

@@ -19,6 +19,12 @@
 // recv are contiguous) and prefill_recv (Layout::inbox_*, prefill_inbox_*).
 // Every remote write is checked against them (inbox_contains); everything
 // else (control, send, prefill_ctl, prefill_send) only this rank writes.
+// Appended last, for the LL one-shot psum (CUDA direct mode; see "The LL
+// one-shot" below):
+//   ll_recv       [2 parities][world][kLLSlotBytes], written by peers' kernels only
+// ll_recv is outside the inbox: no carrier ever writes it (only a peer's
+// kernel, through the peer's own mapping of this region on the shm carrier,
+// stores there), so inbox_contains refuses a remote write to it.
 #pragma once
 
 #include <cstddef>
@@ -318,6 +324,52 @@ ARX_HD void row_piece(uint64_t rows, int k, uint64_t& lo, uint64_t& hi) {
   hi = rows * (uint64_t)(k + 1) / kChunks;
 }
 
+// ---- The LL one-shot psum (CUDA direct mode) --------------------------------
+//
+// A one-shot psum of at most kLLMaxPayload bytes whose flags travel inside
+// the data, as in NCCL's LL protocol (ffi/cuda/allreduce.cu, "the LL
+// one-shot"): the reader needs no separate flag and the writer no fence, so
+// the partial crosses the bus once each way. The partial goes in 16-byte
+// lines of 8 payload bytes, {data0, flag, data1, flag} (32-bit words), each
+// 8-byte half carrying its own copy of the line's flag: a line is written
+// with one 16-byte store whose halves are each one 8-byte single-copy-atomic
+// access, so a reader may see one half new and the other old, but never a
+// half whose data and flag disagree. A partial whose size is not a multiple
+// of 8 pads its last line (the reader ignores the padding).
+//
+// Sender `src` writes its lines for seq into each peer's
+// ll_recv[seq & 1][src] (ll_recv_offset), straight through the mapping of
+// the peer's region; no carrier and no proxy is involved, which is why the
+// region is not in the inbox. Raw data of the other psum algorithms never
+// lands there either, so a line's flag can only have been written by an LL
+// kernel of that sender: the reader zeroes every line it consumed, and a
+// line polled for seq holds either 0 or the flag of the line written for
+// seq (the proof is in allreduce.cu).
+//
+// The flag, ll_flag(seq, desc), is never 0 (bit 0 is set) and, for one seq,
+// distinct for distinct descriptors (the 24-bit descriptor fills bits 8-31),
+// so a line of a peer that issued another collective at this seq is never
+// taken for ours; bits 1-7 hold seq / 2 (the same slot's previous uses).
+// The descriptor is describe(kFull, dtype, count, ll_tag(tag)): the LL tag
+// keeps an LL one-shot apart from the other one-shot kernels in the flag
+// words as well (a peer that ran another algorithm mismatches, see
+// allreduce.cu).
+constexpr uint64_t kLLLineBytes = 16;
+constexpr uint64_t kLLLinePayload = 8;
+// The largest LL partial (JAX_ARX_CUDA_LL_MAX_BYTES is capped here): each
+// slot holds its lines, twice its size.
+constexpr uint64_t kLLMaxPayload = 128 << 10;
+// (ll_recv takes 2 * world slots: 1 MiB per endpoint at world 2, 4 MiB at 8,
+// on every platform, since all sides share one layout.)
+constexpr uint64_t kLLSlotBytes = kLLMaxPayload / kLLLinePayload * kLLLineBytes;
+static_assert(kLLSlotBytes % kPage == 0, "LL slots are whole pages");
+
+ARX_HD uint64_t ll_tag(uint64_t tag) { return tag ^ 0x9E3779B97F4A7C15ull; }
+
+ARX_HD uint32_t ll_flag(uint64_t seq, uint64_t desc) {
+  return (uint32_t)(desc & kDescMask) << 8 | (uint32_t)((seq >> 1) & 0x7f) << 1 | 1u;
+}
+
 // Sizes of one endpoint's buffers; every rank of a communicator must agree
 // (checked at rendezvous).
 struct Geometry {
@@ -334,6 +386,7 @@ struct Layout {
   uint64_t prefill_inbox_lo = 0, prefill_inbox_hi = 0;  // prefill_recv: what peers may write too
   uint64_t slot_bytes = 0, send_bytes = 0, prefill_slot_bytes = 0;
   int world = 0;
+  uint64_t ll_recv = 0;  // appended after prefill_recv: see "The LL one-shot"
 
   static uint64_t page_up(uint64_t x) { return (x + kPage - 1) / kPage * kPage; }
 
@@ -351,7 +404,8 @@ struct Layout {
     l.prefill_ctl = page_up(l.send + 2 * g.send_bytes);
     l.prefill_send = page_up(l.prefill_ctl + sizeof(PrefillControl));
     l.prefill_recv = page_up(l.prefill_send + 2 * g.prefill_slot_bytes);
-    l.total = page_up(l.prefill_recv + 2 * g.prefill_slot_bytes);
+    l.ll_recv = page_up(l.prefill_recv + 2 * g.prefill_slot_bytes);
+    l.total = page_up(l.ll_recv + 2 * (uint64_t)g.world * kLLSlotBytes);
     l.inbox_lo = l.flags;
     l.inbox_hi = l.send;
     l.prefill_inbox_lo = l.prefill_recv;
@@ -371,6 +425,10 @@ struct Layout {
   }
   ARX_HD uint64_t prefill_recv_offset(int parity, int src, uint64_t chunk) const {
     return prefill_recv + (uint64_t)parity * prefill_slot_bytes + (uint64_t)src * chunk;
+  }
+  // The LL one-shot: the lines `src` writes for parity `parity`.
+  ARX_HD uint64_t ll_recv_offset(int parity, int src) const {
+    return ll_recv + ((uint64_t)parity * world + src) * kLLSlotBytes;
   }
   // A peer's write of `len` bytes at `offset` stays inside one window of the inbox.
   ARX_HD bool inbox_contains(uint64_t offset, uint64_t len) const {

@@ -21,7 +21,9 @@
 //
 // In direct mode the one-shot can instead go chunk by chunk, a flag per
 // chunk, with no wait between blocks (oneshot_pipe_kernel, "the pipelined
-// one-shot" below); pipeline_chunks() decides which, per size.
+// one-shot" below), or, at small sizes, in 16-byte lines that carry their
+// flags inside the data, one bus trip each way (oneshot_ll_kernel, "the LL
+// one-shot" below); ll_oneshot() and pipeline_chunks() decide which, per size.
 //
 // seq_dev (DeviceWords::seq) is read at kernel start and advanced by the last
 // block out, so a CUDA graph that captured these kernels replays with the
@@ -44,6 +46,7 @@
 
 #include "cuda/device_side.h"
 #include "cuda/elements.cuh"
+#include "cuda/grid.cuh"
 #include "cuda/ptx.cuh"
 
 namespace arx::cuda {
@@ -138,26 +141,6 @@ __device__ void reduce(const DeviceView& v, const uint8_t* slots, const uint8_t*
 }
 
 // ---- the steps of one seq -------------------------------------------------------
-
-// A failure an earlier kernel of this endpoint recorded (DeviceWords::failed,
-// in device memory: written by a kernel that completed before this one
-// started, so every block sees it with a plain load).
-__device__ __forceinline__ bool recorded_failure(const DeviceView& v) { return v.words->failed != 0; }
-
-// Counters shared by the blocks of one grid carry the seq in their high bits
-// (seq << 16 | count), so an arrival from an earlier seq whose grid gave up
-// waiting can never be counted towards this one.
-__device__ __forceinline__ unsigned long long tagged_arrive(unsigned long long* word, uint64_t seq) {
-  unsigned long long old = ld_acquire_gpu(word);
-  while (true) {
-    const uint64_t tag = old >> 16;
-    if (tag > seq) return old;  // a later seq owns the word: this arrival is stale
-    const unsigned long long next = tag == seq ? old + 1 : (seq << 16 | 1);
-    const unsigned long long seen = cas_acq_rel_gpu(word, old, next);
-    if (seen == old) return next;
-    old = seen;
-  }
-}
 
 struct Outcome {
   bool failed;     // the seq failed: fill NaN
@@ -279,16 +262,8 @@ __device__ Outcome publish_and_wait(const DeviceView& v, uint64_t seq, Mode mode
       // before this seq (kAborted with nothing published) records nothing
       // new; blocks of this grid that never ran (kTimeout, nothing
       // published) do.
-      const bool mismatch = kind == (int)FailureKind::kMismatch;
-      if (kind != (int)FailureKind::kNone && (s_published || kind == (int)FailureKind::kTimeout) &&
-          ld_acquire_sys(&ctl->failed_seq) == 0) {
-        st_relaxed_sys(&ctl->failed_kind, (uint64_t)kind);
-        st_relaxed_sys(&ctl->failed_missing, mismatch ? 0 : s_missing);
-        st_relaxed_sys(&ctl->failed_flag, mismatch ? s_bad_flag : 0);
-        st_relaxed_sys(&ctl->failed_src, mismatch ? s_bad_src : 0);
-        st_relaxed_sys(&ctl->failed_desc, desc);
-        st_release_sys(&ctl->failed_seq, seq);
-      }
+      if (kind != (int)FailureKind::kNone && (s_published || kind == (int)FailureKind::kTimeout))
+        record_failure(v, seq, 0, (uint64_t)kind, s_missing, s_bad_flag, s_bad_src, desc);
       s_failed = kind != (int)FailureKind::kNone;
       // Later kernels of this endpoint read this instead of failed_seq (a
       // round trip over the bus). Any failure counts: after it the buffer
@@ -605,12 +580,50 @@ __device__ void reduce_range(const DeviceView& v, const uint8_t* slots, const ui
   }
 }
 
-// Step 3 for one (peer, chunk): waits until the peer's flag for chunk c
-// reaches seq. false: this block gives up on the seq, and what it found is in
-// the grid's DeviceWords::fail_* (first mismatch or abort kind, missing
-// bits, fail_any), for the last block out to record.
-__device__ bool wait_chunk(const DeviceView& v, uint64_t seq, uint64_t desc, int src, int c, uint64_t start) {
+// A wait of the pipelined or the LL one-shot gives up on the seq: what it
+// found goes into the grid's DeviceWords::fail_* (the first mismatch or
+// abort kind, missing bits, fail_any), for the last block out to record
+// (pipe_finish). Here: `src` published a different collective at this seq
+// (its flag word `f`).
+__device__ void give_up_mismatch(DeviceWords* w, uint64_t f, int src) {
+  if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
+    w->fail_flag = f;
+    w->fail_src = (unsigned long long)src;
+  }
+  atomicExch(&w->fail_any, 1ull);
+}
+
+// The bounds of a wait of the pipelined or the LL one-shot, checked after
+// each unsuccessful poll (turn: how many came before): Control::abort and
+// the other waiters' give-ups every 16th turn (a bus round trip, and a
+// word other blocks write), the timeout every turn. false: give up on the
+// seq (recorded as give_up_mismatch says); `missing`: bit flag_index(src,
+// root) per source still waited for.
+__device__ bool keep_waiting(const DeviceView& v, uint32_t turn, uint64_t start, unsigned long long missing) {
   DeviceWords* w = v.words;
+  if ((turn & 15) == 15) {
+    // Control::abort: the host knows the endpoint failed; give up at once.
+    if (ld_acquire_sys(&v.ctl->abort) != 0) {
+      atomicOr(&w->fail_missing, missing);
+      atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
+      atomicExch(&w->fail_any, 1ull);
+      return false;
+    }
+    // Another waiter gave up: the seq fails anyway (a mismatch is found by
+    // one waiter, and the peer may never write what this one waits for).
+    if (ld_acquire_gpu(&w->fail_any) != 0) return false;
+  }
+  if (globaltimer() - start > v.timeout_ns) {
+    atomicOr(&w->fail_missing, missing);
+    atomicExch(&w->fail_any, 1ull);
+    return false;
+  }
+  return true;
+}
+
+// Step 3 for one (peer, chunk): waits until the peer's flag for chunk c
+// reaches seq. false: this block gives up on the seq (see give_up_mismatch).
+__device__ bool wait_chunk(const DeviceView& v, uint64_t seq, uint64_t desc, int src, int c, uint64_t start) {
   const uint64_t* flag = v.flags + psum_chunk_flag_index(src, c, v.world);
   unsigned long long missing = 0;
   for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
@@ -620,41 +633,38 @@ __device__ bool wait_chunk(const DeviceView& v, uint64_t seq, uint64_t desc, int
       // Past seq counts as arrived (see the top of this section); at exactly
       // seq it must carry our descriptor.
       if (flag_progress(f) == seq && flag_desc(f) != flag_desc(flag_word(seq, desc))) {
-        if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
-          w->fail_flag = f;
-          w->fail_src = (unsigned long long)src;
-        }
-        atomicExch(&w->fail_any, 1ull);
+        give_up_mismatch(v.words, f, src);
         return false;
       }
       return true;
     }
-    if ((turn & 15) == 15) {
-      // Control::abort: the host knows the endpoint failed; give up at once.
-      if (ld_acquire_sys(&v.ctl->abort) != 0) {
-        atomicOr(&w->fail_missing, missing);
-        atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
-        atomicExch(&w->fail_any, 1ull);
-        return false;
-      }
-      // Another block gave up: the seq fails anyway (a mismatch is found by
-      // one block, and the peer may never write the chunks this one waits for).
-      if (ld_acquire_gpu(&w->fail_any) != 0) return false;
-    }
-    if (globaltimer() - start > v.timeout_ns) {
-      atomicOr(&w->fail_missing, missing);
-      atomicExch(&w->fail_any, 1ull);
-      return false;
-    }
+    if (!keep_waiting(v, turn, start, missing)) return false;
+  }
+}
+
+// The seq-level flag words, flag_word(seq, desc), into every peer's flags
+// (flag_index(rank, root), every root), in send order. Relaxed: the
+// pipelined one-shot stores them after its last wait, for the watchdog and
+// the failure messages only; the LL one-shot at its start, where they are
+// read for one thing, the mismatch check of the LL wait, which needs no
+// order with anything else (see "the LL one-shot").
+__device__ void store_seq_flags(const DeviceView& v, uint64_t seq, uint64_t desc) {
+  const uint64_t f = flag_word(seq, desc);
+  for (int step = 1; step < v.world; ++step) {
+    const int peer = (v.rank + step) % v.world;
+    for (int root = 0; root < v.roots; ++root) st_relaxed_sys(v.peer_flags[peer] + flag_index(v.rank, root), f);
   }
 }
 
 // The service block's part: publish the seq for the proxy (its watchdog;
 // in direct mode the proxy sends nothing) unless an earlier seq failed, and
-// spread the L2 prefetches over the block.
+// spread the L2 prefetches over the block. `flags_first` (the LL one-shot):
+// store the seq-level flag words into the peers first (store_seq_flags),
+// instead of pipe_finish at the end.
 __device__ void pipe_service(const DeviceView& v, uint64_t seq, DType dtype, uint64_t bytes, uint64_t desc,
-                             bool prior, const Prefetch& pf) {
+                             bool prior, bool flags_first, const Prefetch& pf) {
   if (threadIdx.x == 0 && !prior) {
+    if (flags_first) store_seq_flags(v, seq, desc);
     Control* ctl = v.ctl;
     const int par = (int)(seq & 1);
     st_relaxed_sys(&ctl->bytes[par], bytes);
@@ -674,10 +684,11 @@ __device__ void pipe_service(const DeviceView& v, uint64_t seq, DType dtype, uin
 }
 
 // Every block, at the end: the last one out settles the seq (see the top of
-// this section). Every thread of the block must call it.
+// this section). Every thread of the block must call it. `flags_first`: the
+// service block stored the seq-level flag words already (pipe_service).
 template <DType D>
-__device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bool prior, uint8_t* out,
-                            uint64_t count) {
+__device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bool prior, bool flags_first,
+                            uint8_t* out, uint64_t count) {
   __shared__ int s_last, s_any;
   DeviceWords* w = v.words;
   __syncthreads();
@@ -698,27 +709,14 @@ __device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bo
   if (s_any) {
     const unsigned long long found = ld_acquire_gpu(&w->fail_kind), missing = ld_acquire_gpu(&w->fail_missing);
     const uint64_t kind = found ? found : (uint64_t)FailureKind::kTimeout;
-    const bool mismatch = kind == (uint64_t)FailureKind::kMismatch;
     // Nothing was waited for after an earlier failure (prior), so a failure
-    // here always belongs to a seq this rank published. The first failure is
-    // the one kept.
-    if (!prior && ld_acquire_sys(&ctl->failed_seq) == 0) {
-      st_relaxed_sys(&ctl->failed_kind, kind);
-      st_relaxed_sys(&ctl->failed_missing, mismatch ? 0 : missing);
-      st_relaxed_sys(&ctl->failed_flag, mismatch ? w->fail_flag : 0);
-      st_relaxed_sys(&ctl->failed_src, mismatch ? w->fail_src : 0);
-      st_relaxed_sys(&ctl->failed_desc, desc);
-      st_release_sys(&ctl->failed_seq, seq);
-    }
+    // here always belongs to a seq this rank published.
+    if (!prior) record_failure(v, seq, 0, kind, missing, w->fail_flag, w->fail_src, desc);
     w->failed = 1;  // sticky: nothing more is published (see "Buffer reuse")
     // Cleared for the next grid, which starts after this one completed.
     w->fail_any = w->fail_kind = w->fail_missing = w->fail_flag = w->fail_src = 0;
-  } else if (!prior) {
-    const uint64_t f = flag_word(seq, desc);
-    for (int step = 1; step < v.world; ++step) {
-      const int peer = (v.rank + step) % v.world;
-      for (int root = 0; root < v.roots; ++root) st_relaxed_sys(v.peer_flags[peer] + flag_index(v.rank, root), f);
-    }
+  } else if (!prior && !flags_first) {
+    store_seq_flags(v, seq, desc);
   }
   v.words->seq = seq;
   if (!prior) st_relaxed_sys(&ctl->done, seq);  // for the watchdog: nothing is read on its strength
@@ -738,8 +736,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
   const bool prior = recorded_failure(v);
   const int blocks = (int)gridDim.x - 1;
   if ((int)blockIdx.x == blocks) {
-    pipe_service(v, seq, D, bytes, desc, prior, pf);
-    pipe_finish<D>(v, seq, desc, prior, out, count);
+    pipe_service(v, seq, D, bytes, desc, prior, false, pf);
+    pipe_finish<D>(v, seq, desc, prior, false, out, count);
     return;
   }
   __shared__ unsigned s_sent;      // chunks of this block whose copy has read `in`
@@ -804,7 +802,340 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
       else reduce_range<D>(v, slots, in, out, lo, hi, ct, ncons);
     }
   }
-  pipe_finish<D>(v, seq, desc, prior, out, count);
+  pipe_finish<D>(v, seq, desc, prior, false, out, count);
+}
+
+// ---- the LL one-shot (direct mode, small sizes) -----------------------------------
+//
+// Direct mode, with the flags inside the data (layout.h, "The LL one-shot";
+// NCCL's LL protocol). The pipelined one-shot's reader makes two bus round
+// trips per chunk, one for the flag and one for the data after it, and its
+// writer fences between data and flag. Here the partial goes in 16-byte
+// lines, {data0, f, data1, f}, f = ll_flag(seq, desc): the reader's poll of a
+// line is its read of the data, and the writer needs no fence, since each
+// 8-byte half is one single-copy-atomic access (the lines are stored and
+// loaded as .v2.u64: the PTX memory model treats a vector access as one
+// access per element, so a half never tears; the halves may arrive apart,
+// which is why each has its own copy of f).
+//
+// One seq, one grid: B blocks of lines (ll_grid) and one service block. Thread
+// g of the B blocks' N threads owns lines g, g + N, ... (kLLLinesPerThread at
+// most) of the partial, 8 payload bytes each, and for each of them
+//   1. reads its 8 bytes of `in` (device memory), before anything is written
+//      to `out` (in may alias out: no other thread touches these bytes);
+//   2. stores the line into every peer's ll_recv[seq & 1][rank] (send order
+//      rank + 1, rank + 2, ...), one relaxed system-scope 16-byte store each,
+//      no fence;
+//   3. polls the same line of its own ll_recv[seq & 1][src], for every peer
+//      src, until both flag words equal f (ll_wait), bounded as the
+//      pipelined one-shot's waits are (keep_waiting: %globaltimer,
+//      Control::abort, another waiter's give-up), and reading src's seq-level
+//      flag word now and then to catch a peer that issued something else;
+//   4. zeroes the lines it consumed (see "Stale lines");
+//   5. sums in rank order, fp32 from 0.0f, rounded once (the bits of
+//      reduce()), and writes its 8 bytes of out (NaN if it gave up).
+// Then each block fences at system scope (one thread after the block's
+// barrier: the fence is cumulative), and the last block out settles the seq
+// (pipe_finish: the failure record and the NaN fill, seq_dev, Control::done).
+// The service block, at the start, stores the seq-level flag words into the
+// peers' flags, publishes the seq for the proxy's watchdog and asks L2 for
+// the prefetch ranges (pipe_service). After an earlier failure (prior), no
+// thread writes or waits for anything: each fills its lines of out with NaN.
+//
+// Stale lines. Invariant: while an endpoint has not failed, every line of its
+// ll_recv holds 0 except lines that a peer wrote for a seq this rank has not
+// finished. It holds at the start (the region is created zeroed). An LL seq
+// that succeeds has consumed every line each peer wrote for it (both cut the
+// partial alike: the element count and dtype are in the descriptor, which f
+// carries and compares) and zeroed them, and by "Buffer reuse" the zeroing
+// precedes, in coherence order, the peer's next store to those lines (it
+// also follows the value it overwrites: this rank read that value first). A
+// failed seq may leave lines behind, but the failure is sticky
+// (DeviceWords::failed): no later kernel of this endpoint polls a line. A seq
+// of another algorithm leaves no line: if the peer ran LL at it, this rank's
+// wait failed (see "Mismatch"). So a line polled for seq holds 0 or what the
+// peer wrote for seq, and if the peer issued another collective at seq its f
+// differs (ll_flag is injective in the 24-bit descriptor for a given seq),
+// so the line is never taken. Without the zeroing, a line left 128 uses of the
+// slot earlier (bits 1-7 of f wrap) by the same collective, a loop's
+// every-step psum, would be summed as this seq's: never acceptable.
+//
+// Buffer reuse: parity is enough. This rank writes its lines of seq + 2 into
+// a peer's ll_recv[seq & 1][rank] only in its kernel for seq + 2, which starts
+// after its kernel for seq + 1 completed. That kernel did not fail (after a
+// failure nothing more is written), so it received something the peer stored
+// in its kernel for seq + 1 -- lines, chunk flags or flag words, whichever
+// algorithm seq + 1 was -- which started after the peer's kernel for seq
+// completed: every read of the peer's ll_recv[seq & 1] for seq was over,
+// and so were its zeroing stores, which its blocks fenced at system scope
+// before that kernel ended (a fence completes only once the stores before
+// it are performed at system scope). So the zeroing is in place before
+// this rank's seq + 2 lines are written, and the peer finds 0 or seq + 2's
+// lines there. The same holds for this rank's own ll_recv, with the roles
+// swapped. As for the pipelined one-shot, the argument needs an endpoint's
+// kernels not to overlap (stream order).
+//
+// Mismatch. A peer that issued another collective at this seq must show up
+// as an error, never as a sum. Its lines never match f (above). The service
+// block stores the seq-level flag word flag_word(seq, desc), desc with the
+// LL tag in it (ll_tag), into every peer's flags at the start of the kernel,
+// and a waiting thread whose lines are late reads the peer's word every
+// 64th turn: progress seq with another descriptor is kMismatch. A peer that
+// ran the one-piece or two-shot kernels at this seq stored its word with its
+// own descriptor (publish_and_wait): a mismatch here, and, since our word
+// carries the LL tag, one there too. A peer that ran the pipelined one-shot
+// stores its word only after its waits, which wait for chunk flags this
+// kernel never stores: both sides time out. Either way, a failure.
+// A word past seq: the peer stored seq + 1's word at the start of its next
+// kernel, so it finished seq -- it read all of this rank's lines, which each
+// thread stores before it polls, so this rank may well still be polling --
+// and its own lines for seq were stored (and fenced) before that kernel
+// ended: they are visible to the next poll of the line, which takes them.
+// It cannot be past seq + 1: the peer's seq + 1 needs this rank's seq + 1
+// lines. And a peer that had failed stores no word at all (pipe_service).
+// So a word past seq calls for nothing: the wait goes on polling.
+//
+// Agreement: both sides choose LL from the size and the config alone
+// (ll_oneshot), and the tag is in the descriptor, so a peer that chose
+// otherwise is a mismatch or a timeout, never a wrong sum.
+
+// Lines a thread owns at most: every line's polls of all the peers in flight
+// at once, before the first check.
+constexpr int kLLLinesPerThread = 2;
+
+// One line: two 8-byte halves, each a single-copy-atomic element (see the
+// top of this section), relaxed at system scope: the peers (and this rank's
+// zeroing) write them, and the reader must see their stores, not a cached copy.
+__device__ __forceinline__ void st_line(uint8_t* p, uint64_t lo, uint64_t hi) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
+}
+
+__device__ __forceinline__ void ld_line(const uint8_t* p, uint64_t& lo, uint64_t& hi) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+}
+
+__device__ __forceinline__ bool aligned8(const void* p) { return ((uintptr_t)p & 7) == 0; }
+
+// Payload bytes [8 * line, 8 * line + 8) of a partial of `bytes` bytes, zero
+// past its end (the padding of the last line). Elements are 2 or 4 bytes, so
+// 2-byte units cover any tail and any alignment.
+__device__ __forceinline__ uint2 ll_payload(const uint8_t* p, uint64_t line, uint64_t bytes, bool aligned) {
+  const uint64_t at = kLLLinePayload * line;
+  if (aligned && at + kLLLinePayload <= bytes) return *reinterpret_cast<const uint2*>(p + at);
+  uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    if (at + 2 * h >= bytes) break;
+    const uint32_t u = (uint32_t)*reinterpret_cast<const uint16_t*>(p + at + 2 * h) << (16 * (h & 1));
+    if (h < 2) w0 |= u;
+    else w1 |= u;
+  }
+  return make_uint2(w0, w1);
+}
+
+// The inverse: the line's payload into out, without the padding.
+__device__ __forceinline__ void ll_put(uint8_t* p, uint64_t line, uint64_t bytes, bool aligned, uint2 d) {
+  const uint64_t at = kLLLinePayload * line;
+  if (aligned && at + kLLLinePayload <= bytes) {
+    *reinterpret_cast<uint2*>(p + at) = d;
+    return;
+  }
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    if (at + 2 * h >= bytes) break;
+    *reinterpret_cast<uint16_t*>(p + at + 2 * h) = (uint16_t)((h < 2 ? d.x : d.y) >> (16 * (h & 1)));
+  }
+}
+
+// The sum of one line: fp32 in rank order from 0.0f, rounded once, with the
+// conversions of reduce(), so the bits are those of every other algorithm.
+// lo / hi: the lines as loaded, by source (data in their low halves).
+template <DType D>
+__device__ __forceinline__ uint2 ll_sum(const DeviceView& v, uint2 mine, const uint64_t (&lo)[kMaxWorld],
+                                        const uint64_t (&hi)[kMaxWorld]) {
+  using E = Elem<D>;
+  constexpr int kPerLine = (int)kLLLinePayload / E::kSize;
+  float acc[kPerLine];
+#pragma unroll
+  for (int j = 0; j < kPerLine; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int src = 0; src < kMaxWorld; ++src) {  // rank order: every rank gets the same bits
+    if (src >= v.world) break;
+    const uint4 d = src == v.rank ? make_uint4(mine.x, mine.y, 0, 0)
+                                  : make_uint4((uint32_t)lo[src], (uint32_t)hi[src], 0, 0);
+#pragma unroll
+    for (int j = 0; j < kPerLine; ++j) acc[j] = __fadd_rn(acc[j], E::get(d, j));
+  }
+  uint4 o = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < kPerLine; ++j) E::put(o, j, acc[j]);
+  return make_uint2(o.x, o.y);
+}
+
+// Step 3 for thread g's lines (g, g + nthr, ... below `lines`): polls them in
+// every peer's slot of `slots` (this rank's ll_recv[seq & 1]) until each
+// holds f in both halves, leaving them in lo / hi. false: the thread gives
+// up on the seq (see give_up_mismatch).
+__device__ bool ll_wait(const DeviceView& v, uint64_t seq, uint64_t desc, const uint8_t* slots, uint64_t g,
+                        uint64_t nthr, uint64_t lines, uint64_t start, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
+                        uint64_t (&hi)[kLLLinesPerThread][kMaxWorld]) {
+  const uint32_t f = ll_flag(seq, desc);
+  uint32_t pending = 0;  // bit src * kLLLinesPerThread + k: line k from src not taken yet
+#pragma unroll
+  for (int src = 0; src < kMaxWorld; ++src)
+#pragma unroll
+    for (int k = 0; k < kLLLinesPerThread; ++k)
+      if (src < v.world && src != v.rank && g + k * nthr < lines) pending |= 1u << (src * kLLLinesPerThread + k);
+  for (uint32_t turn = 0; pending; ++turn) {
+    // Every pending line's load in flight before the first check: each is a
+    // bus round trip. A line taken keeps its registers.
+#pragma unroll
+    for (int src = 0; src < kMaxWorld; ++src)
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k)
+        if (pending >> (src * kLLLinesPerThread + k) & 1)
+          ld_line(slots + src * kLLSlotBytes + kLLLineBytes * (g + k * nthr), lo[k][src], hi[k][src]);
+    unsigned long long missing = 0;
+#pragma unroll
+    for (int src = 0; src < kMaxWorld; ++src) {
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k) {
+        const uint32_t bit = 1u << (src * kLLLinesPerThread + k);
+        // Both halves: each carries its own flag, and they may arrive apart.
+        if ((pending & bit) && (uint32_t)(lo[k][src] >> 32) == f && (uint32_t)(hi[k][src] >> 32) == f)
+          pending &= ~bit;
+      }
+      if (pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1))
+        for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
+    }
+    if (!pending) break;
+    if ((turn & 63) == 63) {
+      // A peer that issued another collective at this seq never writes our
+      // lines: its seq-level flag word says so (see "Mismatch"; a word past
+      // seq calls for nothing).
+      for (int src = 0; src < v.world; ++src) {
+        if (!(pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1))) continue;
+        const uint64_t w = ld_acquire_sys(v.flags + flag_index(src, 0));
+        if (flag_progress(w) == seq && flag_desc(w) != flag_desc(flag_word(seq, desc))) {
+          give_up_mismatch(v.words, w, src);
+          return false;
+        }
+      }
+    }
+    if (!keep_waiting(v, turn, start, missing)) return false;
+  }
+  return true;
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, const uint8_t* in, uint8_t* out,
+                                                                 uint64_t count, uint64_t tag, Prefetch pf) {
+  using E = Elem<D>;
+  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
+  const int par = (int)(seq & 1);
+  const uint64_t desc = describe(Mode::kFull, D, count, ll_tag(tag));
+  const uint64_t start = globaltimer();
+  // An earlier seq failed (recorded by an earlier kernel, so every block sees
+  // it): write nothing to the peers, wait for nothing, fill NaN.
+  const bool prior = recorded_failure(v);
+  const int blocks = (int)gridDim.x - 1;
+  if ((int)blockIdx.x == blocks) {
+    pipe_service(v, seq, D, bytes, desc, prior, true, pf);
+    pipe_finish<D>(v, seq, desc, prior, true, out, count);
+    return;
+  }
+  const uint64_t nthr = (uint64_t)blocks * blockDim.x, g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
+  const bool aligned = aligned8(in) && aligned8(out);
+  uint2 mine[kLLLinesPerThread];
+#pragma unroll
+  for (int k = 0; k < kLLLinesPerThread; ++k)
+    mine[k] = g + k * nthr < lines ? ll_payload(in, g + k * nthr, bytes, aligned) : make_uint2(0, 0);
+  if (!prior) {
+    const uint64_t f = ll_flag(seq, desc);
+    for (int step = 1; step < v.world; ++step) {  // send order: rank + 1, rank + 2, ...
+      const int peer = (v.rank + step) % v.world;
+      uint8_t* slot = v.peer_ll_recv[peer] + ((uint64_t)par * v.world + v.rank) * kLLSlotBytes;
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k)
+        if (g + k * nthr < lines)
+          st_line(slot + kLLLineBytes * (g + k * nthr), f << 32 | mine[k].x, f << 32 | mine[k].y);
+    }
+  }
+  uint8_t* slots = v.ll_recv + (uint64_t)par * v.world * kLLSlotBytes;
+  uint64_t lo[kLLLinesPerThread][kMaxWorld] = {}, hi[kLLLinesPerThread][kMaxWorld] = {};
+  const bool ok = !prior && ll_wait(v, seq, desc, slots, g, nthr, lines, start, lo, hi);
+  if (ok) {
+    // Zero the lines consumed (see "Stale lines"), first: the fence below
+    // waits for these stores, and the sum runs meanwhile. After a give-up
+    // the endpoint is failed for good and no line is polled again.
+    for (int src = 0; src < v.world; ++src) {
+      if (src == v.rank) continue;
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k)
+        if (g + k * nthr < lines) st_line(slots + src * kLLSlotBytes + kLLLineBytes * (g + k * nthr), 0, 0);
+    }
+  }
+  // A thread that gave up writes NaN over its lines: the last block out
+  // fills the whole output with NaN anyway; this keeps them from a wrong sum
+  // meanwhile.
+  const uint2 nan = E::kSize == 4 ? make_uint2(E::kNan, E::kNan)
+                                  : make_uint2(E::kNan | E::kNan << 16, E::kNan | E::kNan << 16);
+#pragma unroll
+  for (int k = 0; k < kLLLinesPerThread; ++k)
+    if (g + k * nthr < lines)
+      ll_put(out, g + k * nthr, bytes, aligned, ok ? ll_sum<D>(v, mine[k], lo[k], hi[k]) : nan);
+  // The block's zeroing is performed at system scope before this kernel
+  // ends, so before this rank's next lines leave (see "Buffer reuse").
+  __syncthreads();
+  if (threadIdx.x == 0) fence_sys();
+  pipe_finish<D>(v, seq, desc, prior, true, out, count);
+}
+
+// LL up to this size when Config::cuda_ll_max_bytes is -1 (the default).
+// Measured on 2 H200s (examples/bench_psum.py, bf16, 2 processes,
+// jax_arx.psum, us at 8 KB / 16 KB / 32 KB / 64 KB / 128 KB, the range of
+// 3-6 runs each):
+//   LL (arx-shm-ll128k)       8.4-10.3 / 9.9-11.0 / 12.9-63 / 18.9-130 / 255-273
+//   pipelined (arx-shm-noll)  9.3-10.7 / 10.6-11.5 / 11.3-12.6 / 13.8-15.6 / 18.4-21.3
+//   NCCL, NCCL_P2P_DISABLE=1  18.0 / 18.0 / 13.1 / 18.4 / 22.4 (one run)
+// LL wins by about 1 us up to 16 KB (one bus trip each way) and loses from
+// 32 KB on: its lines carry twice the payload's bytes, and every line is
+// polled over the bus while the peer writes it. From 32 KB on, some runs are
+// also slow throughout (most runs at 64 KB and above: about 120 us at 64 KB,
+// 260 us at 128 KB), as if reads of host memory lines being written stalled
+// the writes; neither a back-off between polls, nor polling one line per
+// thread first, nor weak or volatile stores for the lines changed that. The
+// pipelined one-shot polls one flag per chunk and never shows it.
+// Of the LL kernel's own costs, the end-of-kernel fence measured about 1 us
+// at 8 KB and the zeroing under 1 us (both needed, see "Stale lines").
+constexpr uint64_t kLLDefaultMaxBytes = 16 << 10;
+
+// The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at
+// most kThreads) such that each thread owns kLLLinesPerThread lines or fewer;
+// the kernel gets one more block, the service block.
+void ll_grid(uint64_t bytes, int& blocks, int& threads) {
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
+  const uint64_t need = std::max<uint64_t>(1, (lines + kLLLinesPerThread - 1) / kLLLinesPerThread);
+  if (need <= (uint64_t)kThreads) {
+    blocks = 1;
+    threads = (int)((need + 31) / 32 * 32);
+  } else {
+    blocks = (int)((need + kThreads - 1) / kThreads);
+    threads = kThreads;
+  }
+}
+
+// The one place that decides whether a one-shot goes LL: in direct mode, up
+// to Config::cuda_ll_max_bytes (-1: kLLDefaultMaxBytes; 0: never), capped at
+// kLLMaxPayload, the room of an ll_recv slot. Every rank computes the same
+// from the same size and config (see "Agreement" in "the LL one-shot").
+// Above it, pipeline_chunks() decides between the pipelined and the
+// one-piece kernel.
+bool ll_oneshot(const DeviceView& v, uint64_t bytes) {
+  if (!v.direct || v.ll_max_bytes == 0) return false;
+  const uint64_t limit = v.ll_max_bytes < 0 ? kLLDefaultMaxBytes : (uint64_t)v.ll_max_bytes;
+  return bytes <= std::min(limit, kLLMaxPayload);
 }
 
 // The one place that decides whether a one-shot runs pipelined, and in how
@@ -835,6 +1166,12 @@ cudaError_t launch(const DeviceView& v, Algorithm algorithm, const void* in, voi
   auto* o = static_cast<uint8_t*>(out);
   switch (algorithm) {
     case Algorithm::kOneShot:
+      if (ll_oneshot(v, bytes)) {
+        int blocks = 0, threads = 0;
+        ll_grid(bytes, blocks, threads);
+        oneshot_ll_kernel<D><<<blocks + 1, threads, 0, stream>>>(v, i, o, count, tag, pf);
+        return cudaGetLastError();
+      }
       if (const int chunks = pipeline_chunks(v, bytes)) {
         oneshot_pipe_kernel<D><<<std::min(chunks, kPipeBlocks) + 1, kThreads, 0, stream>>>(v, i, o, count, tag, pf,
                                                                                            chunks);

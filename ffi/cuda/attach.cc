@@ -124,6 +124,7 @@ Status attach(Endpoint& ep) {
   v.pipeline = (int)ep.spec().config.cuda_pipeline;
   v.chunk_bytes = ep.spec().config.cuda_chunk_bytes;
   v.ll_max_bytes = ep.spec().config.cuda_ll_max_bytes;
+  v.ll_recv = base + L.ll_recv;
   v.pctl = reinterpret_cast<PrefillControl*>(base + L.prefill_ctl);
   v.prefill_send = base + L.prefill_send;
   v.prefill_recv = base + L.prefill_recv;
@@ -140,6 +141,7 @@ Status attach(Endpoint& ep) {
       v.peer_recv[p] = dev + L.recv;
       v.peer_flags[p] = reinterpret_cast<uint64_t*>(dev + L.flags);
       v.peer_prefill_recv[p] = dev + L.prefill_recv;
+      v.peer_ll_recv[p] = dev + L.ll_recv;
     }
     v.direct = true;
     ep.set_device_sends();  // the proxy sends no psum seq from now on

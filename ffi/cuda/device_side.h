@@ -38,7 +38,8 @@ struct DeviceWords {
   // ring entries the kernels have published (the next entry's index).
   unsigned long long prefill_seq;   // the last prefill seq a kernel of this endpoint ran
   unsigned long long ring_published;
-  unsigned long long pad0[4];
+  unsigned long long prefill_finished;  // blocks done with the prefill seq: seq << 16 | count
+  unsigned long long pad0[3];
   // Per piece, the blocks of one grid done with their share of it:
   // seq << 16 | count (the last one publishes the piece).
   unsigned long long piece_arrived[kChunks];
@@ -70,6 +71,12 @@ struct DeviceView {
   // Direct mode only: a one-shot up to this many bytes carries its flags
   // inside the data (Config::cuda_ll_max_bytes; -1: built in, 0: never).
   int64_t ll_max_bytes;
+  // The LL one-shot's lines (layout.h, "The LL one-shot"): this rank's
+  // ll_recv[0][0], written by the peers' kernels and zeroed by this rank's,
+  // and, in direct mode, each peer's, mapped here (null for this rank, and
+  // everywhere when not direct).
+  uint8_t* ll_recv;
+  uint8_t* peer_ll_recv[kMaxWorld];
   uint8_t* peer_recv[kMaxWorld];
   uint64_t* peer_flags[kMaxWorld];
   // The prefill ops (layout.h, "Prefill-sized ops"): the work ring and this
@@ -115,5 +122,41 @@ enum class Algorithm : int64_t { kOneShot = 1, kTwoShot = 2 };
 // Returns the launch error (which may belong to an earlier kernel).
 cudaError_t launch_allreduce(const DeviceView& v, Algorithm algorithm, DType dtype, const void* in, void* out,
                              uint64_t count, uint64_t tag, const Prefetch& prefetch, cudaStream_t stream);
+
+// ---- the prefill ops (prefill.cu; layout.h, "Prefill-sized ops") -------------
+// Each call is one prefill op with the next prefill seq (kept on the device),
+// one kernel. In direct mode the kernel writes the peers' prefill_recv
+// itself, a flag per piece; otherwise it copies into prefill_send and
+// publishes pieces into the work ring for the proxy. Results land in `out`
+// (XLA's buffer). On failure out is NaN (all-gather: nan_type's NaN, or
+// every byte 0xFF when nan_type is negative) and the failure is recorded in
+// the Control block with failed_op. The handler checks the sizes against
+// prefill_slot_bytes before launching.
+
+// out[outer][world][block] = every rank's in[outer][block], bytes =
+// outer * block; type_code tells element types apart in the descriptor.
+cudaError_t launch_all_gather(const DeviceView& v, const void* in, void* out, uint64_t bytes, uint64_t outer,
+                              uint64_t type_code, int nan_type, uint64_t tag, cudaStream_t stream);
+
+// out[outer][count / outer] = the rank-order fp32 sum of every rank's
+// in[outer][rank][count / outer], rounded once.
+cudaError_t launch_reduce_scatter(const DeviceView& v, DType dtype, const void* in, void* out, uint64_t count,
+                                  uint64_t outer, uint64_t tag, cudaStream_t stream);
+
+// The fused MoE combine + reduce-scatter; the same contract as
+// host::MoeCombine (ffi/host/prefill.h): rows shared[t] + sum_k w[t, k] *
+// y[pos[t, k]] in fp32 with one rounding per term, rounded once to bf16,
+// zero past `tokens`; out[padded / world, hidden] = the rank-order sum of
+// every rank's rows for this rank.
+struct MoeCombineArgs {
+  const void* y;         // [rows, hidden] bf16 or e4m3
+  const float* y_scale;  // [rows, hidden / 128] when y is e4m3, else null
+  const int32_t* pos;    // [tokens, topk]
+  const float* w;        // [tokens, topk]
+  const uint16_t* shared;  // [tokens, hidden] bf16
+  uint64_t rows, tokens, padded, hidden, topk;
+};
+cudaError_t launch_moe_combine(const DeviceView& v, const MoeCombineArgs& a, uint16_t* out, uint64_t tag,
+                               cudaStream_t stream);
 
 }  // namespace arx::cuda

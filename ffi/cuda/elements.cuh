@@ -31,6 +31,15 @@ __device__ __forceinline__ float f16_to_f32(uint32_t h) { return __half2float(__
 
 __device__ __forceinline__ uint32_t f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
+// float8_e4m3fn (the fused MoE combine's expert outputs) -> fp32, exact; the
+// same bits as ffi/host/convert.h's e4m3_to_f32 (S.1111.111 is NaN).
+__device__ __forceinline__ float e4m3_to_f32(uint32_t v) {
+  const uint32_t sign = (v >> 7 & 1) << 31, e = (v >> 3) & 0xf, m = v & 7;
+  if (e == 0xf && m == 7) return __uint_as_float(sign | 0x7fc00000u);
+  if (e == 0) return __uint_as_float(__float_as_uint((float)m * (1.0f / 512.0f)) | sign);  // m / 8 * 2^-6, exact
+  return __uint_as_float(sign | (e - 7 + 127) << 23 | m << 20);
+}
+
 // An element type: its size, its DType, and 16-byte vectors of it.
 template <DType D>
 struct Elem;

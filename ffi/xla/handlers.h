@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/endpoint.h"
 #include "comm/layout.h"
@@ -32,6 +33,91 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
         "jax_arx: no communicator %lld on local device %d in this process; call jax_arx.initialize(mesh) (after "
         "jax.distributed.initialize) with the mesh the collective runs over, before running it",
         (long long)comm_id, (int)device_ordinal));
+  return ffi::Error::Success();
+}
+
+// The rows of the gathered / scattered dimension (host/prefill.h): the
+// product of x's first `dimension` sizes. With `dimension` = d, x viewed as
+// [outer][rest] gathers into [outer][world][rest] (all_gather along d,
+// tiled or not) and scatters from [outer][world][rest / world]
+// (psum_scatter along d).
+inline ffi::Error outer_rows(const ffi::AnyBuffer& x, int64_t dimension, uint64_t& outer) {
+  const auto dims = x.dimensions();
+  if (dimension < 0 || dimension > (int64_t)dims.size())
+    return ffi::Error::InvalidArgument(strf("jax_arx: dimension %lld of a rank-%zu operand", (long long)dimension,
+                                            dims.size()));
+  outer = 1;
+  for (int64_t d = 0; d < dimension; ++d) outer *= (uint64_t)dims[d];
+  if (outer == 0) outer = 1;  // no elements: any row count describes them
+  return ffi::Error::Success();
+}
+
+
+// The fused MoE combine's operands, checked: y [R, H] (bf16, or e4m3 when
+// `scaled`), then y_scale [R, H / 128] f32 when `scaled`, pos [T, topk] s32,
+// w [T, topk] f32, shared [T, H] bf16, then dependency operands; the result
+// [Tpad / world, H] bf16. The same on both platforms.
+struct MoeOperands {
+  const void* y = nullptr;
+  const float* y_scale = nullptr;
+  const int32_t* pos = nullptr;
+  const float* w = nullptr;
+  const uint16_t* shared = nullptr;
+  uint64_t rows = 0, tokens = 0, padded = 0, hidden = 0, topk = 0;
+};
+
+inline ffi::Error moe_operands(ffi::RemainingArgs& args, const ffi::AnyBuffer& out, bool scaled, uint64_t world,
+                               MoeOperands& m) {
+  const size_t n = scaled ? 5 : 4;
+  if (args.size() < n)
+    return ffi::Error::InvalidArgument(strf("jax_arx.moe_combine_psum_scatter: %zu operands, expected at least %zu",
+                                            args.size(), n));
+  std::vector<ffi::AnyBuffer> b;
+  for (size_t i = 0; i < n; ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    b.push_back(*a);
+  }
+  const ffi::AnyBuffer &y = b[0], &pos = b[n - 3], &w = b[n - 2], &shared = b[n - 1];
+  auto dims = [](const ffi::AnyBuffer& x, int64_t& d0, int64_t& d1) {
+    if (x.dimensions().size() != 2) return false;
+    d0 = x.dimensions()[0];
+    d1 = x.dimensions()[1];
+    return true;
+  };
+  int64_t R, H, T, K, T2, K2, T3, H3, O, H4;
+  const bool ok = dims(y, R, H) && dims(pos, T, K) && dims(w, T2, K2) && dims(shared, T3, H3) && dims(out, O, H4) &&
+                  T2 == T && K2 == K && T3 == T && H3 == H && H4 == H &&
+                  y.element_type() == (scaled ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16) &&
+                  pos.element_type() == ffi::DataType::S32 && w.element_type() == ffi::DataType::F32 &&
+                  shared.element_type() == ffi::DataType::BF16 && out.element_type() == ffi::DataType::BF16;
+  if (!ok)
+    return ffi::Error::InvalidArgument(
+        "jax_arx.moe_combine_psum_scatter: expected y [R, H] bf16 (or float8_e4m3fn with y_scale [R, H / 128] "
+        "float32), pos [T, topk] int32, w [T, topk] float32, shared [T, H] bfloat16 and a [Tpad / world, H] "
+        "bfloat16 result");
+  if (scaled) {
+    int64_t R5, S5;
+    if (!dims(b[1], R5, S5) || R5 != R || H % 128 || S5 != H / 128 || b[1].element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("jax_arx.moe_combine_psum_scatter: y_scale must be [R, H / 128] float32, "
+                                         "with H a multiple of 128");
+  }
+  m.y = y.untyped_data();
+  m.y_scale = scaled ? static_cast<const float*>(b[1].untyped_data()) : nullptr;
+  m.pos = static_cast<const int32_t*>(pos.untyped_data());
+  m.w = static_cast<const float*>(w.untyped_data());
+  m.shared = static_cast<const uint16_t*>(shared.untyped_data());
+  m.rows = (uint64_t)R;
+  m.tokens = (uint64_t)T;
+  m.padded = (uint64_t)O * world;
+  m.hidden = (uint64_t)H;
+  m.topk = (uint64_t)K;
+  if (m.tokens > m.padded || (m.rows == 0 && m.tokens && m.topk))
+    return ffi::Error::InvalidArgument(strf("jax_arx.moe_combine_psum_scatter: %llu tokens, %llu padded rows, %llu "
+                                            "expert rows: the padded rows must be at least the tokens, and pos needs "
+                                            "expert rows to point at",
+                                            (unsigned long long)m.tokens, (unsigned long long)m.padded,
+                                            (unsigned long long)m.rows));
   return ffi::Error::Success();
 }
 

@@ -124,10 +124,127 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
   return ffi::Error::Success();
 }
 
+
+// The endpoint of (comm_id, device ordinal) and its CUDA view; an error if
+// there is none, or if the endpoint has failed (the "next host-side call
+// raises" contract: the kernels would fill NaN and return at once anyway).
+ffi::Error cuda_endpoint(const char* op, int64_t comm_id, int32_t device_ordinal, std::shared_ptr<Endpoint>& ep,
+                         const cuda::DeviceView*& view) {
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  view = cuda::view_of(*ep);
+  if (!view)
+    return ffi::Error::InvalidArgument(strf("jax_arx.%s: %s was not set up for CUDA (platform 'cuda' in "
+                                            "jax_arx.initialize)", op, ep->label().c_str()));
+  if (ep->failed()) return ffi::Error::Internal(ep->failure());
+  return ffi::Error::Success();
+}
+
+ffi::Error launched(const char* op, int32_t device_ordinal, cudaError_t e) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(strf("jax_arx.%s: launching on device %d failed: %s (%s); the error may belong to an "
+                                   "earlier kernel on this device",
+                                   op, (int)device_ordinal, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+ffi::Error too_big(const char* op, const Endpoint& ep, uint64_t bytes) {
+  return ffi::Error::InvalidArgument(strf("jax_arx.%s: %llu bytes on %s exceed the prefill slot of %llu bytes; raise "
+                                          "JAX_ARX_PREFILL_SLOT_BYTES (the Python side should have fallen back to "
+                                          "jax.lax)",
+                                          op, (unsigned long long)bytes, ep.label().c_str(),
+                                          (unsigned long long)ep.layout().prefill_slot_bytes));
+}
+
+// The prefill ops (ffi/cuda/prefill.cu), with the CPU handlers' operands,
+// results and attributes (handlers_host.cc): x[0..n) -> y[0..n), one op per
+// pair in operand order, then dependency operands.
+ffi::Error all_gather_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, int64_t comm_id, int64_t site, int64_t dimension) {
+  std::shared_ptr<Endpoint> ep;
+  const cuda::DeviceView* view = nullptr;
+  if (ffi::Error e = cuda_endpoint("all_gather", comm_id, device_ordinal, ep, view); e.failure()) return e;
+  if (args.size() < rets.size()) return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
+  const uint64_t world = (uint64_t)ep->spec().world;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (x.has_error()) return x.error();
+    if (y.has_error()) return y.error();
+    if ((*y)->element_type() != x->element_type() || (*y)->size_bytes() != world * x->size_bytes())
+      return ffi::Error::InvalidArgument(strf("jax_arx.all_gather: result %zu must have its operand's dtype and "
+                                              "%llu times its elements",
+                                              i, (unsigned long long)world));
+    if (world * x->size_bytes() > view->prefill_slot_bytes) return too_big("all_gather", *ep, world * x->size_bytes());
+    uint64_t outer = 0;
+    if (ffi::Error e = outer_rows(*x, dimension, outer); e.failure()) return e;
+    if (x->size_bytes() % outer)
+      return ffi::Error::InvalidArgument(strf("jax_arx.all_gather: %zu bytes do not make %llu rows", x->size_bytes(),
+                                              (unsigned long long)outer));
+    const std::optional<DType> nan_type = dtype_of(x->element_type());
+    const cudaError_t e = cuda::launch_all_gather(*view, x->untyped_data(), (*y)->untyped_data(), x->size_bytes(),
+                                                  outer, (uint64_t)x->element_type(), nan_type ? (int)*nan_type : -1,
+                                                  (uint64_t)site * 64 + i, stream);
+    if (ffi::Error err = launched("all_gather", device_ordinal, e); err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error psum_scatter_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets, int64_t comm_id, int64_t site, int64_t dimension) {
+  std::shared_ptr<Endpoint> ep;
+  const cuda::DeviceView* view = nullptr;
+  if (ffi::Error e = cuda_endpoint("psum_scatter", comm_id, device_ordinal, ep, view); e.failure()) return e;
+  if (args.size() < rets.size())
+    return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
+  const uint64_t world = (uint64_t)ep->spec().world;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (x.has_error()) return x.error();
+    if (y.has_error()) return y.error();
+    const std::optional<DType> dtype = dtype_of(x->element_type());
+    if (!dtype)
+      return ffi::Error::InvalidArgument("jax_arx.psum_scatter: the CUDA handler takes float32, bfloat16 or float16");
+    if ((*y)->element_type() != x->element_type() || (*y)->element_count() * world != x->element_count())
+      return ffi::Error::InvalidArgument(strf("jax_arx.psum_scatter: result %zu must have its operand's dtype and "
+                                              "1/%llu of its elements",
+                                              i, (unsigned long long)world));
+    if (x->size_bytes() > view->prefill_slot_bytes) return too_big("psum_scatter", *ep, x->size_bytes());
+    uint64_t outer = 0;
+    if (ffi::Error e = outer_rows(*x, dimension, outer); e.failure()) return e;
+    if ((*y)->element_count() % outer)
+      return ffi::Error::InvalidArgument(strf("jax_arx.psum_scatter: %zu elements do not make %llu rows",
+                                              (*y)->element_count(), (unsigned long long)outer));
+    const cudaError_t e = cuda::launch_reduce_scatter(*view, *dtype, x->untyped_data(), (*y)->untyped_data(),
+                                                      (*y)->element_count(), outer, (uint64_t)site * 64 + i, stream);
+    if (ffi::Error err = launched("psum_scatter", device_ordinal, e); err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
+                                         ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
+                                         int64_t scaled) {
+  std::shared_ptr<Endpoint> ep;
+  const cuda::DeviceView* view = nullptr;
+  if (ffi::Error e = cuda_endpoint("moe_combine_psum_scatter", comm_id, device_ordinal, ep, view); e.failure())
+    return e;
+  MoeOperands m;
+  if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
+  if (m.padded * m.hidden * 2 > view->prefill_slot_bytes)
+    return too_big("moe_combine_psum_scatter", *ep, m.padded * m.hidden * 2);
+  const cuda::MoeCombineArgs a{m.y, m.y_scale, m.pos, m.w, m.shared, m.rows, m.tokens, m.padded, m.hidden, m.topk};
+  return launched("moe_combine_psum_scatter", device_ordinal,
+                  cuda::launch_moe_combine(*view, a, static_cast<uint16_t*>(out->untyped_data()),
+                                           (uint64_t)site * 64, stream));
+}
+
 }  // namespace
 
 void add_cuda_registrations(nanobind::dict& d) {
   d["jax_arx_psum"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_cuda));
+  d["jax_arx_all_gather"] = nanobind::capsule(reinterpret_cast<void*>(arx_all_gather_cuda));
+  d["jax_arx_psum_scatter"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_scatter_cuda));
+  d["jax_arx_moe_combine_psum_scatter"] = nanobind::capsule(reinterpret_cast<void*>(arx_moe_combine_psum_scatter_cuda));
 }
 
 }  // namespace arx::xla
@@ -142,4 +259,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_cuda, arx::xla::psum_cuda,
                                   .RemainingArgs()  // x[0..n), dependency operands, prefetch operands
                                   .RemainingRets()  // y[0..n)
                                   .Attrs<xla::ffi::Dictionary>(),  // comm_id, algorithm, site, prefetch
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+// The prefill ops: command-buffer compatible for the same reason (they only
+// launch; the prefill seq and the ring index live on the device).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_cuda, arx::xla::all_gather_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
+                                  .RemainingArgs()                 // x[0..n), then dependency operands
+                                  .RemainingRets()                 // y[0..n)
+                                  .Attr<int64_t>("comm_id")        // comm_id
+                                  .Attr<int64_t>("site")           // site: the call site's tag
+                                  .Attr<int64_t>("dimension"),     // dimension: gathered along x's axis d
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_cuda, arx::xla::psum_scatter_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
+                                  .RemainingArgs()                 // x[0..n), then dependency operands
+                                  .RemainingRets()                 // y[0..n)
+                                  .Attr<int64_t>("comm_id")        // comm_id
+                                  .Attr<int64_t>("site")           // site: the call site's tag
+                                  .Attr<int64_t>("dimension"),     // dimension: scattered along x's axis d
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_cuda, arx::xla::moe_combine_psum_scatter_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
+                                  .RemainingArgs()             // y, [y_scale], pos, w, shared, then dependencies
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [Tpad / world, H] bf16
+                                  .Attr<int64_t>("comm_id")    // comm_id
+                                  .Attr<int64_t>("site")       // site: the call site's tag
+                                  .Attr<int64_t>("scaled"),    // scaled: 1 if y is e4m3 with y_scale
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -60,22 +60,6 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
   return ffi::Error::Success();
 }
 
-// The rows of the gathered / scattered dimension (host/prefill.h): the
-// product of x's first `dimension` sizes. With `dimension` = d, x viewed as
-// [outer][rest] gathers into [outer][world][rest] (all_gather along d,
-// tiled or not) and scatters from [outer][world][rest / world]
-// (psum_scatter along d).
-ffi::Error outer_rows(const ffi::AnyBuffer& x, int64_t dimension, uint64_t& outer) {
-  const auto dims = x.dimensions();
-  if (dimension < 0 || dimension > (int64_t)dims.size())
-    return ffi::Error::InvalidArgument(strf("jax_arx: dimension %lld of a rank-%zu operand", (long long)dimension,
-                                            dims.size()));
-  outer = 1;
-  for (int64_t d = 0; d < dimension; ++d) outer *= (uint64_t)dims[d];
-  if (outer == 0) outer = 1;  // no elements: any row count describes them
-  return ffi::Error::Success();
-}
-
 // x[0..n) -> y[0..n): y_i = every rank's x_i, gathered along `dimension`
 // (bytes, any element type). One prefill op per pair, in operand order;
 // operands past the n-th are dependency operands, as for psum.
@@ -144,62 +128,26 @@ ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ff
   return ffi::Error::Success();
 }
 
-// The fused MoE combine + reduce-scatter (host/prefill.h). Operands: y
-// [R, H] (bf16, or e4m3 when `scaled`), then y_scale [R, H / 128] f32 when
-// `scaled`, pos [T, topk] s32, w [T, topk] f32, shared [T, H] bf16, then
-// dependency operands. Result: [Tpad / world, H] bf16.
+// The fused MoE combine + reduce-scatter (host/prefill.h); operands and
+// result as moe_operands (handlers.h) reads them.
 ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args,
                                          ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
                                          int64_t scaled) {
-  const size_t n = scaled ? 5 : 4;
-  if (args.size() < n)
-    return ffi::Error::InvalidArgument(strf("jax_arx.moe_combine_psum_scatter: %zu operands, expected at least %zu",
-                                            args.size(), n));
   std::shared_ptr<Endpoint> ep;
   if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
-  const uint64_t world = (uint64_t)ep->spec().world;
-  std::vector<ffi::AnyBuffer> b;
-  for (size_t i = 0; i < n; ++i) {
-    auto a = args.get<ffi::AnyBuffer>(i);
-    if (a.has_error()) return a.error();
-    b.push_back(*a);
-  }
-  const ffi::AnyBuffer &y = b[0], &pos = b[n - 3], &w = b[n - 2], &shared = b[n - 1];
-  auto dims = [](const ffi::AnyBuffer& x, int64_t& d0, int64_t& d1) {
-    if (x.dimensions().size() != 2) return false;
-    d0 = x.dimensions()[0];
-    d1 = x.dimensions()[1];
-    return true;
-  };
-  int64_t R, H, T, K, T2, K2, T3, H3, O, H4;
-  const bool ok = dims(y, R, H) && dims(pos, T, K) && dims(w, T2, K2) && dims(shared, T3, H3) &&
-                  out->dimensions().size() == 2 && (O = out->dimensions()[0], H4 = out->dimensions()[1], true) &&
-                  T2 == T && K2 == K && T3 == T && H3 == H && H4 == H &&
-                  y.element_type() == (scaled ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16) &&
-                  pos.element_type() == ffi::DataType::S32 && w.element_type() == ffi::DataType::F32 &&
-                  shared.element_type() == ffi::DataType::BF16 && out->element_type() == ffi::DataType::BF16;
-  if (!ok)
-    return ffi::Error::InvalidArgument(
-        "jax_arx.moe_combine_psum_scatter: expected y [R, H] bf16 (or float8_e4m3fn with y_scale [R, H / 128] "
-        "float32), pos [T, topk] int32, w [T, topk] float32, shared [T, H] bfloat16 and a [Tpad / world, H] "
-        "bfloat16 result");
-  if (scaled) {
-    int64_t R5, S5;
-    if (!dims(b[1], R5, S5) || R5 != R || H % 128 || S5 != H / 128 || b[1].element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("jax_arx.moe_combine_psum_scatter: y_scale must be [R, H / 128] float32, "
-                                         "with H a multiple of 128");
-  }
+  MoeOperands m;
+  if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   host::MoeCombine a;
-  a.y = y.untyped_data();
-  a.y_scale = scaled ? static_cast<const float*>(b[1].untyped_data()) : nullptr;
-  a.pos = static_cast<const int32_t*>(pos.untyped_data());
-  a.w = static_cast<const float*>(w.untyped_data());
-  a.shared = static_cast<const uint16_t*>(shared.untyped_data());
-  a.rows = (uint64_t)R;
-  a.tokens = (uint64_t)T;
-  a.padded = (uint64_t)O * world;
-  a.hidden = (uint64_t)H;
-  a.topk = (uint64_t)K;
+  a.y = m.y;
+  a.y_scale = m.y_scale;
+  a.pos = m.pos;
+  a.w = m.w;
+  a.shared = m.shared;
+  a.rows = m.rows;
+  a.tokens = m.tokens;
+  a.padded = m.padded;
+  a.hidden = m.hidden;
+  a.topk = m.topk;
   std::lock_guard<std::mutex> lock(ep->host_call_mu);
   const Status s = host::moe_combine_reduce_scatter(*ep, a, static_cast<uint16_t*>(out->untyped_data()),
                                                     (uint64_t)site * 64);

@@ -153,3 +153,31 @@ ARX_TESTING_API void arx_testing_close(int64_t comm_id, int device_ordinal) {
 ARX_TESTING_API uint64_t arx_testing_handler_calls() {
   return arx::xla::g_psum_cuda_handler_calls.load(std::memory_order_relaxed);
 }
+
+// Direct mode with this endpoint's own region standing in for every peer's
+// (tests/test_gpu_psum.py, the LL one-shot): the kernels then write what they
+// send into this region at this rank's own places -- recv[par][rank], the
+// flag words flag_index(rank, root), ll_recv[par][rank], prefill_recv --
+// which its waits never read, so the test can check what was sent while it
+// plays the peers as before. One-shots up to ll_max_bytes go LL (as
+// Config::cuda_ll_max_bytes: -1 built in, 0 never). Call it after
+// arx_testing_open, before the endpoint's first call. 0 on success, else -1.
+ARX_TESTING_API int arx_testing_loopback(int64_t comm_id, int device_ordinal, int64_t ll_max_bytes) {
+  auto ep = find(comm_id, device_ordinal);
+  if (!ep) return -1;
+  // attach()'s view, a non-const object: each launch copies it, and none
+  // has been launched yet.
+  auto* v = const_cast<arx::cuda::DeviceView*>(arx::cuda::view_of(*ep));
+  if (!v) return -1;
+  for (int p = 0; p < v->world; ++p) {
+    if (p == v->rank) continue;
+    v->peer_recv[p] = const_cast<uint8_t*>(v->recv);
+    v->peer_flags[p] = const_cast<uint64_t*>(v->flags);
+    v->peer_prefill_recv[p] = const_cast<uint8_t*>(v->prefill_recv);
+    v->peer_ll_recv[p] = v->ll_recv;
+  }
+  v->direct = true;
+  v->ll_max_bytes = ll_max_bytes;
+  ep->set_device_sends();
+  return 0;
+}
