@@ -116,17 +116,7 @@ __device__ void reduce(const DeviceView& v, const uint8_t* slots, const uint8_t*
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t i = i0 + u * stride;
       if (i >= nvec) break;
-      float acc[E::kPerVec];
-#pragma unroll
-      for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
-#pragma unroll
-      for (int src = 0; src < kMaxWorld; ++src)  // rank order: every rank gets the same bits
-        if (src < v.world)
-#pragma unroll
-          for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[u][src], k));
-      uint4 o;
-#pragma unroll
-      for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
+      const uint4 o = sum_rank_order<D>(part[u], v.world);
       *reinterpret_cast<uint4*>(out + 16 * i) = o;
       if (also) *reinterpret_cast<uint4*>(also + 16 * i) = o;
     }
@@ -557,17 +547,7 @@ __device__ void reduce_range(const DeviceView& v, const uint8_t* slots, const ui
     for (int u = 0; u < kPipeUnroll; ++u) {
       const uint64_t i = i0 + u * step;
       if (i >= nvec) break;
-      float acc[E::kPerVec];
-#pragma unroll
-      for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
-#pragma unroll
-      for (int src = 0; src < kMaxWorld; ++src)  // rank order: every rank gets the same bits
-        if (src < v.world)
-#pragma unroll
-          for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[u][src], k));
-      uint4 o;
-#pragma unroll
-      for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
+      const uint4 o = sum_rank_order<D>(part[u], v.world);
       *reinterpret_cast<uint4*>(out + lo + 16 * i) = o;
     }
   }
@@ -578,47 +558,6 @@ __device__ void reduce_range(const DeviceView& v, const uint8_t* slots, const ui
                                          : E::load_cv(slots + src * v.slot_bytes + e * E::kSize));
     E::store(out + e * E::kSize, acc);
   }
-}
-
-// A wait of the pipelined or the LL one-shot gives up on the seq: what it
-// found goes into the grid's DeviceWords::fail_* (the first mismatch or
-// abort kind, missing bits, fail_any), for the last block out to record
-// (pipe_finish). Here: `src` published a different collective at this seq
-// (its flag word `f`).
-__device__ void give_up_mismatch(DeviceWords* w, uint64_t f, int src) {
-  if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
-    w->fail_flag = f;
-    w->fail_src = (unsigned long long)src;
-  }
-  atomicExch(&w->fail_any, 1ull);
-}
-
-// The bounds of a wait of the pipelined or the LL one-shot, checked after
-// each unsuccessful poll (turn: how many came before): Control::abort and
-// the other waiters' give-ups every 16th turn (a bus round trip, and a
-// word other blocks write), the timeout every turn. false: give up on the
-// seq (recorded as give_up_mismatch says); `missing`: bit flag_index(src,
-// root) per source still waited for.
-__device__ bool keep_waiting(const DeviceView& v, uint32_t turn, uint64_t start, unsigned long long missing) {
-  DeviceWords* w = v.words;
-  if ((turn & 15) == 15) {
-    // Control::abort: the host knows the endpoint failed; give up at once.
-    if (ld_acquire_sys(&v.ctl->abort) != 0) {
-      atomicOr(&w->fail_missing, missing);
-      atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
-      atomicExch(&w->fail_any, 1ull);
-      return false;
-    }
-    // Another waiter gave up: the seq fails anyway (a mismatch is found by
-    // one waiter, and the peer may never write what this one waits for).
-    if (ld_acquire_gpu(&w->fail_any) != 0) return false;
-  }
-  if (globaltimer() - start > v.timeout_ns) {
-    atomicOr(&w->fail_missing, missing);
-    atomicExch(&w->fail_any, 1ull);
-    return false;
-  }
-  return true;
 }
 
 // Step 3 for one (peer, chunk): waits until the peer's flag for chunk c

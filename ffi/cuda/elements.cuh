@@ -76,6 +76,26 @@ struct Elem<DType::kBF16> : Elem16<DType::kBF16> {};
 template <>
 struct Elem<DType::kF16> : Elem16<DType::kF16> {};
 
+// One 16-byte vector of the result from one vector of each of `world`
+// sources: the fp32 sum in rank order from 0.0f, rounded once -- every rank
+// gets the same bits, and the host side's sum_rank_order the same too.
+template <DType D>
+__device__ __forceinline__ uint4 sum_rank_order(const uint4 (&part)[kMaxWorld], int world) {
+  using E = Elem<D>;
+  float acc[E::kPerVec];
+#pragma unroll
+  for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
+#pragma unroll
+  for (int src = 0; src < kMaxWorld; ++src)
+    if (src < world)
+#pragma unroll
+      for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[src], k));
+  uint4 o;
+#pragma unroll
+  for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
+  return o;
+}
+
 __device__ __forceinline__ uint64_t global_thread() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ uint64_t grid_threads() { return (uint64_t)gridDim.x * blockDim.x; }
 __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }

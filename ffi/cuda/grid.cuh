@@ -52,4 +52,45 @@ __device__ __forceinline__ void record_failure(const DeviceView& v, uint64_t seq
   st_release_sys(&ctl->failed_seq, seq);
 }
 
+// A wait of a grid that settles its failures in its last block out (the
+// pipelined and LL one-shots, the prefill ops) gives up: what it found goes
+// into the grid's DeviceWords::fail_* (the first mismatch or abort kind,
+// missing bits, fail_any), for the last block out to record. Here: `src` published a different collective at this seq
+// (its flag word `f`).
+__device__ inline void give_up_mismatch(DeviceWords* w, uint64_t f, int src) {
+  if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
+    w->fail_flag = f;
+    w->fail_src = (unsigned long long)src;
+  }
+  atomicExch(&w->fail_any, 1ull);
+}
+
+// The bounds of such a wait, checked after
+// each unsuccessful poll (turn: how many came before): Control::abort and
+// the other waiters' give-ups every 16th turn (a bus round trip, and a
+// word other blocks write), the timeout every turn. false: give up on the
+// seq or op (recorded as give_up_mismatch says); `missing`: bit flag_index(src,
+// root) per source still waited for.
+__device__ inline bool keep_waiting(const DeviceView& v, uint32_t turn, uint64_t start, unsigned long long missing) {
+  DeviceWords* w = v.words;
+  if ((turn & 15) == 15) {
+    // Control::abort: the host knows the endpoint failed; give up at once.
+    if (ld_acquire_sys(&v.ctl->abort) != 0) {
+      atomicOr(&w->fail_missing, missing);
+      atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
+      atomicExch(&w->fail_any, 1ull);
+      return false;
+    }
+    // Another waiter gave up: the seq fails anyway (a mismatch is found by
+    // one waiter, and the peer may never write what this one waits for).
+    if (ld_acquire_gpu(&w->fail_any) != 0) return false;
+  }
+  if (globaltimer() - start > v.timeout_ns) {
+    atomicOr(&w->fail_missing, missing);
+    atomicExch(&w->fail_any, 1ull);
+    return false;
+  }
+  return true;
+}
+
 }  // namespace arx::cuda

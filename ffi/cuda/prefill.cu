@@ -175,17 +175,7 @@ __device__ void reduce_part(const DeviceView& v, const Op& op, const uint8_t* re
         if (src < v.world)
           part[src] = src == v.rank ? *reinterpret_cast<const uint4*>(own + o_at(p))
                                     : ld_cv_v4(recv + src * op.slice + p);
-      float acc[E::kPerVec];
-#pragma unroll
-      for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
-#pragma unroll
-      for (int src = 0; src < kMaxWorld; ++src)  // rank order: every rank gets the same bits
-        if (src < v.world)
-#pragma unroll
-          for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[src], k));
-      uint4 o;
-#pragma unroll
-      for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
+      const uint4 o = sum_rank_order<D>(part, v.world);
       *reinterpret_cast<uint4*>(out + p) = o;
     }
     done = lo + 16 * nvec;
@@ -271,36 +261,16 @@ __device__ void combine_rows(const Op& op, int j, uint64_t r0, uint64_t r1, uint
 // and what it found is in DeviceWords::fail_* for the last block out.
 __device__ bool wait_flag(const DeviceView& v, const uint64_t* flag, uint64_t seq, uint64_t want, uint64_t desc,
                           int src, unsigned long long missing, uint64_t start) {
-  DeviceWords* w = v.words;
   const uint64_t op_lo = prefill_progress(seq, 0), op_hi = prefill_progress(seq, 15);
   for (uint32_t turn = 0;; ++turn) {
     const uint64_t f = ld_acquire_sys(flag);
     const uint64_t progress = flag_progress(f);
     if (progress >= op_lo && progress <= op_hi && flag_desc(f) != flag_desc(flag_word(0, desc))) {
-      if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
-        w->fail_flag = f;
-        w->fail_src = (unsigned long long)src;
-      }
-      atomicExch(&w->fail_any, 1ull);
+      give_up_mismatch(v.words, f, src);
       return false;
     }
     if (progress >= want) return true;
-    if ((turn & 15) == 15) {
-      // Control::abort: the host knows the endpoint failed; give up at once.
-      if (ld_acquire_sys(&v.ctl->abort) != 0) {
-        atomicOr(&w->fail_missing, missing);
-        atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
-        atomicExch(&w->fail_any, 1ull);
-        return false;
-      }
-      // Another block gave up: the op fails anyway.
-      if (ld_acquire_gpu(&w->fail_any) != 0) return false;
-    }
-    if (globaltimer() - start > v.timeout_ns) {
-      atomicOr(&w->fail_missing, missing);
-      atomicExch(&w->fail_any, 1ull);
-      return false;
-    }
+    if (!keep_waiting(v, turn, start, missing)) return false;
   }
 }
 

@@ -53,6 +53,50 @@ inline ffi::Error outer_rows(const ffi::AnyBuffer& x, int64_t dimension, uint64_
 }
 
 
+// Pair i of a prefill call, x_i -> y_i, checked as both platforms' handlers
+// check it: all_gather (`gather`): y has x's dtype and world times its
+// bytes; psum_scatter: x has a reducing dtype, y has its dtype and 1/world of
+// its elements. `outer`: the rows of the gathered / scattered dimension
+// (outer_rows), which must divide x's part.
+struct PrefillPair {
+  const void* in = nullptr;
+  void* out = nullptr;
+  uint64_t in_bytes = 0, out_count = 0, outer = 1;
+  ffi::DataType type{};
+  std::optional<DType> dtype;  // the reducing type; for all_gather, nullopt if x has none
+};
+
+inline ffi::Error prefill_pair(bool gather, ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i,
+                               uint64_t world, int64_t dimension, PrefillPair& p) {
+  const char* op = gather ? "all_gather" : "psum_scatter";
+  auto x = args.get<ffi::AnyBuffer>(i);
+  auto y = rets.get<ffi::AnyBuffer>(i);
+  if (x.has_error()) return x.error();
+  if (y.has_error()) return y.error();
+  p.in = x->untyped_data();
+  p.out = (*y)->untyped_data();
+  p.in_bytes = x->size_bytes();
+  p.out_count = (*y)->element_count();
+  p.type = x->element_type();
+  p.dtype = dtype_of(p.type);
+  if (!gather && !p.dtype)
+    return ffi::Error::InvalidArgument("jax_arx.psum_scatter: takes float32, bfloat16 or float16");
+  const bool shaped = gather ? (*y)->size_bytes() == world * x->size_bytes()
+                             : (*y)->element_count() * world == x->element_count();
+  if ((*y)->element_type() != p.type || !shaped)
+    return ffi::Error::InvalidArgument(strf("jax_arx.%s: result %zu must have its operand's dtype and %s%llu %s its "
+                                            "elements",
+                                            op, i, gather ? "" : "1/", (unsigned long long)world,
+                                            gather ? "times" : "of"));
+  if (ffi::Error e = outer_rows(*x, dimension, p.outer); e.failure()) return e;
+  const uint64_t part = gather ? p.in_bytes : p.out_count;
+  if (part % p.outer)
+    return ffi::Error::InvalidArgument(strf("jax_arx.%s: operand %zu does not split into %llu rows along dimension "
+                                            "%lld",
+                                            op, i, (unsigned long long)p.outer, (long long)dimension));
+  return ffi::Error::Success();
+}
+
 // The fused MoE combine's operands, checked: y [R, H] (bf16, or e4m3 when
 // `scaled`), then y_scale [R, H / 128] f32 when `scaled`, pos [T, topk] s32,
 // w [T, topk] f32, shared [T, H] bf16, then dependency operands; the result

@@ -165,24 +165,11 @@ ffi::Error all_gather_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Rem
   if (args.size() < rets.size()) return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
   const uint64_t world = (uint64_t)ep->spec().world;
   for (size_t i = 0; i < rets.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (x.has_error()) return x.error();
-    if (y.has_error()) return y.error();
-    if ((*y)->element_type() != x->element_type() || (*y)->size_bytes() != world * x->size_bytes())
-      return ffi::Error::InvalidArgument(strf("jax_arx.all_gather: result %zu must have its operand's dtype and "
-                                              "%llu times its elements",
-                                              i, (unsigned long long)world));
-    if (world * x->size_bytes() > view->prefill_slot_bytes) return too_big("all_gather", *ep, world * x->size_bytes());
-    uint64_t outer = 0;
-    if (ffi::Error e = outer_rows(*x, dimension, outer); e.failure()) return e;
-    if (x->size_bytes() % outer)
-      return ffi::Error::InvalidArgument(strf("jax_arx.all_gather: %zu bytes do not make %llu rows", x->size_bytes(),
-                                              (unsigned long long)outer));
-    const std::optional<DType> nan_type = dtype_of(x->element_type());
-    const cudaError_t e = cuda::launch_all_gather(*view, x->untyped_data(), (*y)->untyped_data(), x->size_bytes(),
-                                                  outer, (uint64_t)x->element_type(), nan_type ? (int)*nan_type : -1,
-                                                  (uint64_t)site * 64 + i, stream);
+    PrefillPair p;
+    if (ffi::Error e = prefill_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
+    if (world * p.in_bytes > view->prefill_slot_bytes) return too_big("all_gather", *ep, world * p.in_bytes);
+    const cudaError_t e = cuda::launch_all_gather(*view, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type,
+                                                  p.dtype ? (int)*p.dtype : -1, (uint64_t)site * 64 + i, stream);
     if (ffi::Error err = launched("all_gather", device_ordinal, e); err.failure()) return err;
   }
   return ffi::Error::Success();
@@ -197,25 +184,11 @@ ffi::Error psum_scatter_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::R
     return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
   const uint64_t world = (uint64_t)ep->spec().world;
   for (size_t i = 0; i < rets.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (x.has_error()) return x.error();
-    if (y.has_error()) return y.error();
-    const std::optional<DType> dtype = dtype_of(x->element_type());
-    if (!dtype)
-      return ffi::Error::InvalidArgument("jax_arx.psum_scatter: the CUDA handler takes float32, bfloat16 or float16");
-    if ((*y)->element_type() != x->element_type() || (*y)->element_count() * world != x->element_count())
-      return ffi::Error::InvalidArgument(strf("jax_arx.psum_scatter: result %zu must have its operand's dtype and "
-                                              "1/%llu of its elements",
-                                              i, (unsigned long long)world));
-    if (x->size_bytes() > view->prefill_slot_bytes) return too_big("psum_scatter", *ep, x->size_bytes());
-    uint64_t outer = 0;
-    if (ffi::Error e = outer_rows(*x, dimension, outer); e.failure()) return e;
-    if ((*y)->element_count() % outer)
-      return ffi::Error::InvalidArgument(strf("jax_arx.psum_scatter: %zu elements do not make %llu rows",
-                                              (*y)->element_count(), (unsigned long long)outer));
-    const cudaError_t e = cuda::launch_reduce_scatter(*view, *dtype, x->untyped_data(), (*y)->untyped_data(),
-                                                      (*y)->element_count(), outer, (uint64_t)site * 64 + i, stream);
+    PrefillPair p;
+    if (ffi::Error e = prefill_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
+    if (p.in_bytes > view->prefill_slot_bytes) return too_big("psum_scatter", *ep, p.in_bytes);
+    const cudaError_t e = cuda::launch_reduce_scatter(*view, *p.dtype, p.in, p.out, p.out_count, p.outer,
+                                                      (uint64_t)site * 64 + i, stream);
     if (ffi::Error err = launched("psum_scatter", device_ordinal, e); err.failure()) return err;
   }
   return ffi::Error::Success();

@@ -72,18 +72,9 @@ ffi::Error all_gather_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi:
   const uint64_t world = (uint64_t)ep->spec().world;
   std::lock_guard<std::mutex> lock(ep->host_call_mu);
   for (size_t i = 0; i < rets.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (x.has_error()) return x.error();
-    if (y.has_error()) return y.error();
-    if ((*y)->element_type() != x->element_type() || (*y)->size_bytes() != world * x->size_bytes())
-      return ffi::Error::InvalidArgument(strf("jax_arx.all_gather: result %zu must have its operand's dtype and "
-                                              "%llu times its elements",
-                                              i, (unsigned long long)world));
-    uint64_t outer = 0;
-    if (ffi::Error e = outer_rows(*x, dimension, outer); e.failure()) return e;
-    const Status s = host::all_gather(*ep, x->untyped_data(), (*y)->untyped_data(), x->size_bytes(), outer,
-                                      (uint64_t)x->element_type(), dtype_of(x->element_type()),
+    PrefillPair p;
+    if (ffi::Error e = prefill_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
+    const Status s = host::all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype,
                                       (uint64_t)site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
@@ -105,21 +96,9 @@ ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ff
   const uint64_t world = (uint64_t)ep->spec().world;
   std::lock_guard<std::mutex> lock(ep->host_call_mu);
   for (size_t i = 0; i < rets.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (x.has_error()) return x.error();
-    if (y.has_error()) return y.error();
-    const std::optional<DType> dtype = dtype_of(x->element_type());
-    if (!dtype)
-      return ffi::Error::InvalidArgument("jax_arx.psum_scatter: the CPU handler takes float32, bfloat16 or float16");
-    if ((*y)->element_type() != x->element_type() || (*y)->element_count() * world != x->element_count())
-      return ffi::Error::InvalidArgument(strf("jax_arx.psum_scatter: result %zu must have its operand's dtype and "
-                                              "1/%llu of its elements",
-                                              i, (unsigned long long)world));
-    uint64_t outer = 0;
-    if (ffi::Error e = outer_rows(*x, dimension, outer); e.failure()) return e;
-    const Status s = host::reduce_scatter(*ep, *dtype, x->untyped_data(), (*y)->untyped_data(),
-                                          (*y)->element_count(), outer, (uint64_t)site * 64 + i);
+    PrefillPair p;
+    if (ffi::Error e = prefill_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
+    const Status s = host::reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, (uint64_t)site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
       return ffi::Error::Internal(s.message());
