@@ -44,6 +44,13 @@ register_lowering = _mlir.register_lowering
 apply_primitive = _dispatch.apply_primitive
 
 
+def register_jvp(primitive, rule) -> None:
+    """Registers ``rule(primals, tangents, **params)`` as the primitive's
+    JVP, in place of the one ``deflinear2`` derives (jax_arx.psum's own
+    skips zero tangents and drops its prefetch operands)."""
+    _ad.primitive_jvps[primitive] = rule
+
+
 def register_batcher(primitive, rule) -> None:
     """Registers a batching rule that also receives the vmapped axis
     (``rule(axis_data, vals_in, dims_in, **params)``), like jax's

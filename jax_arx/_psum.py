@@ -48,7 +48,6 @@ from functools import partial
 from typing import NamedTuple
 
 import jax
-from jax.interpreters import ad as _ad  # the JVP registry: jax's public API for primitives
 import numpy as np
 
 from jax_arx import _comm
@@ -722,7 +721,7 @@ psum_p.def_impl(partial(_compat.apply_primitive, psum_p))
 psum_p.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=False))
 _compat.register_lowering(psum_p, _psum_lowering, cacheable=False)
 _compat.deflinear2(psum_p, _psum_transpose_rule)
-_ad.primitive_jvps[psum_p] = partial(_psum_jvp, psum_p)
+_compat.register_jvp(psum_p, partial(_psum_jvp, psum_p))
 _compat.register_batcher(psum_p, partial(_psum_batcher, psum_p))
 
 psum_invariant_p = _compat.Primitive("jax_arx_psum_invariant")
@@ -731,5 +730,5 @@ psum_invariant_p.def_impl(partial(_compat.apply_primitive, psum_invariant_p))
 psum_invariant_p.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=True))
 _compat.register_lowering(psum_invariant_p, _psum_lowering, cacheable=False)
 _compat.deflinear2(psum_invariant_p, _psum_invariant_transpose_rule)
-_ad.primitive_jvps[psum_invariant_p] = partial(_psum_jvp, psum_invariant_p)
+_compat.register_jvp(psum_invariant_p, partial(_psum_jvp, psum_invariant_p))
 _compat.register_batcher(psum_invariant_p, partial(_psum_batcher, psum_invariant_p))
