@@ -25,7 +25,8 @@ peer's buffers themselves) and tcp (the proxy's work ring):
 - ``quick`` with the GPU-only ``large`` (the same cases at several MB per
   rank: many pieces of many blocks each) and ``replay`` (one program of
   dependent prefill ops run again and again on the same buffers, so that
-  with command buffers XLA replays its CUDA graph), with XLA command buffers
+  with command buffers XLA replays its CUDA graph: every replay checked, and
+  the handlers' runs counted to show the capture), with XLA command buffers
   forced on (every jitted call captured) and off;
 - ``failures``: ranks that issue different prefill ops get NaN and an
   error naming "a different collective", never a result; a peer that never
@@ -199,12 +200,38 @@ def case_replay(w, runs=20):
     combined = [suites.reference_combine(ys[r], poss[r], ws[r],
                                          (shareds[r].astype(np.float32) + want_g2[:T, :1].astype(np.float32))
                                          .astype(bf16), None, tpad) for r in range(n)]
+    before = _prefill_handler_calls()
     for run in range(runs):
         g2, m = f(*args)
         for r, got in w.mine(g2).items():
             w.check("replay", got, want_g2, f"run {run}: all_gather along dimension 1, rank {r}")
         for r, got in w.mine(m).items():
             w.check("replay", got, suites.reference_scatter(combined, 0, True, r), f"run {run}: moe, rank {r}")
+    # Captured or not: with command buffers forced on, XLA runs the handlers
+    # when it records the graph (again when buffer addresses change), not on
+    # every replay -- test_gpu_psum.py's criterion, fewer than a quarter; with
+    # them off, on every call. The first run (compile, capture) is counted.
+    handled = _prefill_handler_calls() - before
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_gpu_graph_min_graph_size=1" in flags:
+        w.check("replay", handled < calls * runs / 4, True,
+                f"{handled} handler calls for {calls * runs} ops (captured: fewer than a quarter expected)")
+    elif "--xla_gpu_enable_command_buffer=" in flags.split():
+        w.check("replay", handled, calls * runs, f"{handled} handler calls for {calls * runs} ops (not captured)")
+
+
+def _prefill_handler_calls() -> int:
+    """How many times XLA ran a prefill op's CUDA handler in this process
+    (ffi/xla/testing_cuda.cc); 0 on the CPU backend (a smoke run of this
+    file), where nothing is captured."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        return 0
+    import ctypes
+
+    from jax_arx import _core
+    lib = ctypes.CDLL(_core.__file__)
+    lib.arx_testing_prefill_handler_calls.restype = ctypes.c_uint64
+    return int(lib.arx_testing_prefill_handler_calls())
 
 
 def _pick_gpu():

@@ -20,6 +20,8 @@ namespace arx::xla {
 // (ffi/xla/testing_cuda.cc) to show that XLA captured the launches in a CUDA
 // graph: replays of a captured graph run no handler.
 std::atomic<uint64_t> g_psum_cuda_handler_calls{0};
+// The same for the prefill ops' handlers (all three together).
+std::atomic<uint64_t> g_prefill_cuda_handler_calls{0};
 
 namespace {
 
@@ -130,6 +132,7 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
 // raises" contract: the kernels would fill NaN and return at once anyway).
 ffi::Error cuda_endpoint(const char* op, int64_t comm_id, int32_t device_ordinal, std::shared_ptr<Endpoint>& ep,
                          const cuda::DeviceView*& view) {
+  g_prefill_cuda_handler_calls.fetch_add(1, std::memory_order_relaxed);  // every prefill handler starts here
   if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
   view = cuda::view_of(*ep);
   if (!view)

@@ -21,7 +21,8 @@
 #define ARX_TESTING_API extern "C" __attribute__((visibility("default")))
 
 namespace arx::xla {
-extern std::atomic<uint64_t> g_psum_cuda_handler_calls;  // handlers_cuda.cc
+extern std::atomic<uint64_t> g_psum_cuda_handler_calls;     // handlers_cuda.cc
+extern std::atomic<uint64_t> g_prefill_cuda_handler_calls;  // handlers_cuda.cc
 }
 
 namespace {
@@ -152,6 +153,12 @@ ARX_TESTING_API void arx_testing_close(int64_t comm_id, int device_ordinal) {
 // captured CUDA graph run none).
 ARX_TESTING_API uint64_t arx_testing_handler_calls() {
   return arx::xla::g_psum_cuda_handler_calls.load(std::memory_order_relaxed);
+}
+
+// The same for the prefill ops' CUDA handlers (all_gather, psum_scatter, the
+// fused MoE combine together).
+ARX_TESTING_API uint64_t arx_testing_prefill_handler_calls() {
+  return arx::xla::g_prefill_cuda_handler_calls.load(std::memory_order_relaxed);
 }
 
 // Direct mode with this endpoint's own region standing in for every peer's
