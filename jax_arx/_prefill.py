@@ -371,21 +371,9 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None, lax_nam
     if op == "all_gather" and (jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
                                or jax.dtypes.itemsize_bits(aval.dtype) < 8):
         return fallback(("dtype", str(aval.dtype)), f"dtype {aval.dtype} is not supported (it is not whole bytes)")
-    comm = _comm.communicator(axis)
+    comm = _psum.axis_communicator(op, axis, mesh, aval, fallback)
     if comm is None:
-        return fallback(("uninitialized", axis),
-                        f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
-                        f"process before tracing functions that use jax_arx.{op}")
-    if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (comm.mesh_axis_names, comm.mesh_shape):
-        return fallback(("mesh", axis), f"this shard_map's mesh is not the mesh jax_arx.initialize set axis {axis!r} "
-                        "up for")
-    auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1 and n not in manual]
-    if auto:
-        return fallback(("partial_manual", axis),
-                        f"the shard_map is not manual over mesh axes {auto}; jax_arx runs in shard_maps manual "
-                        "over every mesh axis of size > 1")
-    if axis in _compat.unreduced_axes(aval):
-        return fallback(("unreduced", axis), f"the input is typed unreduced or reduced over {axis!r}")
+        return None
     # Endpoints live on CPUs or NVIDIA GPUs (jax_arx.initialize refuses
     # other devices); both device sides run these ops over shm and tcp.
     if any(le.transport not in ("shm", "tcp") for le in comm.endpoints):

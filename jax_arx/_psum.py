@@ -222,6 +222,35 @@ def choose_algorithm(nbytes: int, comm: _comm.Communicator) -> int | None:
     return None
 
 
+def axis_communicator(op: str, axis, mesh, aval, fallback):
+    """The communicator jax_arx.initialize set up for mesh axis ``axis``, if
+    a jax_arx ``op`` on ``aval`` can run on it inside this shard_map; else
+    None, after ``fallback(key, why)`` (log once, or raise). The checks every
+    collective makes: the axis is set up, for this very mesh, the shard_map
+    is manual over every axis of size > 1, and the input is not typed
+    unreduced."""
+    comm = _comm.communicator(axis)
+    if comm is None:
+        return fallback(("uninitialized", axis),
+                        f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
+                        f"process before tracing functions that use jax_arx.{op}")
+    if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (comm.mesh_axis_names, comm.mesh_shape):
+        return fallback(("mesh", axis),
+                        f"this shard_map's mesh {_describe(mesh.axis_names, mesh.axis_sizes)} is not the mesh "
+                        f"jax_arx.initialize set axis {axis!r} up for, "
+                        f"{_describe(comm.mesh_axis_names, comm.mesh_shape)}")
+    manual = set(mesh.manual_axes)
+    auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1 and n not in manual]
+    if auto:
+        return fallback(("partial_manual", axis),
+                        f"the shard_map is not manual over mesh axes {auto}; jax_arx runs in shard_maps manual "
+                        "over every mesh axis of size > 1")
+    if axis in _compat.unreduced_axes(aval):
+        return fallback(("unreduced", axis),
+                        f"the input is typed unreduced or reduced over {axis!r}, which only jax.lax handles")
+    return comm
+
+
 def _decide(aval, axes, axis_index_groups) -> _Decision | None:
     """How to run a psum of ``aval`` over ``axes``: a decision to run it with
     jax_arx, or None for jax.lax.psum. Falling back for a reason the user
@@ -244,24 +273,9 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | None:
     if aval.dtype not in SUPPORTED_DTYPES:
         return _fallback(("dtype", str(aval.dtype)),
                          f"dtype {aval.dtype} is not supported (float32, bfloat16 and float16 are)")
-    comm = _comm.communicator(axis)
+    comm = axis_communicator("psum", axis, mesh, aval, _fallback)
     if comm is None:
-        return _fallback(("uninitialized", axis),
-                         f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
-                         "process before tracing functions that use jax_arx.psum")
-    if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (comm.mesh_axis_names, comm.mesh_shape):
-        return _fallback(("mesh", axis),
-                         f"this shard_map's mesh {_describe(mesh.axis_names, mesh.axis_sizes)} is not the mesh "
-                         f"jax_arx.initialize set axis {axis!r} up for, "
-                         f"{_describe(comm.mesh_axis_names, comm.mesh_shape)}")
-    auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1 and n not in manual]
-    if auto:
-        return _fallback(("partial_manual", axis),
-                         f"the shard_map is not manual over mesh axes {auto}; jax_arx runs in shard_maps manual "
-                         "over every mesh axis of size > 1")
-    if axis in _compat.unreduced_axes(aval):
-        return _fallback(("unreduced", axis),
-                         f"the input is typed unreduced or reduced over {axis!r}, which only jax.lax.psum handles")
+        return None
     nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
     algorithm = choose_algorithm(nbytes, comm)
     if algorithm is None:
@@ -715,20 +729,17 @@ def _reaches(value, target, block) -> bool:
 #
 # Autodiff: the transposes (`deflinear2`, which skips a zero cotangent) and
 # the JVP `_psum_jvp`, registered after it in place of its linear JVP.
-psum_p = _compat.Primitive("jax_arx_psum")
-psum_p.multiple_results = True
-psum_p.def_impl(partial(_compat.apply_primitive, psum_p))
-psum_p.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=False))
-_compat.register_lowering(psum_p, _psum_lowering, cacheable=False)
-_compat.deflinear2(psum_p, _psum_transpose_rule)
-_compat.register_jvp(psum_p, partial(_psum_jvp, psum_p))
-_compat.register_batcher(psum_p, partial(_psum_batcher, psum_p))
+def _define_psum(name: str, invariant: bool, transpose_rule):
+    prim = _compat.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(partial(_compat.apply_primitive, prim))
+    prim.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=invariant))
+    _compat.register_lowering(prim, _psum_lowering, cacheable=False)
+    _compat.deflinear2(prim, transpose_rule)
+    _compat.register_jvp(prim, partial(_psum_jvp, prim))
+    _compat.register_batcher(prim, partial(_psum_batcher, prim))
+    return prim
 
-psum_invariant_p = _compat.Primitive("jax_arx_psum_invariant")
-psum_invariant_p.multiple_results = True
-psum_invariant_p.def_impl(partial(_compat.apply_primitive, psum_invariant_p))
-psum_invariant_p.def_effectful_abstract_eval(partial(_psum_abstract_eval, invariant=True))
-_compat.register_lowering(psum_invariant_p, _psum_lowering, cacheable=False)
-_compat.deflinear2(psum_invariant_p, _psum_invariant_transpose_rule)
-_compat.register_jvp(psum_invariant_p, partial(_psum_jvp, psum_invariant_p))
-_compat.register_batcher(psum_invariant_p, partial(_psum_batcher, psum_invariant_p))
+
+psum_p = _define_psum("jax_arx_psum", False, _psum_transpose_rule)
+psum_invariant_p = _define_psum("jax_arx_psum_invariant", True, _psum_invariant_transpose_rule)

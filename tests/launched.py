@@ -90,3 +90,46 @@ def core_is_installed(cwd):
     if probe.returncode == 0:
         return None
     return "jax_arx is not installed with its C++ module (pip install .): " + probe.stderr.strip().splitlines()[-1]
+
+
+class MeshWorker:
+    """One rank's view inside a worker: jax.distributed and jax_arx set up
+    over a 1-D mesh of every device, named ``axis`` (ranks are positions in
+    jax.devices(), process 0's devices first), and the record of what each
+    case checked, which the RESULT line reports (see assert_all_correct).
+    Test files add their own inputs and comparisons."""
+
+    def __init__(self, axis: str):
+        import jax_arx
+
+        jax_arx.distributed_initialize()
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        self.jax, self.jax_arx, self.P = jax, jax_arx, P
+        self.mesh = Mesh(np.array(jax.devices()), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+        jax_arx.initialize(self.mesh)
+        self.world = self.mesh.size
+        self.sharded = NamedSharding(self.mesh, P(axis))
+        self.cases: dict[str, dict] = {}
+        self.seconds: dict[str, float] = {}  # per case, for the record
+
+    def smap(self, body, in_specs, out_specs, check_vma=True, **jit_kwargs):
+        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                               check_vma=check_vma), **jit_kwargs)
+
+    def record(self, case, bad=None):
+        """One more result checked in ``case``; ``bad``: what was wrong with it."""
+        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
+        entry["checked"] += 1
+        if bad:
+            entry["bad"].append(bad)
+
+    def fail(self, case, message):
+        self.cases.setdefault(case, {"checked": 0, "bad": []})["bad"].append(message)
+
+    def calls(self, f, *args, target="jax_arx_"):
+        """The custom calls to ``target*`` in ``f``'s lowering for ``args``."""
+        text = f.lower(*args).as_text()
+        return [line for line in text.splitlines() if f"custom_call @{target}" in line]

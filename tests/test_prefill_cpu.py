@@ -215,25 +215,9 @@ def reference_combine(y, pos, w, shared, y_scale, tpad):
 
 # --- the worker -------------------------------------------------------------------
 
-class _Worker:
+class _Worker(launched.MeshWorker):
     def __init__(self):
-        import jax_arx
-
-        jax_arx.distributed_initialize()
-        import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-        self.jax, self.jax_arx, self.P = jax, jax_arx, P
-        self.mesh = Mesh(np.array(jax.devices()), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
-        jax_arx.initialize(self.mesh)
-        self.world = self.mesh.size
-        self.sharded = NamedSharding(self.mesh, P("sp"))
-        self.cases: dict[str, dict] = {}
-        self.seconds: dict[str, float] = {}
-
-    def smap(self, body, in_specs, out_specs, check_vma=True):
-        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                                               check_vma=check_vma))
+        super().__init__("sp")
 
     def put(self, parts):
         """A global array whose device ``r`` holds ``parts[r]`` (stacked along
@@ -250,25 +234,15 @@ class _Worker:
         return list(self.mesh.devices.flat).index(device)
 
     def check(self, case, got, want, what):
-        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
-        entry["checked"] += 1
         got, want = np.asarray(got), np.asarray(want)
-        if got.shape != want.shape or got.dtype != want.dtype or got.tobytes() != want.tobytes():
-            entry["bad"].append(f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
-                                + (f", {int((got != want).sum())} elements differ" if got.shape == want.shape else ""))
+        same = got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        self.record(case, None if same else
+                    f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+                    + (f", {int((got != want).sum())} elements differ" if got.shape == want.shape else ""))
 
     def close(self, case, got, want, what, rtol, atol):
-        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
-        entry["checked"] += 1
-        if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol):
-            entry["bad"].append(f"{what}: not close to jax.lax's result")
-
-    def fail(self, case, message):
-        self.cases.setdefault(case, {"checked": 0, "bad": []})["bad"].append(message)
-
-    def calls(self, f, *args, target=None):
-        text = f.lower(*args).as_text()
-        return [line for line in text.splitlines() if f"custom_call @{target or 'jax_arx_'}" in line]
+        near = np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol)
+        self.record(case, None if near else f"{what}: not close to jax.lax's result")
 
 
 def _lift(fn):

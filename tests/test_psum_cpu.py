@@ -118,30 +118,13 @@ def reference_sum(partials, dtype):
     return acc.astype(dtype)
 
 
-class _Worker:
-    """One rank's view: the mesh, inputs built from global numpy arrays, and
-    the bookkeeping of what was checked."""
+class _Worker(launched.MeshWorker):
+    """One rank's view over the "tp" axis, with a CRC of every jax_arx
+    result it checked (ranks compare theirs: bit-identical results)."""
 
     def __init__(self):
-        import jax_arx
-
-        jax_arx.distributed_initialize()
-        import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-        self.jax, self.jax_arx, self.P = jax, jax_arx, P
-        # Ranks are positions in jax.devices() (process 0's devices first).
-        self.mesh = Mesh(np.array(jax.devices()), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-        jax_arx.initialize(self.mesh)
-        self.world = self.mesh.size
-        self.sharded = NamedSharding(self.mesh, P("tp"))
-        self.cases: dict[str, dict] = {}
-        self.seconds: dict[str, float] = {}  # per case, for the record
+        super().__init__("tp")
         self.crc = 0
-
-    def smap(self, body, in_specs, out_specs, check_vma=True, **jit_kwargs):
-        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                                               check_vma=check_vma), **jit_kwargs)
 
     def put(self, g):
         """A global array, rows split over the ranks, from a numpy array every
@@ -155,23 +138,16 @@ class _Worker:
     def check(self, case, got, want, what, ours=True):
         """Records whether ``got`` (one device's result) is bit for bit
         ``want``; adds jax_arx's results to the cross-rank CRC."""
-        entry = self.cases.setdefault(case, {"checked": 0, "bad": []})
-        entry["checked"] += 1
         got = np.asarray(got)
         want = np.asarray(want, dtype=got.dtype).reshape(got.shape)
+        bad = None
         if got.tobytes() != want.tobytes():
             diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-            entry["bad"].append(f"{what}: {int((got != want).sum())} of {got.size} elements differ, "
-                                f"max |diff| {float(np.nanmax(diff)) if diff.size else 0:.3g}")
+            bad = (f"{what}: {int((got != want).sum())} of {got.size} elements differ, "
+                   f"max |diff| {float(np.nanmax(diff)) if diff.size else 0:.3g}")
+        self.record(case, bad)
         if ours:
             self.crc = zlib.crc32(got.tobytes(), self.crc)
-
-    def fail(self, case, message):
-        self.cases.setdefault(case, {"checked": 0, "bad": []})["bad"].append(message)
-
-    def count_calls(self, f, *args):
-        text = f.lower(*args).as_text()
-        return [line for line in text.splitlines() if "custom_call @jax_arx_psum" in line]
 
 
 def _dtypes():
@@ -193,7 +169,7 @@ def case_sizes(w: _Worker, dtype_names=("float32", "bfloat16", "float16")):
         gs = [rng.normal(size=(w.world, n)).astype(np.float32).astype(dt) for n in counts]
         xs = [w.put(g) for g in gs]
         f = w.smap(lambda *xs: tuple(jax_arx.psum(x, "tp") for x in xs), (P("tp"),) * len(xs), (P(),) * len(xs))
-        calls = w.count_calls(f, *xs)
+        calls = w.calls(f, *xs, target="jax_arx_psum")
         if len(calls) != len(counts) - 1:  # every count but limit + 1 runs in jax_arx
             w.fail("sizes", f"{name}: {len(calls)} jax_arx calls for {len(counts) - 1} partials within the limit")
         outs = f(*xs)
@@ -221,7 +197,7 @@ def case_pytree(w: _Worker):
          "d": rng.normal(size=(w.world, SLOT_BYTES // 4 + 1)).astype(np.float32)}
     x = jax.tree.map(w.put, g)
     f = w.smap(lambda t: jax_arx.psum(t, "tp"), (P("tp"),), P())
-    calls = w.count_calls(f, x)
+    calls = w.calls(f, x, target="jax_arx_psum")
     if len(calls) != 1 or calls[0].split("->")[-1].count("tensor<") != 3:
         w.fail("pytree", f"expected one jax_arx call with three results, got {calls}")
     out = f(x)
@@ -419,7 +395,7 @@ def case_prefetch(w: _Worker):
 
     # jit, a pytree of three dtypes: one call, no prefetch operands.
     f, plain = both(lambda t, ws, prefetch: jax_arx.psum(t, "tp", prefetch=prefetch), (P("tp"), w_specs), P())
-    calls = w.count_calls(f, x, ws)
+    calls = w.calls(f, x, ws, target="jax_arx_psum")
     if len(calls) != 1 or "prefetch" in calls[0] or calls[0].rsplit(" : (", 1)[-1].split("->")[0].count("tensor<") != 3:
         w.fail("prefetch", f"expected one call of the three leaves, without prefetch operands, got {calls}")
     out, out_plain = f(x, ws), plain(x, ws)

@@ -63,4 +63,26 @@ inline void on_ranks(int world, const std::function<void(int)>& body) {
   for (auto& t : ts) t.join();
 }
 
+// The command line every core test takes: [--quick] [shm] [tcp] (no
+// carrier named: both). False, with the usage on stderr, for anything else.
+struct TestArgs {
+  std::vector<TransportKind> kinds;
+  bool quick = false;
+};
+
+inline bool parse_test_args(int argc, char** argv, TestArgs& out) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") out.quick = true;
+    else if (a == "shm") out.kinds.push_back(TransportKind::kShm);
+    else if (a == "tcp") out.kinds.push_back(TransportKind::kTcp);
+    else {
+      fprintf(stderr, "usage: %s [--quick] [shm] [tcp]\n", argv[0]);
+      return false;
+    }
+  }
+  if (out.kinds.empty()) out.kinds = {TransportKind::kShm, TransportKind::kTcp};
+  return true;
+}
+
 }  // namespace arx::testing

@@ -527,16 +527,10 @@ void test_layout() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<TransportKind> kinds;
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    else if (a == "shm") kinds.push_back(TransportKind::kShm);
-    else if (a == "tcp") kinds.push_back(TransportKind::kTcp);
-    else { fprintf(stderr, "usage: %s [--quick] [shm] [tcp]\n", argv[0]); return 2; }
-  }
-  if (kinds.empty()) kinds = {TransportKind::kShm, TransportKind::kTcp};
+  testing::TestArgs args;
+  if (!testing::parse_test_args(argc, argv, args)) return 2;
+  const std::vector<TransportKind>& kinds = args.kinds;
+  const bool quick = args.quick;
   test_layout();
   using Shapes = std::vector<std::pair<uint64_t, uint64_t>>;
   const Shapes ag_sizes = quick ? Shapes{{1, 0}, {1, 1}, {1, 100}, {3, 7}, {1, 4097}}
