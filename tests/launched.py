@@ -133,3 +133,39 @@ class MeshWorker:
         """The custom calls to ``target*`` in ``f``'s lowering for ``args``."""
         text = f.lower(*args).as_text()
         return [line for line in text.splitlines() if f"custom_call @{target}" in line]
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def alone_call_report(call, jax_arx, key: str, *, on_error=None) -> dict:
+    """The failure suites' "a peer that never calls": rank 0 runs ``call()``
+    alone (it should fail within the timeout) and reports the error, the
+    seconds it took, what jax_arx.check() raised after it, and what
+    ``call`` returned (a dict), or ``on_error`` if it raised. The other
+    ranks wait (on the key-value store, key ``key``) until rank 0 is done,
+    so that they do not shut down under it; they report ``{"skipped": True}``."""
+    import jax
+
+    from jax_arx import _compat
+
+    client = _compat.distributed_client()
+    if jax.process_index() != 0:
+        client.blocking_key_value_get(key, 120_000)
+        return {"skipped": True}
+    report = {"error": ""}
+    start = time.monotonic()
+    try:
+        report.update(call() or {})
+    except Exception as e:
+        report["error"] = error_text(e)
+        report.update(on_error or {})
+    report["seconds"] = time.monotonic() - start
+    try:
+        jax_arx.check()
+        report["check"], report["check_type"] = "", None
+    except Exception as e:
+        report["check"], report["check_type"] = str(e), type(e).__name__
+    client.key_value_set(key, "1")
+    return report

@@ -558,10 +558,6 @@ def _suite_quick(w):
     _timed(w, case_moe, shapes=MOE_SHAPES[1:3])
 
 
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 def _suite_failures(w):
     """Run with JAX_ARX_TIMEOUT_S=3 and two processes."""
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
@@ -588,11 +584,11 @@ def _suite_failures(w):
         y = np.concatenate(list(w.mine(f(x)).values()))
         finite = bool(np.isfinite(y).all())
     except Exception as e:
-        error = _error_text(e)
+        error = launched.error_text(e)
     try:
         jax_arx.check()
     except jax_arx.CollectiveError as e:
-        error += "\n" + _error_text(e)
+        error += "\n" + launched.error_text(e)
     out["mismatch"] = {"error": error, "finite_result": finite}
     step(f"mismatch done: {error.strip()[:300]!r}")
 
@@ -601,30 +597,12 @@ def _suite_failures(w):
     step("shut down")
     jax_arx.initialize(w.mesh)
     step("initialized again")
-    from jax_arx import _compat
-    client = _compat.distributed_client()
     f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp")), P("sp"), P("sp"))
     x = w.put([np.ones((64,), np.float32) for _ in range(w.world)])
-    if me == 0:
-        start = time.monotonic()
-        missing = {"error": "", "nan": False}
-        try:
-            got = list(w.mine(f(x)).values())[0]
-            missing["nan"] = bool(np.isnan(got).all())
-        except Exception as e:
-            missing["error"] = _error_text(e)
-            missing["nan"] = True  # no result at all: nothing wrong was returned
-        missing["seconds"] = time.monotonic() - start
-        try:
-            jax_arx.check()
-            missing["check"], missing["check_type"] = "", None
-        except Exception as e:
-            missing["check"], missing["check_type"] = str(e), type(e).__name__
-        out["missing_peer"] = missing
-        client.key_value_set("test_prefill_cpu/rank0_done", "1")
-    else:
-        out["missing_peer"] = {"skipped": True}
-        client.blocking_key_value_get("test_prefill_cpu/rank0_done", 120_000)
+    # No result at all (an exception) is as good as NaN: nothing wrong was returned.
+    out["missing_peer"] = launched.alone_call_report(
+        lambda: {"nan": bool(np.isnan(list(w.mine(f(x)).values())[0]).all())}, jax_arx,
+        "test_prefill_cpu/rank0_done", on_error={"nan": True})
     return out
 
 

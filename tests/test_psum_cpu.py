@@ -455,10 +455,6 @@ def _suite_quick(w):
     _timed(w, case_independent6, iters=20)
 
 
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 def _suite_failures(w):
     """Run with JAX_ARX_TIMEOUT_S=3 and two processes."""
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
@@ -473,38 +469,23 @@ def _suite_failures(w):
         y = np.concatenate(w.shards(w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())(x)))
         finite = bool(np.isfinite(y).all())
     except Exception as e:  # the handler's error, raised by jax
-        error = _error_text(e)
+        error = launched.error_text(e)
     try:
         jax_arx.check()
     except jax_arx.CollectiveError as e:
-        error += "\n" + _error_text(e)
+        error += "\n" + launched.error_text(e)
     out["mismatch"] = {"error": error, "finite_result": finite}
 
     # Fresh endpoints, then a peer that never calls.
     jax_arx.shutdown()
     jax_arx.initialize(w.mesh)
-    from jax_arx import _compat
-    client = _compat.distributed_client()
     f = w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())
     x = w.put(np.ones((w.world, 64), np.float32))
-    if me == 0:
-        start = time.monotonic()
-        missing = {"error": ""}
-        try:
-            np.asarray(w.shards(f(x))[0])
-        except Exception as e:
-            missing["error"] = _error_text(e)
-        missing["seconds"] = time.monotonic() - start
-        try:
-            jax_arx.check()
-            missing["check"], missing["check_type"] = "", None
-        except Exception as e:
-            missing["check"], missing["check_type"] = str(e), type(e).__name__
-        out["missing_peer"] = missing
-        client.key_value_set("test_psum_cpu/rank0_done", "1")
-    else:
-        out["missing_peer"] = {"skipped": True}
-        client.blocking_key_value_get("test_psum_cpu/rank0_done", 120_000)
+
+    def alone():
+        np.asarray(w.shards(f(x))[0])  # waits for the result (or raises)
+
+    out["missing_peer"] = launched.alone_call_report(alone, jax_arx, "test_psum_cpu/rank0_done")
     return out
 
 

@@ -11,7 +11,21 @@
 
 #include "comm/endpoint.h"
 
+// A check that counts its failures (g_failures, which the test's main
+// turns into its exit status) and goes on: one run reports every failure.
+#define EXPECT(cond, ...)                                             \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      ++::arx::testing::g_failures;                                   \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);            \
+      fprintf(stderr, __VA_ARGS__);                                   \
+      fprintf(stderr, "\n");                                          \
+    }                                                                 \
+  } while (0)
+
 namespace arx::testing {
+
+inline int g_failures = 0;  // EXPECT's count
 
 // Every rank's endpoint; closed when the rig goes.
 struct Rig {

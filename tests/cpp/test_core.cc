@@ -33,16 +33,6 @@ using namespace arx::testing;
 
 namespace {
 
-int g_failures = 0;
-#define EXPECT(cond, ...)                          \
-  do {                                             \
-    if (!(cond)) {                                 \
-      ++g_failures;                                \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                \
-      fprintf(stderr, "\n");                       \
-    }                                              \
-  } while (0)
 
 // Reference conversions, written independently of host/convert.h.
 float ref_load(DType t, const uint8_t* p) {

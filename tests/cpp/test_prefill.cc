@@ -29,19 +29,10 @@
 using namespace arx;
 using arx::testing::on_ranks;
 using arx::testing::Rig;
+using arx::testing::g_failures;
 
 namespace {
 
-int g_failures = 0;
-#define EXPECT(cond, ...)                                  \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      ++g_failures;                                        \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-    }                                                      \
-  } while (0)
 
 // ---- reference conversions, independent of host/convert.h ------------------
 
