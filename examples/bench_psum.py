@@ -15,11 +15,18 @@ Series (one two-process job each, since NCCL reads its environment once):
   arx-shm        jax_arx over the shm carrier: jax_arx.psum's own choice, and
                  one-shot and two-shot forced (direct FFI calls); the kernels
                  write the peer's inbox themselves, the one-shot as jax_arx
-                 chooses per size (today: up to 16 KiB in 16-byte lines
-                 that carry their flags inside the data, the "LL" one-shot;
-                 above, chunk by chunk, a flag per chunk, in 16 KiB chunks)
+                 chooses per size (today, with the inboxes in GPU memory:
+                 chunk by chunk, a flag per chunk, in 32 KiB chunks; with
+                 them in host memory: up to 16 KiB in 16-byte lines that
+                 carry their flags inside the data, the "LL" one-shot, and
+                 above, chunk by chunk in 16 KiB chunks)
+  arx-shm-host   the same with the peers' data in pinned host memory
+                 (JAX_ARX_CUDA_PEER_MEMORY=0); arx-shm puts each rank's
+                 psum inbox in its GPU's memory, mapped into the peers' GPUs
+                 (over NVLink here), when every rank can map every peer's
   arx-shm-noll   the same with the LL one-shot off
                  (JAX_ARX_CUDA_LL_MAX_BYTES=0): chunk by chunk at every size
+  arx-shm-ll64k  the same with LL up to 64 KiB
   arx-shm-ll128k the same with LL up to its cap, 128 KiB
                  (JAX_ARX_CUDA_LL_MAX_BYTES=128KiB); with arx-shm-noll, what
                  the built-in limit was chosen from (run them with
@@ -28,7 +35,8 @@ Series (one two-process job each, since NCCL reads its environment once):
                  blocks meeting before the flag (JAX_ARX_CUDA_PIPELINE=0)
   arx-shm-pipe8k the same chunk by chunk in 8 KiB chunks
                  (JAX_ARX_CUDA_PIPELINE=1, JAX_ARX_CUDA_CHUNK_BYTES=8KiB)
-  arx-shm-pipe32k the same in 32 KiB chunks
+  arx-shm-pipe4k the same in 4 KiB chunks
+  arx-shm-pipe32k the same in 32 KiB chunks (64k: 64 KiB)
   arx-shm-proxy  the same with JAX_ARX_CUDA_DIRECT=0: the kernels publish and
                  the proxy copies, as over tcp or verbs
   arx-tcp        the same over the tcp carrier
@@ -58,11 +66,15 @@ THIS = os.path.abspath(__file__)
 SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 2 << 20, 4 << 20]
 CONFIGS = {
     "arx-shm": {"JAX_ARX_TRANSPORT": "shm"},
+    "arx-shm-host": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PEER_MEMORY": "0"},
     "arx-shm-noll": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "0"},
+    "arx-shm-ll64k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "64KiB"},
     "arx-shm-ll128k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "128KiB"},
     "arx-shm-whole": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "0"},
+    "arx-shm-pipe4k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "4KiB"},
     "arx-shm-pipe8k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "8KiB"},
     "arx-shm-pipe32k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "32KiB"},
+    "arx-shm-pipe64k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "64KiB"},
     "arx-shm-proxy": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_DIRECT": "0"},
     "arx-tcp": {"JAX_ARX_TRANSPORT": "tcp"},
     "nccl": {},
@@ -95,6 +107,8 @@ def worker(config, sizes, k, samples, reps, out_path, which=ARX_COLLECTIVES):
         jax_arx.initialize(mesh)
         from jax_arx import _comm
         comm = _comm.communicator("x")
+        if jax.process_index() == 0:
+            print(f"{config}: psum inboxes in {comm.endpoints[0].endpoint.psum_inboxes} memory", flush=True)
 
     def direct(x, algorithm):
         call = jax.ffi.ffi_call("jax_arx_psum", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)

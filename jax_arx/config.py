@@ -53,6 +53,9 @@ JAX_ARX_CUDA_CHUNK_BYTES   its chunk size (a tuning knob)           16 KiB
 JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size      16 KiB
                            carries its flags inside the data (0:
                            never)
+JAX_ARX_CUDA_PEER_MEMORY   in direct mode, psum inboxes in GPU      where
+                           memory mapped into the peers' GPUs (1:   every rank
+                           required, 0: pinned host memory)         can map
 JAX_ARX_DEBUG              1: log set-up steps                      0
 =========================  =======================================  =========
 
@@ -110,6 +113,7 @@ class Config:
     cuda_pipeline: bool | None = None  # direct mode: chunk by chunk; None: the kernels choose per size
     cuda_chunk_bytes: int | None = None  # its chunk size; None: built in
     cuda_ll_max_bytes: int | None = None  # direct mode: flags inside the data up to here; 0 never; None built in
+    cuda_peer_memory: bool | None = None  # direct mode: inboxes in GPU memory; None: where every rank can map them
     debug: bool = False
 
     def endpoint_options(self, tcp_addr: str | None) -> dict[str, str]:
@@ -146,6 +150,8 @@ class Config:
             options["cuda_chunk_bytes"] = str(self.cuda_chunk_bytes)
         if self.cuda_ll_max_bytes is not None:
             options["cuda_ll_max_bytes"] = str(self.cuda_ll_max_bytes)
+        if self.cuda_peer_memory is not None:
+            options["cuda_peer_memory"] = "1" if self.cuda_peer_memory else "0"
         return options
 
 
@@ -189,6 +195,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         cuda_pipeline=_flag(env, "JAX_ARX_CUDA_PIPELINE", None),
         cuda_chunk_bytes=_size(env, "JAX_ARX_CUDA_CHUNK_BYTES", None),
         cuda_ll_max_bytes=_size_or_off(env, "JAX_ARX_CUDA_LL_MAX_BYTES", None),
+        cuda_peer_memory=_flag(env, "JAX_ARX_CUDA_PEER_MEMORY", None),
         debug=_flag(env, "JAX_ARX_DEBUG", defaults.debug),
     )
 

@@ -153,23 +153,30 @@ def test_ll_waits_without_a_peer():
 
 
 @needs_gpus(2)
-@pytest.mark.parametrize("direct,pipeline,ll", [("1", "1", ""), ("1", "1", "0"), ("1", "0", "0"), ("1", "", "128KiB"),
-                                                ("0", "", "")],
-                         ids=["direct-ll-pipelined", "direct-pipelined", "direct-whole", "direct-ll-max", "proxy"])
-def test_two_processes_command_buffers_on(direct, pipeline, ll):
+@pytest.mark.parametrize("direct,pipeline,ll,inboxes", [
+    ("1", "1", "", "gpu"), ("1", "1", "0", "gpu"), ("1", "0", "0", "gpu"), ("1", "", "128KiB", "gpu"),
+    ("1", "1", "", "host"), ("1", "", "128KiB", "host"), ("0", "", "", "host")],
+    ids=["direct-builtin-ll-pipelined", "direct-pipelined", "direct-whole", "direct-ll-max", "direct-host-ll-pipelined",
+         "direct-host-ll-max", "proxy"])
+def test_two_processes_command_buffers_on(direct, pipeline, ll, inboxes):
     # direct: the kernels write the peer's inbox themselves (shm carrier),
-    # the one-shot up to the LL limit (16 KiB built in; ll: JAX_ARX_CUDA_LL_MAX_BYTES,
-    # 0 off, 128 KiB its cap) in 16-byte lines that carry their flags (LL), above
+    # the one-shot up to the LL limit (built in: 16 KiB with host inboxes, off
+    # with GPU inboxes; ll: JAX_ARX_CUDA_LL_MAX_BYTES, 0 off, 128 KiB its cap) in 16-byte lines that carry their flags (LL), above
     # it chunk by chunk with a flag per chunk (pipelined) or in one piece with one
     # flag (whole); proxy: they publish and the proxy copies (as over tcp or
     # verbs). So each direct path runs every dtype and odd counts on both sides
-    # of the limits. The other tests run jax_arx's default choice.
+    # of the limits. inboxes: where the peer's data lands, each GPU's own memory
+    # mapped into the other's (required here: these GPUs have peer access) or the
+    # pinned host region (JAX_ARX_CUDA_PEER_MEMORY=0). The other tests run
+    # jax_arx's default choice.
+    peer_memory = "1" if inboxes == "gpu" else ("0" if direct == "1" else "")
     results = _run(["collective", "--layout", "2proc"], nprocs=2,
                    env={"XLA_FLAGS": CMDBUF_ON, "JAX_ARX_CUDA_DIRECT": direct, "JAX_ARX_CUDA_PIPELINE": pipeline,
-                        "JAX_ARX_CUDA_LL_MAX_BYTES": ll},
+                        "JAX_ARX_CUDA_LL_MAX_BYTES": ll, "JAX_ARX_CUDA_PEER_MEMORY": peer_memory},
                    timeout=240)
     assert sorted(results) == [0, 1]
     for rank, r in results.items():
+        assert r["inboxes"] == [inboxes], (rank, r["inboxes"])
         assert r["mismatches"] == [], (rank, r["mismatches"][:5])
         assert r["checked"] > 100
         assert r["loop_error"] == 0.0 and r["twoshot_loop_error"] == 0.0
@@ -200,6 +207,8 @@ def test_one_process_two_gpus():
     assert r["mismatches"] == [], r["mismatches"][:5]
     assert r["loop_error"] == 0.0 and r["twoshot_loop_error"] == 0.0
     assert r["graph_replays_ok"]
+    # Both endpoints in one process map each other's GPU inbox (GPUs with peer access).
+    assert r["inboxes"] == ["gpu", "gpu"], r["inboxes"]
 
 
 @needs_gpus(2)
@@ -456,7 +465,7 @@ def worker_collective(layout, quick):
     _emit(mismatches=mismatches, checked=checked, digest=digest, loop_error=loop_error, loop_s=loop_s,
           twoshot_loop_error=twoshot_loop_error, graph_calls=8 * 20,
           graph_handler_runs=handler_runs // per_process, graph_replays_ok=replays_ok,
-          xla_flags=os.environ.get("XLA_FLAGS", ""))
+          xla_flags=os.environ.get("XLA_FLAGS", ""), inboxes=[le.endpoint.psum_inboxes for le in comm.endpoints])
     jax_arx.check()
 
 

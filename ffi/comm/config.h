@@ -41,6 +41,13 @@ struct Config {
   // size goes with its flags inside the data (ffi/cuda/allreduce.cu, "LL").
   // -1: built in; 0: never.
   int64_t cuda_ll_max_bytes = -1;
+  // JAX_ARX_CUDA_PEER_MEMORY: in direct mode, the psum inboxes (recv slots,
+  // chunk flags, LL lines) live in each GPU's own memory, mapped into the
+  // peers' GPUs (NVLink or PCIe peer access), instead of in the pinned host
+  // region (ffi/cuda/peer_memory.cc). -1: where every rank can map every
+  // peer's (else the host region, with one log line); 0: never; 1: required
+  // (set-up fails if it cannot be had).
+  int64_t cuda_peer_memory = -1;
   bool verbose = false;           // JAX_ARX_DEBUG: log set-up steps
 
   // Parses {"slot_bytes": "1048576", ...}; unknown keys are an error, so a

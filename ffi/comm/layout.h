@@ -290,6 +290,20 @@ ARX_HD int psum_chunk_flag_index(int src, int chunk, int world) {
   return kPsumChunkFlagBase + src * psum_chunk_max(world) + chunk;
 }
 
+// The peer-memory exchange (CUDA direct mode, ffi/cuda/peer_memory.cc):
+// words of the flag page that only their owner writes, in its own region,
+// and the peers read through their shm mapping of it, at set-up only.
+//   offer   0 until set; kPeerMemoryNone: this rank offers no inbox in GPU
+//           memory; else pid << 32 | (fd + 1): the process and the file
+//           descriptor of its exported allocation
+//   bytes   the allocation's size
+//   result  0 until set; 1: this rank mapped every peer's; 2: it did not
+constexpr int kPeerMemoryOfferWord = kPsumChunkFlagBase + kPsumChunkFlagWords;
+constexpr int kPeerMemoryBytesWord = kPeerMemoryOfferWord + 1;
+constexpr int kPeerMemoryResultWord = kPeerMemoryOfferWord + 2;
+constexpr uint64_t kPeerMemoryNone = ~0ull;
+static_assert(kPeerMemoryResultWord < (int)kHandshakeWord, "the peer-memory words overlap the handshake");
+
 // The progress of op `seq`, piece `piece`; op s owns [s * 16 + 1, s * 16 + 16].
 ARX_HD uint64_t prefill_progress(uint64_t seq, int piece) { return seq * 16 + (uint64_t)piece + 1; }
 

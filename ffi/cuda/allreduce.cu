@@ -24,6 +24,10 @@
 // one-shot" below), or, at small sizes, in 16-byte lines that carry their
 // flags inside the data, one bus trip each way (oneshot_ll_kernel, "the LL
 // one-shot" below); ll_oneshot() and pipeline_chunks() decide which, per size.
+// Where the inboxes live (DeviceView::peer_memory: in the receiving GPU's
+// memory, mapped into the senders' GPUs, or in the pinned host region)
+// changes none of the steps nor their proofs: every store to a peer and
+// every wait is at system scope, which covers both.
 //
 // seq_dev (DeviceWords::seq) is read at kernel start and advanced by the last
 // block out, so a CUDA graph that captured these kernels replays with the
@@ -466,8 +470,9 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(DeviceView v, uint8
 // this rank's seq + 1 flags.
 //
 // Agreement: sender and receiver must cut the partial alike. The chunk count
-// is a function of the size, the world and Config::cuda_chunk_bytes only
-// (pipeline_chunks), and it goes into the descriptor (pipe_tag), so a peer
+// is a function of the size, the world, Config::cuda_chunk_bytes and
+// DeviceView::peer_memory only (pipeline_chunks; the ranks agree on
+// peer_memory at set-up), and it goes into the descriptor (pipe_tag), so a peer
 // that cut differently, or did not pipeline, shows up as a mismatch (or a
 // timeout), never as a wrong sum.
 
@@ -483,7 +488,19 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(DeviceView v, uint8
 // 128 chunks at world 2), so those differences are noise. Fewer, fatter
 // blocks won at 64 KB - 512 KB (16 KiB: 4 / 16 / 32 blocks of one chunk;
 // 8 KiB: 8 / 32 blocks, then 32 split blocks of two chunks).
+// Those are inboxes in the host region. With the inboxes in GPU memory
+// (DeviceView::peer_memory, NVLink here), fatter chunks won again, and by
+// more. Same benchmark, one run, us at 8 KB / 16 KB / 32 KB / 64 KB /
+// 128 KB / 256 KB (at 8 and 16 KB every series but the second is the LL
+// one-shot, so those columns are noise):
+//   16 KiB chunks            8.7 / 9.4 / 9.3 / 12.0 / 14.8 / 26.2
+//   16 KiB chunks, LL off    8.7 / 8.6 / 11.4 / 11.4 / 13.4 / 28.1
+//   32 KiB chunks            7.2 / 8.1 / 10.6 / 10.5 / 12.2 / 14.8
+//   8 KiB chunks             8.4 / 10.4 / 12.0 / 13.1 / 25.5 / 51.8
+//   4 KiB chunks             8.0 / 9.0 / 12.8 / 26.6 / 49.8 / 51.4
+//   NCCL (NVLink)            14.1 / 15.1 / 14.8 / 15.5 / 20.2 / 16.1
 constexpr uint64_t kPipeChunkBytes = 16 << 10;
+constexpr uint64_t kPipeChunkBytesPeerMemory = 32 << 10;
 // Blocks besides the service block: chunks beyond this many are taken in
 // turns (split blocks, see above).
 constexpr int kPipeBlocks = 32;
@@ -496,19 +513,20 @@ __host__ __device__ inline uint64_t pipe_tag(uint64_t tag, int chunks) {
 }
 
 // dst[0, bytes) = src[0, bytes) by thread t of n threads of one block; src in
-// device memory. Four loads in flight before their stores.
+// device memory. Up to four loads in flight before their stores, also when
+// a thread has fewer than four vectors (a 16 KiB chunk is two a thread).
 __device__ void copy_chunk(uint8_t* dst, const uint8_t* src, uint64_t bytes, int t, int n) {
   const uint64_t nvec = aligned16(dst) && aligned16(src) ? bytes / 16 : 0;
   const uint64_t step = (uint64_t)n;
-  uint64_t i = (uint64_t)t;
-  for (; i + 3 * step < nvec; i += 4 * step) {
+  for (uint64_t i = (uint64_t)t; i < nvec; i += 4 * step) {
     uint4 a[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) a[u] = *reinterpret_cast<const uint4*>(src + 16 * (i + u * step));
+    for (int u = 0; u < 4; ++u)
+      if (i + u * step < nvec) a[u] = *reinterpret_cast<const uint4*>(src + 16 * (i + u * step));
 #pragma unroll
-    for (int u = 0; u < 4; ++u) *reinterpret_cast<uint4*>(dst + 16 * (i + u * step)) = a[u];
+    for (int u = 0; u < 4; ++u)
+      if (i + u * step < nvec) *reinterpret_cast<uint4*>(dst + 16 * (i + u * step)) = a[u];
   }
-  for (; i < nvec; i += step) *reinterpret_cast<uint4*>(dst + 16 * i) = *reinterpret_cast<const uint4*>(src + 16 * i);
   for (uint64_t j = nvec * 8 + t; j < bytes / 2; j += step)
     *reinterpret_cast<uint16_t*>(dst + 2 * j) = *reinterpret_cast<const uint16_t*>(src + 2 * j);
 }
@@ -563,7 +581,7 @@ __device__ void reduce_range(const DeviceView& v, const uint8_t* slots, const ui
 // Step 3 for one (peer, chunk): waits until the peer's flag for chunk c
 // reaches seq. false: this block gives up on the seq (see give_up_mismatch).
 __device__ bool wait_chunk(const DeviceView& v, uint64_t seq, uint64_t desc, int src, int c, uint64_t start) {
-  const uint64_t* flag = v.flags + psum_chunk_flag_index(src, c, v.world);
+  const uint64_t* flag = v.chunk_flags + psum_chunk_flag_index(src, c, v.world);
   unsigned long long missing = 0;
   for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
   for (uint32_t turn = 0;; ++turn) {
@@ -714,7 +732,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
           const uint64_t f = flag_word(seq, desc);
           for (int step = 1; step < v.world; ++step) {
             const int peer = (v.rank + step) % v.world;
-            st_relaxed_sys(v.peer_flags[peer] + psum_chunk_flag_index(v.rank, c, v.world), f);
+            st_relaxed_sys(v.peer_chunk_flags[peer] + psum_chunk_flag_index(v.rank, c, v.world), f);
           }
         }
       }
@@ -1048,7 +1066,14 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, c
 // pipelined one-shot polls one flag per chunk and never shows it.
 // Of the LL kernel's own costs, the end-of-kernel fence measured about 1 us
 // at 8 KB and the zeroing under 1 us (both needed, see "Stale lines").
+// With the inboxes in GPU memory (DeviceView::peer_memory) a poll is no bus
+// trip, and LL measured no better at 8 and 16 KB (8.0 and 8.7 against 6.8
+// and 8.7 us at 8 KB, two runs of arx-shm and arx-shm-noll) and as bad
+// from 32 KB on (65 us at 32 KB, 137 at 64 KB), so it is off there. That
+// collapse with every poll in local memory says the cause is not the bus;
+// it is not understood yet.
 constexpr uint64_t kLLDefaultMaxBytes = 16 << 10;
+constexpr uint64_t kLLDefaultMaxBytesPeerMemory = 0;
 
 // The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at
 // most kThreads) such that each thread owns kLLLinesPerThread lines or fewer;
@@ -1066,27 +1091,36 @@ void ll_grid(uint64_t bytes, int& blocks, int& threads) {
 }
 
 // The one place that decides whether a one-shot goes LL: in direct mode, up
-// to Config::cuda_ll_max_bytes (-1: kLLDefaultMaxBytes; 0: never), capped at
-// kLLMaxPayload, the room of an ll_recv slot. Every rank computes the same
-// from the same size and config (see "Agreement" in "the LL one-shot").
+// to Config::cuda_ll_max_bytes (-1: kLLDefaultMaxBytes, or
+// kLLDefaultMaxBytesPeerMemory with the inboxes in GPU memory; 0: never),
+// capped at kLLMaxPayload, the room of an ll_recv slot. Every rank computes
+// the same from the same size and config, and peer_memory, which all ranks
+// agreed on at set-up (map_peer_memory; see "Agreement" in "the LL
+// one-shot").
 // Above it, pipeline_chunks() decides between the pipelined and the
 // one-piece kernel.
 bool ll_oneshot(const DeviceView& v, uint64_t bytes) {
   if (!v.direct || v.ll_max_bytes == 0) return false;
-  const uint64_t limit = v.ll_max_bytes < 0 ? kLLDefaultMaxBytes : (uint64_t)v.ll_max_bytes;
-  return bytes <= std::min(limit, kLLMaxPayload);
+  const uint64_t limit = v.ll_max_bytes >= 0 ? (uint64_t)v.ll_max_bytes
+                         : v.peer_memory    ? kLLDefaultMaxBytesPeerMemory
+                                            : kLLDefaultMaxBytes;
+  return limit > 0 && bytes <= std::min(limit, kLLMaxPayload);
 }
 
 // The one place that decides whether a one-shot runs pipelined, and in how
 // many chunks (0: not pipelined). Every rank computes the same from the same
-// size, world and config (see "Agreement"). Config::cuda_pipeline -1 (the
+// size, world, config and peer_memory (see "Agreement"); chunks of about
+// Config::cuda_chunk_bytes, else kPipeChunkBytes, or
+// kPipeChunkBytesPeerMemory with the inboxes in GPU memory. Config::cuda_pipeline -1 (the
 // default) chooses per size: pipelined at every size, since it measured
 // faster than the one-piece kernel at each from 8 KB to 4 MB (see
 // kPipeChunkBytes; at 8 KB the two are within noise). 0 keeps the one-piece
 // kernel, 1 pipelines at every size.
 int pipeline_chunks(const DeviceView& v, uint64_t bytes) {
   if (!v.direct || v.pipeline == 0) return 0;
-  const uint64_t target = v.chunk_bytes ? v.chunk_bytes : kPipeChunkBytes;
+  const uint64_t target = v.chunk_bytes   ? v.chunk_bytes
+                          : v.peer_memory ? kPipeChunkBytesPeerMemory
+                                          : kPipeChunkBytes;
   return (int)std::clamp<uint64_t>((bytes + target - 1) / target, 1, (uint64_t)psum_chunk_max(v.world));
 }
 

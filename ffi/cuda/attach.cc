@@ -34,6 +34,7 @@ struct DeviceState {
   int device = 0;
   std::vector<void*> registered;  // host addresses pinned for the device: the region, then mapped peers'
   DeviceWords* words = nullptr;
+  std::shared_ptr<PeerMemoryHolder> peer_memory;  // the GPU inboxes' mappings, if any
   DeviceView view{};
 
   ~DeviceState() {
@@ -42,6 +43,7 @@ struct DeviceState {
     // at process exit the CUDA runtime may already be gone.
     DeviceScope scope(device);
     cudaDeviceSynchronize();
+    peer_memory.reset();
     if (words) cudaFree(words);
     for (void* p : registered) cudaHostUnregister(p);
   }
@@ -70,7 +72,8 @@ cudaError_t map_host(DeviceState& st, void* p, uint64_t bytes, uint8_t*& dev) {
 // through the proxy (those direct figures are the one-shot in one piece;
 // chunk by chunk, a flag per chunk, the default now: 13 / 16 / 30 / 46 / 97 /
 // 167, see kPipeChunkBytes in allreduce.cu). JAX_ARX_CUDA_DIRECT=0 turns it
-// off.
+// off. The psum inboxes then move into GPU memory where the GPUs can map
+// each other's (peer_memory.cc); those figures are for host inboxes.
 bool want_direct(const Endpoint& ep) {
   return ep.spec().config.cuda_direct && ep.transport()->kind() == TransportKind::kShm;
 }
@@ -125,6 +128,8 @@ Status attach(Endpoint& ep) {
   v.chunk_bytes = ep.spec().config.cuda_chunk_bytes;
   v.ll_max_bytes = ep.spec().config.cuda_ll_max_bytes;
   v.ll_recv = base + L.ll_recv;
+  v.chunk_flags = v.flags;
+  v.peer_memory = false;
   v.pctl = reinterpret_cast<PrefillControl*>(base + L.prefill_ctl);
   v.prefill_send = base + L.prefill_send;
   v.prefill_recv = base + L.prefill_recv;
@@ -140,8 +145,29 @@ Status attach(Endpoint& ep) {
       if (e != cudaSuccess) return cuda_error(ep, "pinning a peer's region (cudaHostRegister)", e);
       v.peer_recv[p] = dev + L.recv;
       v.peer_flags[p] = reinterpret_cast<uint64_t*>(dev + L.flags);
+      v.peer_chunk_flags[p] = v.peer_flags[p];
       v.peer_prefill_recv[p] = dev + L.prefill_recv;
       v.peer_ll_recv[p] = dev + L.ll_recv;
+    }
+    // The psum inboxes in GPU memory where every rank can map every peer's:
+    // a flag page, recv[2][world] and ll_recv[2][world], laid out as in the
+    // host region. The prefill inboxes stay in the host region.
+    const uint64_t recv_at = kFlagWords * 8, ll_at = recv_at + 2 * (uint64_t)v.world * L.slot_bytes;
+    PeerInboxes inboxes;
+    const Status s = map_peer_memory(ep, device, ll_at + 2 * (uint64_t)v.world * kLLSlotBytes, inboxes);
+    if (!s.ok()) return s;
+    if (inboxes.mine) {
+      v.chunk_flags = reinterpret_cast<const uint64_t*>(inboxes.mine);
+      v.recv = inboxes.mine + recv_at;
+      v.ll_recv = inboxes.mine + ll_at;
+      for (int p = 0; p < v.world; ++p) {
+        if (p == v.rank) continue;
+        v.peer_chunk_flags[p] = reinterpret_cast<uint64_t*>(inboxes.peer[p]);
+        v.peer_recv[p] = inboxes.peer[p] + recv_at;
+        v.peer_ll_recv[p] = inboxes.peer[p] + ll_at;
+      }
+      v.peer_memory = true;
+      st->peer_memory = std::move(inboxes.holder);
     }
     v.direct = true;
     ep.set_device_sends();  // the proxy sends no psum seq from now on

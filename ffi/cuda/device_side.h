@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "comm/endpoint.h"
 #include "comm/layout.h"
@@ -79,6 +80,16 @@ struct DeviceView {
   uint8_t* peer_ll_recv[kMaxWorld];
   uint8_t* peer_recv[kMaxWorld];
   uint64_t* peer_flags[kMaxWorld];
+  // Direct mode: the pipelined one-shot's chunk flags (psum_chunk_flag_index)
+  // are read here (this rank's) and written there (each peer's). The flag
+  // page of the host region (flags, peer_flags) unless peer_memory.
+  const uint64_t* chunk_flags;
+  uint64_t* peer_chunk_flags[kMaxWorld];
+  // Direct mode with the psum inboxes in GPU memory (peer_memory.cc): recv,
+  // ll_recv and chunk_flags are in this GPU's memory, their peer_* in the
+  // peers' GPUs' memory, mapped here. The seq-level flag words (flag_index)
+  // stay in the host region (flags, peer_flags): the watchdog reads them.
+  bool peer_memory;
   // The prefill ops (layout.h, "Prefill-sized ops"): the work ring and this
   // rank's buffers, each [2 parities][prefill_slot_bytes]; in direct mode,
   // each peer's prefill_recv[0] (null for this rank, and when not direct).
@@ -88,6 +99,28 @@ struct DeviceView {
   uint64_t prefill_slot_bytes;
   uint8_t* peer_prefill_recv[kMaxWorld];
 };
+
+// The psum inboxes in GPU memory (peer_memory.cc), for attach(): this rank's
+// (`mine`, zeroed) and every peer's, mapped for this rank's GPU; all null
+// when the communicator uses the host region instead. `holder` keeps the
+// mappings; drop it only once no kernel uses them.
+struct PeerMemoryHolder {
+  virtual ~PeerMemoryHolder() = default;
+};
+struct PeerInboxes {
+  uint8_t* mine = nullptr;
+  uint8_t* peer[kMaxWorld] = {};
+  std::shared_ptr<PeerMemoryHolder> holder;
+};
+
+// Offers this rank's inbox of `bytes` to the peers and maps theirs, through
+// the shm carrier's mapped regions (every peer's must be mapped here). Every
+// rank of the communicator must call it at set-up; they agree: either all
+// get GPU inboxes or none (Config::cuda_peer_memory: -1 where every rank can
+// map every peer's, with one log line otherwise; 0 never; 1 required, an
+// error otherwise). An error also when a peer does not answer within the
+// timeout.
+Status map_peer_memory(Endpoint& ep, int device, uint64_t bytes, PeerInboxes& out);
 
 // Weight ranges the next kernels read: the kernel asks L2 for them while it
 // waits for the peers (DRAM is idle then). cp.async.bulk.prefetch.L2, sm_90+;

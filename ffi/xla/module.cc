@@ -180,5 +180,13 @@ NB_MODULE(_core, m) {
       .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
       .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
       .def_prop_ro("oneshot_max_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().slot_bytes; })
-      .def_prop_ro("prefill_slot_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().prefill_slot_bytes; });
+      .def_prop_ro("prefill_slot_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().prefill_slot_bytes; })
+      .def_prop_ro("psum_inboxes", [](const PyEndpoint& p) {
+#if ARX_HAVE_CUDA
+        const arx::cuda::DeviceView* v = arx::cuda::view_of(*p.endpoint());
+        if (v && v->peer_memory) return std::string("gpu");
+#endif
+        return std::string("host");
+      }, "Where the peers' kernels put this rank's psum data: 'gpu' (this GPU's memory, mapped into the peers' "
+         "GPUs: JAX_ARX_CUDA_PEER_MEMORY) or 'host' (the pinned region).");
 }

@@ -180,6 +180,7 @@ ARX_TESTING_API int arx_testing_loopback(int64_t comm_id, int device_ordinal, in
     if (p == v->rank) continue;
     v->peer_recv[p] = const_cast<uint8_t*>(v->recv);
     v->peer_flags[p] = const_cast<uint64_t*>(v->flags);
+    v->peer_chunk_flags[p] = const_cast<uint64_t*>(v->chunk_flags);
     v->peer_prefill_recv[p] = const_cast<uint8_t*>(v->prefill_recv);
     v->peer_ll_recv[p] = v->ll_recv;
   }
