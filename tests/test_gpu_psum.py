@@ -402,6 +402,20 @@ def worker_collective(layout, quick):
                 checked += 1
                 if not np.array_equal(_bits(got), _bits(reference(p))):
                     mismatches.append(dict(dtype=name, count=c, what="jax_arx.psum", rank=rank))
+            # jax_arx.psum(prefetch=...): the weights reach the CUDA handler as
+            # operands (counted by its `prefetch` attribute) and change no bit.
+            def with_prefetch(x):
+                weights = {"w": jnp.ones((1 << 20,), jnp.bfloat16) * x[0].astype(jnp.bfloat16),
+                           "b": jnp.ones((777,), jnp.float32)}
+                return jax_arx.psum(x, "x", prefetch=weights)
+            f = _sharded(jax, mesh, with_prefetch)
+            xg = _global(jax, mesh, p)
+            if "prefetch = 2" not in f.lower(xg).as_text():
+                mismatches.append(dict(dtype=name, count=c, what="jax_arx.psum(prefetch=) lowered without operands"))
+            for rank, got in _local_results(f(xg), c).items():
+                checked += 1
+                if not np.array_equal(_bits(got), _bits(reference(p))):
+                    mismatches.append(dict(dtype=name, count=c, what="jax_arx.psum(prefetch=)", rank=rank))
     # 4001 bf16: the LL one-shot in direct mode (below its built-in limit).
     for alg, c in ((a, c) for a in ALGORITHMS for c in (4001, 100003)):
         dt = _np_dtype("bfloat16")
