@@ -177,6 +177,10 @@ const char* make_own(PeerMemory& pm, uint64_t bytes, size_t& granularity) {
 
 // Peer p's inbox, from its offer, mapped for this rank's GPU.
 const char* map_peer(PeerMemory& pm, int p, uint64_t offer, uint64_t bytes, size_t granularity) {
+#if !defined(SYS_pidfd_open) || !defined(SYS_pidfd_getfd)
+  (void)pm, (void)p, (void)offer, (void)bytes, (void)granularity;
+  return "pidfd_getfd (not in this system's headers: Linux 5.6 or later)";
+#else
   const int pid = (int)(offer >> 32), fd = (int)(offer & 0xffffffffu) - 1;
   const int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
   if (pidfd < 0) return "pidfd_open (the peers must share a process namespace)";
@@ -189,6 +193,7 @@ const char* map_peer(PeerMemory& pm, int p, uint64_t offer, uint64_t bytes, size
   if (r != CUDA_SUCCESS) return "cuMemImportFromShareableHandle";
   const size_t size = (bytes + granularity - 1) / granularity * granularity;
   return map_for(pm.peer[p], size, granularity, pm.device);
+#endif
 }
 
 }  // namespace
