@@ -15,11 +15,11 @@ Series (one two-process job each, since NCCL reads its environment once):
   arx-shm        jax_arx over the shm carrier: jax_arx.psum's own choice, and
                  one-shot and two-shot forced (direct FFI calls); the kernels
                  write the peer's inbox themselves, the one-shot as jax_arx
-                 chooses per size (today, with the inboxes in GPU memory:
-                 chunk by chunk, a flag per chunk, in 32 KiB chunks; with
-                 them in host memory: up to 16 KiB in 16-byte lines that
-                 carry their flags inside the data, the "LL" one-shot, and
-                 above, chunk by chunk in 16 KiB chunks)
+                 chooses per size (today: up to 32 KiB with the inboxes
+                 in GPU memory, 16 KiB with them in host memory, in 16-byte
+                 lines that carry their flags inside the data, the "LL"
+                 one-shot; above, chunk by chunk, a flag per chunk, in
+                 32 KiB chunks (GPU inboxes) or 16 KiB chunks (host))
   arx-shm-host   the same with the peers' data in pinned host memory
                  (JAX_ARX_CUDA_PEER_MEMORY=0); arx-shm puts each rank's
                  psum inbox in its GPU's memory, mapped into the peers' GPUs

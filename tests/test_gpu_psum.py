@@ -160,7 +160,7 @@ def test_ll_waits_without_a_peer():
          "direct-host-ll-max", "proxy"])
 def test_two_processes_command_buffers_on(direct, pipeline, ll, inboxes):
     # direct: the kernels write the peer's inbox themselves (shm carrier),
-    # the one-shot up to the LL limit (built in: 16 KiB with host inboxes, off
+    # the one-shot up to the LL limit (built in: 16 KiB with host inboxes, 32 KiB
     # with GPU inboxes; ll: JAX_ARX_CUDA_LL_MAX_BYTES, 0 off, 128 KiB its cap) in 16-byte lines that carry their flags (LL), above
     # it chunk by chunk with a flag per chunk (pipelined) or in one piece with one
     # flag (whole); proxy: they publish and the proxy copies (as over tcp or
@@ -358,10 +358,11 @@ def worker_collective(layout, quick):
 
     # 1. Every dtype, sizes from 16 bytes to the two-shot limit, odd counts,
     # both algorithms: one program per dtype holding every case, in the
-    # same order on every rank. 16384 and 131072 are the LL one-shot's
-    # built-in limit and cap (direct mode): each with a size just past it.
+    # same order on every rank. 16384, 32768 and 131072 are the LL
+    # one-shot's built-in limits (host inboxes, GPU inboxes) and cap (direct
+    # mode): each with a size just past it.
     byte_sizes = [16, 8192, 65536, slot, twoshot_max] if quick else \
-        [16, 48, 1000, 8192, 16384, 16400, 65536, 131072, 131088, 262144, 524288, slot, twoshot_max]
+        [16, 48, 1000, 8192, 16384, 16400, 32768, 32784, 65536, 131072, 131088, 262144, 524288, slot, twoshot_max]
     for name in DTYPES:
         dt = _np_dtype(name)
         counts = sorted({c for b in byte_sizes for c in (b // dt.itemsize, b // dt.itemsize - 1)} | {1, 3})

@@ -837,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
 // block stores the seq-level flag word flag_word(seq, desc), desc with the
 // LL tag in it (ll_tag), into every peer's flags at the start of the kernel,
 // and a waiting thread whose lines are late reads the peer's word every
-// 64th turn: progress seq with another descriptor is kMismatch. A peer that
+// 1024th turn: progress seq with another descriptor is kMismatch. A peer that
 // ran the one-piece or two-shot kernels at this seq stored its word with its
 // own descriptor (publish_and_wait): a mismatch here, and, since our word
 // carries the LL tag, one there too. A peer that ran the pipelined one-shot
@@ -966,10 +966,11 @@ __device__ bool ll_wait(const DeviceView& v, uint64_t seq, uint64_t desc, const 
         for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
     }
     if (!pending) break;
-    if ((turn & 63) == 63) {
+    if ((turn & 1023) == 1023) {
       // A peer that issued another collective at this seq never writes our
       // lines: its seq-level flag word says so (see "Mismatch"; a word past
-      // seq calls for nothing).
+      // seq calls for nothing). It is in host memory: read rarely, as
+      // keep_waiting reads Control::abort.
       for (int src = 0; src < v.world; ++src) {
         if (!(pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1))) continue;
         const uint64_t w = ld_acquire_sys(v.flags + flag_index(src, 0));
@@ -1066,14 +1067,23 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, c
 // pipelined one-shot polls one flag per chunk and never shows it.
 // Of the LL kernel's own costs, the end-of-kernel fence measured about 1 us
 // at 8 KB and the zeroing under 1 us (both needed, see "Stale lines").
-// With the inboxes in GPU memory (DeviceView::peer_memory) a poll is no bus
-// trip, and LL measured no better at 8 and 16 KB (8.0 and 8.7 against 6.8
-// and 8.7 us at 8 KB, two runs of arx-shm and arx-shm-noll) and as bad
-// from 32 KB on (65 us at 32 KB, 137 at 64 KB), so it is off there. That
-// collapse with every poll in local memory says the cause is not the bus;
-// it is not understood yet.
+// The slow runs from 32 KB on were the waiters' reads of host memory: every
+// waiting thread read Control::abort every 16th turn and the peer's flag
+// word every 64th, thousands of threads at once; they showed with the
+// inboxes in GPU memory too (65 us at 32 KB, 137 at 64 KB), where no poll
+// crosses the bus. Those reads now come every 256th and 1024th turn
+// (keep_waiting, ll_wait), and the collapse is gone with the GPU inboxes
+// (not measured again with the host inboxes: the figures above, and the
+// 16 KiB limit for them, are from before that change).
+// With the inboxes in GPU memory (DeviceView::peer_memory), after it, one
+// run, us at 8 KB / 16 KB / 32 KB / 64 KB / 128 KB:
+//   pipelined (LL off)        7.7 / 8.9 / 11.2 / 12.0 / 13.2
+//   LL up to 64 KiB           7.6 / 10.7 / 7.8 / 13.0 / 12.4
+//   LL up to 128 KiB          6.9 / 7.1 / 8.8 / 12.9 / 18.4
+//   NCCL (NVLink)             21.1 / 14.6 / 18.2 / 18.8 / 19.4
+// so LL up to 32 KiB there.
 constexpr uint64_t kLLDefaultMaxBytes = 16 << 10;
-constexpr uint64_t kLLDefaultMaxBytesPeerMemory = 0;
+constexpr uint64_t kLLDefaultMaxBytesPeerMemory = 32 << 10;
 
 // The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at
 // most kThreads) such that each thread owns kLLLinesPerThread lines or fewer;

@@ -66,16 +66,18 @@ __device__ inline void give_up_mismatch(DeviceWords* w, uint64_t f, int src) {
 }
 
 // The bounds of such a wait, checked after
-// each unsuccessful poll (turn: how many came before): Control::abort and
-// the other waiters' give-ups every 16th turn (a bus round trip, and a
-// word other blocks write), the timeout every turn. false: give up on the
-// seq or op (recorded as give_up_mismatch says); `missing`: bit flag_index(src,
-// root) per source still waited for.
+// each unsuccessful poll (turn: how many came before): the other waiters'
+// give-ups every 16th turn (a word in device memory that other blocks
+// write), Control::abort every 256th (a read of host memory, over the bus:
+// the LL one-shot has thousands of threads waiting at once, and their reads
+// of host memory must stay few), the timeout every turn. false: give up on
+// the seq or op (recorded as give_up_mismatch says); `missing`: bit
+// flag_index(src, root) per source still waited for.
 __device__ inline bool keep_waiting(const DeviceView& v, uint32_t turn, uint64_t start, unsigned long long missing) {
   DeviceWords* w = v.words;
   if ((turn & 15) == 15) {
     // Control::abort: the host knows the endpoint failed; give up at once.
-    if (ld_acquire_sys(&v.ctl->abort) != 0) {
+    if ((turn & 255) == 255 && ld_acquire_sys(&v.ctl->abort) != 0) {
       atomicOr(&w->fail_missing, missing);
       atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kAborted);
       atomicExch(&w->fail_any, 1ull);
