@@ -211,16 +211,19 @@ void Endpoint::fail(const std::string& message) {
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     if (failed_.load(std::memory_order_relaxed)) return;  // the first failure is the one reported
+    if (spec_.config.abort_on_failure) {
+      // Before anything a waiter reads (failed_, Control::abort): were a wait
+      // released first, its caller could go on, even exit with status 0,
+      // before this thread ends the process.
+      fprintf(stderr, "%s\njax_arx: exiting because JAX_ARX_ON_FAILURE=abort\n", message.c_str());
+      fflush(stderr);
+      _exit(1);
+    }
     failure_ = message;
     failed_.store(true, std::memory_order_release);
   }
   // Every wait on this endpoint, host or device, gives up at once from now.
   store_release(&control()->abort, 1);
-  if (spec_.config.abort_on_failure) {
-    fprintf(stderr, "%s\njax_arx: exiting because JAX_ARX_ON_FAILURE=abort\n", message.c_str());
-    fflush(stderr);
-    _exit(1);
-  }
 }
 
 void Endpoint::peer_lost(int peer, const std::string& why) {
