@@ -1,10 +1,14 @@
-"""What the benchmarks share (examples/bench_psum.py, examples/bench_prefill.py):
-the timing method and the running of one configuration as a two-process job.
+"""What the benchmarks (examples/bench_psum.py, examples/bench_prefill.py) and
+the CPU examples (examples/tp_decode.py, examples/seq_parallel_prefill.py)
+share: the timing method, the rank-order reference sum, and the running of
+one configuration as a two-process job.
 
 The method: K dependent calls inside one jitted program, minus the same
 program without the collective, divided by K. ``median_seconds`` times one
 program: each sample runs it ``reps`` times back to back (so the ranks'
-start skew is spread thin), and the median of the samples is kept.
+start skew is spread thin), and the median of the samples is kept. The CPU
+examples time each run alone, every process starting it together
+(``synced_median_seconds``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,45 @@ def median_seconds(f, x, samples, reps):
         y.block_until_ready()
         per_run.append((time.perf_counter() - t) / reps)
     return statistics.median(per_run)
+
+
+def synced_median_seconds(f, *args, repeats):
+    """Seconds per run of ``f(*args)``: the median of ``repeats`` runs, each
+    started on every process together (a barrier first), after two runs that
+    compile and warm up."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    jax.block_until_ready(f(*args))  # compile and warm up
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        multihost_utils.sync_global_devices("jax_arx example timing")
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def per_call_us(make_program, collective, x, calls, repeats):
+    """Microseconds per call of ``collective``: ``make_program(collective)``
+    (``calls`` dependent calls of it in one program) minus
+    ``make_program(None)`` (the same program without them), over ``calls``;
+    never below 0."""
+    with_c = synced_median_seconds(make_program(collective), x, repeats=repeats)
+    without = synced_median_seconds(make_program(None), x, repeats=repeats)
+    return max(with_c - without, 0.0) / calls * 1e6
+
+
+def rank_order_sum(parts):
+    """The reference sum: float32 over the leading (rank) axis of the numpy
+    array ``parts``, in rank order from 0.0, rounded once to its dtype."""
+    import numpy as np
+
+    acc = np.zeros(parts.shape[1:], np.float32)
+    for r in range(parts.shape[0]):
+        acc += parts[r].astype(np.float32)
+    return acc.astype(parts.dtype)
 
 
 def run_config(script, config, env, worker_args, path, timeout, launcher_args=()):

@@ -42,7 +42,6 @@ against 124-138 ms with jax.lax; with the default spin, 120-183 ms.
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
@@ -56,6 +55,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_arx._prefill import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
+
+from bench_common import per_call_us, rank_order_sum, synced_median_seconds  # noqa: E402  (beside this file)
 
 AXIS = "sp"
 
@@ -210,14 +211,6 @@ def make_prefill(mesh, a, kind, record=False):
 
 # ---- the reference -------------------------------------------------------------
 
-def rank_order_sum(parts):
-    """float32 sum over the leading (rank) axis in rank order from 0.0, rounded once."""
-    acc = np.zeros(parts.shape[1:], np.float32)
-    for r in range(parts.shape[0]):
-        acc += parts[r].astype(np.float32)
-    return acc.astype(parts.dtype)
-
-
 def combine_rows(y, pos, w, shared):
     """One rank's combined MoE rows, in numpy: float32, rounded once to
     bfloat16 (the products are exact: bfloat16-valued weights and rows)."""
@@ -251,18 +244,6 @@ def check_collectives(kinds, log):
 
 # ---- timing ------------------------------------------------------------------
 
-def time_program(f, *args, repeats):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        multihost_utils.sync_global_devices("jax_arx prefill timing")
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def pair_program(mesh, kind, calls):
     """K dependent all_gather + psum_scatter pairs (or, kind None, the same
     program without them)."""
@@ -280,12 +261,6 @@ def pair_program(mesh, kind, calls):
 
     return jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=P(AXIS),
                                  out_specs=P(AXIS)))
-
-
-def per_pair_us(mesh, kind, x, calls, repeats):
-    with_c = time_program(pair_program(mesh, kind, calls), x, repeats=repeats)
-    without = time_program(pair_program(mesh, None, calls), x, repeats=repeats)
-    return max(with_c - without, 0.0) / calls * 1e6
 
 
 def main():
@@ -328,14 +303,15 @@ def main():
 
     # 3. Timing.
     rows = []
+    pairs = lambda kind: pair_program(mesh, kind, a.calls)  # noqa: E731
     for kb in [int(s) for s in a.sizes_kb.split(",")]:
         elems = kb * 1024 // 2
         cols = 512 if elems % 512 == 0 else elems
         xs = jax.device_put(jnp.ones((n * (elems // cols), cols), jnp.bfloat16), shard(P(AXIS)))
-        rows.append((kb, per_pair_us(mesh, "jax_arx", xs, a.calls, a.repeats),
-                     per_pair_us(mesh, "lax", xs, a.calls, a.repeats)))
-    t_arx = time_program(make_prefill(mesh, a, "jax_arx"), params, x, repeats=a.repeats)
-    t_lax = time_program(make_prefill(mesh, a, "lax"), params, x, repeats=a.repeats)
+        rows.append((kb, per_call_us(pairs, "jax_arx", xs, a.calls, a.repeats),
+                     per_call_us(pairs, "lax", xs, a.calls, a.repeats)))
+    t_arx = synced_median_seconds(make_prefill(mesh, a, "jax_arx"), params, x, repeats=a.repeats)
+    t_lax = synced_median_seconds(make_prefill(mesh, a, "lax"), params, x, repeats=a.repeats)
     jax_arx.check()
     if rank0:
         print(f"\nall_gather + psum_scatter per pair, bf16, {n} ranks ({jax.process_count()} processes, "

@@ -25,7 +25,6 @@ Exit status 0 means every check passed. Options: --layers, --hidden, --tokens,
 import argparse
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -37,6 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from bench_common import per_call_us, rank_order_sum, synced_median_seconds  # noqa: E402  (beside this file)
 
 AXIS = "tp"
 
@@ -135,14 +136,6 @@ def make_step(mesh, layers, heads, psum, record):
 
 # ---- the reference -------------------------------------------------------------
 
-def rank_order_sum(partials: np.ndarray) -> np.ndarray:
-    """fp32 sum over the leading (rank) axis in rank order from 0.0, rounded once."""
-    acc = np.zeros(partials.shape[1:], np.float32)
-    for r in range(partials.shape[0]):
-        acc += partials[r].astype(np.float32)
-    return acc.astype(partials.dtype)
-
-
 def check_allreduces(partials, reduced):
     """Every all-reduce result, on every local device of every process, equals
     the reference bit for bit. Returns how many all-reduces were checked."""
@@ -172,24 +165,6 @@ def chain_program(mesh, psum, calls):
         return jax.lax.fori_loop(0, calls, body, x)
 
     return jax.jit(jax.shard_map(shard_fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-
-
-def time_program(f, *args, repeats):
-    jax.block_until_ready(f(*args))  # compile and warm up
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        multihost_utils.sync_global_devices("jax_arx tp_decode timing")
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def per_call_us(mesh, psum, x, calls, repeats):
-    with_c = time_program(chain_program(mesh, psum, calls), x, repeats=repeats)
-    without = time_program(chain_program(mesh, None, calls), x, repeats=repeats)
-    return max(with_c - without, 0.0) / calls * 1e6
 
 
 def main():
@@ -232,17 +207,18 @@ def main():
 
     # 3. Timing: per-call latency by size, then the whole decode step.
     rows = []
+    chain = lambda psum: chain_program(mesh, psum, args.calls)  # noqa: E731
     for kb in [int(s) for s in args.sizes_kb.split(",")]:
         n = kb * 1024 // 2
         cols = 1024 if n % 1024 == 0 else n
         xs = jax.device_put(jnp.ones((tp * (n // cols), cols), jnp.bfloat16), shard(P(AXIS)))
-        us_arx = per_call_us(mesh, jax_arx.psum, xs, args.calls, args.repeats)
-        us_lax = per_call_us(mesh, jax.lax.psum, xs, args.calls, args.repeats)
+        us_arx = per_call_us(chain, jax_arx.psum, xs, args.calls, args.repeats)
+        us_lax = per_call_us(chain, jax.lax.psum, xs, args.calls, args.repeats)
         rows.append(dict(kb=kb, jax_arx_us=us_arx, lax_us=us_lax))
-    step_arx = time_program(make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False), params, x, kv,
-                            repeats=args.repeats)
-    step_lax = time_program(make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False), params, x, kv,
-                            repeats=args.repeats)
+    step_arx = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False), params,
+                                     x, kv, repeats=args.repeats)
+    step_lax = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False), params,
+                                     x, kv, repeats=args.repeats)
     jax_arx.check()
     if rank0:
         backend = jax.default_backend()

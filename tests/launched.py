@@ -129,6 +129,13 @@ class MeshWorker:
     def fail(self, case, message):
         self.cases.setdefault(case, {"checked": 0, "bad": []})["bad"].append(message)
 
+    def timed(self, case, *args, record_as=None, **kwargs):
+        """Runs ``case(self, *args, **kwargs)`` and records its seconds under
+        ``record_as``, or its name without the ``case_`` prefix."""
+        start = time.monotonic()
+        case(self, *args, **kwargs)
+        self.seconds[record_as or case.__name__[len("case_"):]] = round(time.monotonic() - start, 2)
+
     def calls(self, f, *args, target="jax_arx_"):
         """The custom calls to ``target*`` in ``f``'s lowering for ``args``."""
         text = f.lower(*args).as_text()
@@ -137,6 +144,43 @@ class MeshWorker:
 
 def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def mismatch_report(call, jax_arx) -> dict:
+    """The failure suites' "ranks that issue different ops": runs ``call()``
+    (it returns the result as a numpy array) and reports ``error``, what it
+    and then jax_arx.check() raised, and ``finite_result``, whether it
+    returned finite values instead."""
+    import numpy as np
+
+    error, finite = "", False
+    try:
+        finite = bool(np.isfinite(call()).all())
+    except Exception as e:  # the handler's error, raised by jax
+        error = error_text(e)
+    try:
+        jax_arx.check()
+    except jax_arx.CollectiveError as e:
+        error += "\n" + error_text(e)
+    return {"error": error, "finite_result": finite}
+
+
+def assert_failure_suite(results) -> dict:
+    """What every failure suite's RESULT must show (ranks 0 and 1; a 3 s
+    timeout): on each rank, the ops that did not match gave an error naming a
+    different collective, never a finite result; on rank 0, the call no peer
+    joined ended within the timeout (plus start-up) and jax_arx.check() then
+    raised a CollectiveError naming rank 1. Returns rank 0's "missing_peer"
+    report, for the suite's own checks."""
+    for rank in (0, 1):
+        mismatch = results[rank]["mismatch"]
+        # Either the call raised, or it returned NaN and check() raised: never a result.
+        assert not mismatch["finite_result"], mismatch
+        assert "different collective" in mismatch["error"], mismatch
+    missing = results[0]["missing_peer"]
+    assert "rank 1" in missing["check"] and missing["check_type"] == "CollectiveError", missing
+    assert 2.5 < missing["seconds"] < 30, missing
+    return missing
 
 
 def alone_call_report(call, jax_arx, key: str, *, on_error=None) -> dict:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -119,19 +118,13 @@ def test_failures_are_nan_and_errors_not_results(two_gpus, tmp_path, transport):
     # needs autotuning.
     results = _run("failures", transport, tmp_path,
                    {**SMALL_SLOTS, "JAX_ARX_TIMEOUT_S": "3", "XLA_FLAGS": "--xla_gpu_autotune_level=0"}, timeout=180)
-    for rank in (0, 1):
-        mismatch = results[rank]["mismatch"]
-        assert not mismatch["finite_result"], mismatch
-        assert "different collective" in mismatch["error"], mismatch
+    missing = launched.assert_failure_suite(results)
     # On GPUs a failed call gives NaN (the kernel gave up) and jax_arx.check()
     # raises; a handler that runs later raises too. Either way the failure
     # record names the op, the peer and the timeout.
-    missing = results[0]["missing_peer"]
     assert missing["nan"], missing
-    assert missing["check_type"] == "CollectiveError", missing
-    assert "rank 1" in missing["check"] and "timed out" in missing["check"], missing
+    assert "timed out" in missing["check"], missing
     assert "all_gather #1" in missing["error"] + missing["check"], missing
-    assert 2.5 < missing["seconds"] < 30, missing
 
 
 def _assert_quick_large_replay(results):
@@ -152,17 +145,13 @@ def _suite_large(w):
     under their cases ("gather", "scatter", "moe")."""
     n = w.world
 
-    def timed(name, case, *args, **kwargs):
-        start = time.monotonic()
-        case(w, *args, **kwargs)
-        w.seconds[name] = round(time.monotonic() - start, 2)
-
     # 63 * 129 * 257 elements a rank: 4.2 MB in bfloat16, 8.4 MB in float32.
-    timed("large_gather", suites.case_gather, ("float32", "bfloat16", "int8"), shapes=((63, 129, 257),))
-    timed("large_scatter", suites.case_scatter, ("float32", "bfloat16"),
-          specs=[((n * 1000003,), 0, True), ((515, n * 4099), 1, True), ((n, 3, 700001), 0, False)])
+    w.timed(suites.case_gather, ("float32", "bfloat16", "int8"), shapes=((63, 129, 257),), record_as="large_gather")
+    w.timed(suites.case_scatter, ("float32", "bfloat16"),
+            specs=[((n * 1000003,), 0, True), ((515, n * 4099), 1, True), ((n, 3, 700001), 0, False)],
+            record_as="large_scatter")
     # T = 2049 tokens of 2048 (8.4 MB of rows), topk 8; 129 tokens of 1024, topk 16.
-    timed("large_moe", suites.case_moe, shapes=((1024, 3000, 2048, 8), (64, 700, 1024, 16)))
+    w.timed(suites.case_moe, shapes=((1024, 3000, 2048, 8), (64, 700, 1024, 16)), record_as="large_moe")
 
 
 def case_replay(w, runs=20):
@@ -246,4 +235,4 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     if os.environ.get("JAX_PLATFORMS") != "cpu":  # under --cpu-devices: a check of this file without GPUs
         _pick_gpu()
     suites.run_worker(sys.argv[sys.argv.index("--worker") + 1],
-                      {**suites.SUITES, "large": _suite_large, "replay": lambda w: suites._timed(w, case_replay)})
+                      {**suites.SUITES, "large": _suite_large, "replay": lambda w: w.timed(case_replay)})

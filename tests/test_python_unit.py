@@ -1138,8 +1138,8 @@ def test_launch_two_processes_psum_and_rendezvous(tmp_path):
     out = proc.stdout.splitlines()
     for rank in (0, 1):
         mine = [line[len(f"[rank {rank}] "):] for line in out if line.startswith(f"[rank {rank}] ")]
-        assert "lax psum 3.0" in mine and "arx psum 3.0 True" in mine
-        assert "again 4" in mine and "args ['--flag', 'x']" in mine
+        assert "lax psum 3.0" in mine and "arx psum 3.0 True" in mine, (rank, mine, proc.stderr[-3000:])
+        assert "again 4" in mine and "args ['--flag', 'x']" in mine, (rank, mine)
         endpoints = [line.split() for line in mine if line.startswith("endpoint")]
         # dp spans the processes (one rank each in 2 groups); tp stays in one (2 ranks of 1 group).
         assert sorted((e[1], e[2]) for e in endpoints) == (

@@ -34,7 +34,7 @@ struct DeviceState {
   int device = 0;
   std::vector<void*> registered;  // host addresses pinned for the device: the region, then mapped peers'
   DeviceWords* words = nullptr;
-  std::shared_ptr<PeerMemoryHolder> peer_memory;  // the GPU inboxes' mappings, if any
+  std::shared_ptr<void> peer_memory;  // the GPU inboxes' mappings (peer_memory.cc), if any
   DeviceView view{};
 
   ~DeviceState() {

@@ -104,13 +104,10 @@ struct DeviceView {
 // (`mine`, zeroed) and every peer's, mapped for this rank's GPU; all null
 // when the communicator uses the host region instead. `holder` keeps the
 // mappings; drop it only once no kernel uses them.
-struct PeerMemoryHolder {
-  virtual ~PeerMemoryHolder() = default;
-};
 struct PeerInboxes {
   uint8_t* mine = nullptr;
   uint8_t* peer[kMaxWorld] = {};
-  std::shared_ptr<PeerMemoryHolder> holder;
+  std::shared_ptr<void> holder;
 };
 
 // Offers this rank's inbox of `bytes` to the peers and maps theirs, through

@@ -31,9 +31,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "comm/atomics.h"
 #include "cuda/device_side.h"
@@ -114,13 +112,13 @@ const char* map_for(Mapping& m, size_t bytes, size_t alignment, int device) {
   return nullptr;
 }
 
-struct PeerMemory final : PeerMemoryHolder {
+struct PeerMemory {
   int device = 0;
   Mapping own;
   int own_fd = -1;
   Mapping peer[kMaxWorld];
 
-  ~PeerMemory() override {
+  ~PeerMemory() {
     // Kernels that use these mappings are done: DeviceState synchronizes the
     // device before it lets go of this.
     for (Mapping& m : peer) m.undo();
@@ -135,15 +133,6 @@ uint64_t* own_word(Endpoint& ep, int index) {
 
 const uint64_t* peer_word(Endpoint& ep, int peer, int index) {
   return reinterpret_cast<const uint64_t*>(ep.transport()->peer_base(peer) + ep.layout().flag_offset(index));
-}
-
-// Waits until a peer's word is set; false after the timeout.
-bool wait_word(const uint64_t* word, std::chrono::steady_clock::time_point deadline, uint64_t& value) {
-  while ((value = load_acquire(word)) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  return true;
 }
 
 // This rank's inbox: allocated on its GPU, zeroed, mapped for it, exported.
@@ -215,13 +204,11 @@ Status map_peer_memory(Endpoint& ep, int device, uint64_t bytes, PeerInboxes& ou
   store_release(own_word(ep, kPeerMemoryBytesWord), bytes);
   store_release(own_word(ep, kPeerMemoryOfferWord),
                 why.empty() ? (uint64_t)getpid() << 32 | (uint64_t)(pm->own_fd + 1) : kPeerMemoryNone);
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
+  const auto deadline = deadline_in(timeout_s);
   for (int p = 0; p < world; ++p) {
     if (p == rank) continue;
-    uint64_t offer = 0;
-    if (!wait_word(peer_word(ep, p, kPeerMemoryOfferWord), deadline, offer))
+    const uint64_t offer = wait_nonzero(peer_word(ep, p, kPeerMemoryOfferWord), deadline);
+    if (offer == 0)
       return Status::Error(strf("jax_arx: %s: rank %d did not offer its GPU inbox (or say it has none) within %g s; "
                                 "it may have failed to set up, see its log",
                                 ep.label().c_str(), p, timeout_s));
@@ -238,8 +225,8 @@ Status map_peer_memory(Endpoint& ep, int device, uint64_t bytes, PeerInboxes& ou
   // Every peer has fetched this rank's descriptor once its result is set.
   for (int p = 0; p < world; ++p) {
     if (p == rank) continue;
-    uint64_t result = 0;
-    if (!wait_word(peer_word(ep, p, kPeerMemoryResultWord), deadline, result))
+    const uint64_t result = wait_nonzero(peer_word(ep, p, kPeerMemoryResultWord), deadline);
+    if (result == 0)
       return Status::Error(strf("jax_arx: %s: rank %d did not say whether it mapped the GPU inboxes within %g s",
                                 ep.label().c_str(), p, timeout_s));
     if (result != 1 && why.empty()) why = strf("rank %d could not map every peer's", p);

@@ -71,6 +71,29 @@ Status wait_piece(Endpoint& ep, WorkOp op, uint64_t seq, int c, uint64_t desc) {
   return wait_flags(ep, w);
 }
 
+// The reduce-scatter's last step, for psum_scatter and the fused MoE
+// combine alike: out = the fp32 rank-order sum of every rank's slice for
+// this rank (its own from send[rank], the peers' from prefill_recv[par]),
+// piece by piece as the pieces of `op` arrive; piece k is bytes
+// piece_bytes(k, lo, hi) of the slice. false: a wait gave up (recorded).
+template <typename PieceBytes>
+bool sum_pieces_as_they_arrive(Endpoint& ep, WorkOp op, uint64_t seq, uint64_t desc, DType dtype,
+                               const uint8_t* send, int par, uint64_t slice, uint8_t* out, PieceBytes piece_bytes) {
+  const int rank = ep.spec().rank, world = ep.spec().world;
+  const uint8_t* parts[kMaxWorld];
+  for (int j = 0; j < world; ++j)
+    parts[j] = j == rank ? send + rank * slice : ep.base() + ep.layout().prefill_recv_offset(par, j, slice);
+  for (int k = 0; k < kChunks; ++k) {
+    uint64_t lo, hi;
+    piece_bytes(k, lo, hi);
+    if (!wait_piece(ep, op, seq, k, desc).ok()) return false;
+    const uint8_t* at[kMaxWorld];
+    for (int j = 0; j < world; ++j) at[j] = parts[j] + lo;
+    sum_rank_order(dtype, at, world, (hi - lo) / dtype_size(dtype), out + lo);
+  }
+  return true;
+}
+
 // What every failed op does: NaN out, the op finished (the sequence state
 // stays consistent), and the endpoint's sticky failure returned.
 template <typename Fill>
@@ -226,17 +249,10 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
     if (!s.ok()) return failed(ep, seq, fill, s);
   }
   gather_rows(send + rank * slice, src + rank * block, 0, slice, block, stride);
-  const uint8_t* parts[kMaxWorld];
-  for (int j = 0; j < world; ++j)
-    parts[j] = j == rank ? send + rank * slice : ep.base() + L.prefill_recv_offset(par, j, slice);
-  for (int c = 0; c < kChunks; ++c) {
-    uint64_t lo, hi;
-    piece_range(slice, c, lo, hi);
-    if (!wait_piece(ep, WorkOp::kReduceScatter, seq, c, desc).ok()) return failed(ep, seq, fill, Status::Ok());
-    const uint8_t* at[kMaxWorld];
-    for (int j = 0; j < world; ++j) at[j] = parts[j] + lo;
-    sum_rank_order(dtype, at, world, (hi - lo) / es, static_cast<uint8_t*>(out) + lo);
-  }
+  if (!sum_pieces_as_they_arrive(ep, WorkOp::kReduceScatter, seq, desc, dtype, send, par, slice,
+                                 static_cast<uint8_t*>(out),
+                                 [&](int c, uint64_t& lo, uint64_t& hi) { piece_range(slice, c, lo, hi); }))
+    return failed(ep, seq, fill, Status::Ok());
   finish(ep, seq);
   return Status::Ok();
 }
@@ -278,17 +294,14 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
   combine(rank * rows_per_rank, (rank + 1) * rows_per_rank);
   // rs_finish: this rank's rows summed over the ranks, piece by piece as
   // they arrive.
-  const uint8_t* parts[kMaxWorld];
-  for (int j = 0; j < world; ++j)
-    parts[j] = j == rank ? send + rank * slice : ep.base() + L.prefill_recv_offset(par, j, slice);
-  for (int k = 0; k < kChunks; ++k) {
-    uint64_t lo, hi;
+  auto piece_bytes = [&](int k, uint64_t& lo, uint64_t& hi) {
     row_piece(rows_per_rank, k, lo, hi);
-    if (!wait_piece(ep, WorkOp::kRsPiece, seq, k, desc).ok()) return failed(ep, seq, fill, Status::Ok());
-    const uint8_t* at[kMaxWorld];
-    for (int j = 0; j < world; ++j) at[j] = parts[j] + lo * row;
-    sum_rank_order(DType::kBF16, at, world, (hi - lo) * H, reinterpret_cast<uint8_t*>(out) + lo * row);
-  }
+    lo *= row;
+    hi *= row;
+  };
+  if (!sum_pieces_as_they_arrive(ep, WorkOp::kRsPiece, seq, desc, DType::kBF16, send, par, slice,
+                                 reinterpret_cast<uint8_t*>(out), piece_bytes))
+    return failed(ep, seq, fill, Status::Ok());
   finish(ep, seq);
   return Status::Ok();
 }

@@ -50,16 +50,13 @@ class ShmTransport final : public Transport {
     }
     // Once every peer has mapped this region its name can go: a process that
     // dies later leaves nothing behind in /dev/shm.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    const auto deadline = deadline_in(timeout_s);
     for (int j = 0; j < ctx_.world; ++j) {
       if (j == ctx_.rank) continue;
       const uint64_t* word = reinterpret_cast<const uint64_t*>(ctx_.region->base() + ctx_.layout.handshake_offset(j));
-      while (load_acquire(word) == 0) {
-        if (std::chrono::steady_clock::now() > deadline)
-          return Status::Error(strf("jax_arx: %s: rank %d did not map this rank's shared memory within %g s",
-                                    ctx_.label.c_str(), j, timeout_s));
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
+      if (wait_nonzero(word, deadline) == 0)
+        return Status::Error(strf("jax_arx: %s: rank %d did not map this rank's shared memory within %g s",
+                                  ctx_.label.c_str(), j, timeout_s));
     }
     ctx_.region->unlink();
     return Status::Ok();

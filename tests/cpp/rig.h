@@ -99,4 +99,20 @@ inline bool parse_test_args(int argc, char** argv, TestArgs& out) {
   return true;
 }
 
+
+// A test's main after its arguments: `one(k)` for each carrier of `args`,
+// a line "<carrier>: ok" or "FAILED" each, then the tally. Returns main's
+// exit status.
+inline int run_per_carrier(const TestArgs& args, const std::function<void(TransportKind)>& one) {
+  int passed = 0;
+  for (TransportKind k : args.kinds) {
+    const int before = g_failures;
+    one(k);
+    printf("%s: %s\n", transport_name(k), g_failures == before ? "ok" : "FAILED");
+    passed += g_failures == before;
+  }
+  printf("%d passed, %d failed\n", passed, (int)args.kinds.size() - passed);
+  return g_failures ? 1 : 0;
+}
+
 }  // namespace arx::testing

@@ -265,15 +265,12 @@ void test_fingerprint(TransportKind kind) {
 int main(int argc, char** argv) {
   testing::TestArgs args;
   if (!testing::parse_test_args(argc, argv, args)) return 2;
-  const std::vector<TransportKind>& kinds = args.kinds;
   const bool quick = args.quick;
   const std::vector<uint64_t> counts = quick ? std::vector<uint64_t>{1, 7, 9, 4097}
                                              : std::vector<uint64_t>{1, 7, 8, 9, 255, 4096, 4097, 65536, (1 << 20) / 4};
   const std::vector<uint64_t> counts16 = quick ? std::vector<uint64_t>{1, 9, 4097}
                                                : std::vector<uint64_t>{1, 7, 9, 4097, 65536, (1 << 20) / 2};
-  int passed = 0;
-  for (TransportKind k : kinds) {
-    const int before = g_failures;
+  return testing::run_per_carrier(args, [&](TransportKind k) {
     for (int world : {2, 3, 4}) {
       test_allreduce(k, world, DType::kF32, counts, 2);
       test_allreduce(k, world, DType::kBF16, counts16, 2);
@@ -284,9 +281,5 @@ int main(int argc, char** argv) {
     test_mismatch(k);
     test_fingerprint(k);
     test_abort_on_failure(k);
-    printf("%s: %s\n", transport_name(k), g_failures == before ? "ok" : "FAILED");
-    passed += g_failures == before;
-  }
-  printf("%d passed, %d failed\n", passed, (int)kinds.size() - passed);
-  return g_failures ? 1 : 0;
+  });
 }

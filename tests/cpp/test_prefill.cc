@@ -125,15 +125,13 @@ std::vector<uint8_t> random_values(DType t, uint64_t count, std::mt19937& rng) {
   return v;
 }
 
-const char* name(TransportKind k) { return transport_name(k); }
-
 // ---- the ops against the reference ------------------------------------------
 
 // sizes: (rows, block bytes) of each rank's part; the gathered output is
 // [rows][world][block].
 void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<uint64_t, uint64_t>>& sizes) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
   std::mt19937 rng(world * 31 + (int)kind);
   for (int rep = 0; rep < 2; ++rep)
     for (auto [outer, block] : sizes) {
@@ -152,10 +150,10 @@ void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<
         sts[r] = host::all_gather(*rig.eps[r], in[r].data(), out[r].data(), bytes, outer, 7, std::nullopt, 1);
       });
       for (int r = 0; r < world; ++r) {
-        EXPECT(sts[r].ok(), "%s all_gather world %d %llu x %llu bytes rank %d: %s", name(kind), world,
+        EXPECT(sts[r].ok(), "%s all_gather world %d %llu x %llu bytes rank %d: %s", transport_name(kind), world,
                (unsigned long long)outer, (unsigned long long)block, r, sts[r].message().c_str());
         EXPECT(out[r] == ref, "%s all_gather world %d %llu x %llu bytes: rank %d differs from the reference",
-               name(kind), world, (unsigned long long)outer, (unsigned long long)block, r);
+               transport_name(kind), world, (unsigned long long)outer, (unsigned long long)block, r);
       }
     }
 }
@@ -165,7 +163,7 @@ void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<
 void test_reduce_scatter(TransportKind kind, int world, DType dtype,
                          const std::vector<std::pair<uint64_t, uint64_t>>& shapes) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
   std::mt19937 rng(world * 57 + (int)dtype);
   const int es = dtype_size(dtype);
   for (int rep = 0; rep < 2; ++rep)
@@ -181,7 +179,7 @@ void test_reduce_scatter(TransportKind kind, int world, DType dtype,
         sts[r] = host::reduce_scatter(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, outer, 2);
       });
       for (int r = 0; r < world; ++r) {
-        EXPECT(sts[r].ok(), "%s reduce_scatter world %d %llu x %llu rank %d: %s", name(kind), world,
+        EXPECT(sts[r].ok(), "%s reduce_scatter world %d %llu x %llu rank %d: %s", transport_name(kind), world,
                (unsigned long long)outer, (unsigned long long)inner, r, sts[r].message().c_str());
         std::vector<uint8_t> ref(count * es);
         for (uint64_t o = 0; o < outer; ++o)
@@ -192,7 +190,7 @@ void test_reduce_scatter(TransportKind kind, int world, DType dtype,
             ref_store(dtype, ref.data() + (o * inner + i) * es, acc);
           }
         EXPECT(out[r] == ref, "%s reduce_scatter world %d dtype %d %llu x %llu: rank %d differs from the reference",
-               name(kind), world, (int)dtype, (unsigned long long)outer, (unsigned long long)inner, r);
+               transport_name(kind), world, (int)dtype, (unsigned long long)outer, (unsigned long long)inner, r);
       }
     }
 }
@@ -229,7 +227,7 @@ std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::
 
 void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", name(kind), world); return; }
+  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
   std::mt19937 rng(world * 91);
   for (const MoeCase& c : cases) {
     const uint64_t padded = (c.tokens + world - 1) / world * world, per = padded / world;
@@ -274,7 +272,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
       sts[r] = host::moe_combine_reduce_scatter(*rig.eps[r], a, out[r].data(), 3);
     });
     for (int r = 0; r < world; ++r) {
-      EXPECT(sts[r].ok(), "%s moe world %d tokens %llu rank %d: %s", name(kind), world, (unsigned long long)c.tokens,
+      EXPECT(sts[r].ok(), "%s moe world %d tokens %llu rank %d: %s", transport_name(kind), world, (unsigned long long)c.tokens,
              r, sts[r].message().c_str());
       std::vector<uint16_t> ref(per * c.hidden);
       for (uint64_t i = 0; i < per * c.hidden; ++i) {
@@ -283,7 +281,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
         ref[i] = ref_to_bf16(acc);
       }
       EXPECT(out[r] == ref, "%s moe world %d tokens %llu hidden %llu topk %llu %s: rank %d differs from the reference",
-             name(kind), world, (unsigned long long)c.tokens, (unsigned long long)c.hidden,
+             transport_name(kind), world, (unsigned long long)c.tokens, (unsigned long long)c.hidden,
              (unsigned long long)c.topk, c.e4m3 ? "e4m3" : "bf16", r);
     }
   }
@@ -342,7 +340,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
     }
   });
   for (int r = 0; r < world; ++r)
-    EXPECT(bad[r] == 0, "%s back-to-back world %d: rank %d wrong at call %d: %s", name(kind), world, r, bad[r],
+    EXPECT(bad[r] == 0, "%s back-to-back world %d: rank %d wrong at call %d: %s", transport_name(kind), world, r, bad[r],
            why[r].c_str());
   const PrefillControl* pc = rig.eps[0]->prefill_control();
   EXPECT(load_acquire(&pc->done) == (uint64_t)(calls - calls / 4), "prefill seq %llu after %d prefill calls",
@@ -415,7 +413,7 @@ void test_out_of_order_producer(TransportKind kind, int world) {
   });
   for (int r = 0; r < world; ++r)
     EXPECT(bad[r] == 0, "%s out-of-order producer world %d: rank %d saw a piece before an earlier one (code %d)",
-           name(kind), world, r, bad[r]);
+           transport_name(kind), world, r, bad[r]);
 }
 
 // ---- failures ---------------------------------------------------------------
@@ -520,7 +518,6 @@ void test_layout() {
 int main(int argc, char** argv) {
   testing::TestArgs args;
   if (!testing::parse_test_args(argc, argv, args)) return 2;
-  const std::vector<TransportKind>& kinds = args.kinds;
   const bool quick = args.quick;
   test_layout();
   using Shapes = std::vector<std::pair<uint64_t, uint64_t>>;
@@ -533,9 +530,7 @@ int main(int argc, char** argv) {
                                          : std::vector<MoeCase>{{16, 5, 128, 1, false},  {40, 37, 64, 4, false},
                                                                 {64, 100, 256, 16, false}, {16, 9, 128, 3, true},
                                                                 {50, 77, 256, 8, true},   {8, 3, 128, 16, true}};
-  int passed = 0;
-  for (TransportKind k : kinds) {
-    const int before = g_failures;
+  return testing::run_per_carrier(args, [&](TransportKind k) {
     for (int world : {2, 3, 4}) {
       test_all_gather(k, world, ag_sizes);
       test_reduce_scatter(k, world, DType::kF32, rs_counts);
@@ -548,9 +543,5 @@ int main(int argc, char** argv) {
     test_timeout(k);
     test_mismatch(k);
     test_too_big(k);
-    printf("%s: %s\n", name(k), g_failures == before ? "ok" : "FAILED");
-    passed += g_failures == before;
-  }
-  printf("%d passed, %d failed\n", passed, (int)kinds.size() - passed);
-  return g_failures ? 1 : 0;
+  });
 }
