@@ -154,14 +154,14 @@ def test_ll_waits_without_a_peer():
 
 @needs_gpus(2)
 @pytest.mark.parametrize("direct,pipeline,ll,inboxes", [
-    ("1", "1", "", "gpu"), ("1", "1", "0", "gpu"), ("1", "0", "0", "gpu"), ("1", "", "128KiB", "gpu"),
-    ("1", "1", "", "host"), ("1", "", "128KiB", "host"), ("0", "", "", "host")],
-    ids=["direct-builtin-ll-pipelined", "direct-pipelined", "direct-whole", "direct-ll-max", "direct-host-ll-pipelined",
-         "direct-host-ll-max", "proxy"])
+    ("1", "1", "", "gpu"), ("1", "1", "0", "gpu"), ("1", "0", "0", "gpu"), ("1", "", "16KiB", "gpu"),
+    ("1", "1", "", "host"), ("1", "", "16KiB", "host"), ("0", "", "", "host")],
+    ids=["direct-builtin-ll-pipelined", "direct-pipelined", "direct-whole", "direct-ll-16k", "direct-host-ll-pipelined",
+         "direct-host-ll-16k", "proxy"])
 def test_two_processes_command_buffers_on(direct, pipeline, ll, inboxes):
     # direct: the kernels write the peer's inbox themselves (shm carrier),
-    # the one-shot up to the LL limit (built in: 16 KiB with host inboxes, 32 KiB
-    # with GPU inboxes; ll: JAX_ARX_CUDA_LL_MAX_BYTES, 0 off, 128 KiB its cap) in 16-byte lines that carry their flags (LL), above
+    # the one-shot up to the LL limit (built in: its cap, 128 KiB; ll:
+    # JAX_ARX_CUDA_LL_MAX_BYTES, 0 off) in 16-byte lines that carry their flags (LL), above
     # it chunk by chunk with a flag per chunk (pipelined) or in one piece with one
     # flag (whole); proxy: they publish and the proxy copies (as over tcp or
     # verbs). So each direct path runs every dtype and odd counts on both sides
@@ -358,9 +358,9 @@ def worker_collective(layout, quick):
 
     # 1. Every dtype, sizes from 16 bytes to the two-shot limit, odd counts,
     # both algorithms: one program per dtype holding every case, in the
-    # same order on every rank. 16384, 32768 and 131072 are the LL
-    # one-shot's built-in limits (host inboxes, GPU inboxes) and cap (direct
-    # mode): each with a size just past it.
+    # same order on every rank. 16384 and 131072 are the LL one-shot's limit
+    # in two of the cases above and its cap, the built-in limit (direct
+    # mode), and 32768 a former one: each with a size just past it.
     byte_sizes = [16, 8192, 65536, slot, twoshot_max] if quick else \
         [16, 48, 1000, 8192, 16384, 16400, 32768, 32784, 65536, 131072, 131088, 262144, 524288, slot, twoshot_max]
     for name in DTYPES:
@@ -807,7 +807,9 @@ def worker_wait_ll():
     """The LL one-shot's wait with no peer: the endpoint in direct mode with
     its own region standing in for the peer's (FakePeer.loopback); the test
     writes the peer's lines (on time, late, torn, stale, of another
-    collective, never) and reads what the kernel sent and zeroed."""
+    collective, never) and its announcement of the seq (the seq-level flag
+    word, which the kernel also waits for), and reads what the kernel sent,
+    announced and zeroed."""
     import ctypes
     import jax
     import jax.numpy as jnp
@@ -844,10 +846,13 @@ def worker_wait_ll():
     xd = jnp.asarray(mine)
     f.lower(xd).compile()
     peer.write_lines(1, 1, theirs, ll_flag(1, desc))
+    peer.flag(1, 1, desc)
     got = np.asarray(f(xd))
     ctl = peer.control()
     # Loopback: this rank's lines for rank 1 are in its own ll_recv[1][0],
-    # and its seq-level flag words at flag_index(0, root).
+    # and its announcement at flag_index(0, root). The seq is published for
+    # the watchdog alone (direct mode: the proxy sends nothing), without
+    # bytes or descriptor.
     sent = peer.read_lines(1, 0, nlines(mine))
     want_sent = np.zeros_like(sent)
     raw = np.concatenate([np.frombuffer(mine.tobytes(), np.uint8), np.zeros(-mine.nbytes % 8, np.uint8)])
@@ -855,11 +860,11 @@ def worker_wait_ll():
     want_sent[:, 1] = want_sent[:, 3] = ll_flag(1, desc)
     zeroed = not peer.read_lines(1, 1, nlines(theirs)).any()
     case("ll_on_time", np.array_equal(_bits(got), _bits(reference([mine, theirs]))) and ctl["published"] == 1
-         and ctl["done"] == 1 and ctl["bytes"][1] == 2 * n and ctl["desc"][1] == desc
-         and np.array_equal(sent, want_sent) and peer.flag_words(0) == [1 << 24 | desc] * peer.roots and zeroed,
+         and ctl["done"] == 1 and np.array_equal(sent, want_sent) and peer.flag_words(0) == [1 << 24 | desc] * peer.roots and zeroed,
          zeroed=zeroed, sent_ok=bool(np.array_equal(sent, want_sent)), flags=peer.flag_words(0), control=ctl)
 
     mine2, theirs2 = _inputs(bf, n, 2, seed=22)
+    peer.flag(1, 2, desc)
     t = time.perf_counter()
     y = f(jnp.asarray(mine2))
     peer.write_lines(2, 1, theirs2, ll_flag(2, desc), halves=(True, False))
@@ -875,6 +880,7 @@ def worker_wait_ll():
     # Seq 3 uses seq 1's slot: lines carrying seq 1's flag are stale and
     # never taken (the kernel zeroed seq 1's; the test writes them again).
     peer.write_lines(3, 1, theirs, ll_flag(1, desc))
+    peer.flag(1, 3, desc)
     t = time.perf_counter()
     got = np.asarray(f(xd))
     stale_s = time.perf_counter() - t
@@ -895,6 +901,7 @@ def worker_wait_ll():
                                           (bf, 65536, False)), start=1):
         mine, theirs = _inputs(dt, c, 2, seed=30 + seq)
         peer.write_lines(seq, 0, theirs, ll_flag(seq, peer.describe_ll(dt.name, c)))
+        peer.flag(0, seq, peer.describe_ll(dt.name, c))
         got = np.asarray(run(9102, alias=alias)(jnp.asarray(mine)))
         info[f"{dt.name}/{c}"] = same = bool(np.array_equal(_bits(got), _bits(reference([theirs, mine]))))
         ok &= same and not peer.read_lines(seq, 0, nlines(theirs)).any()
@@ -928,6 +935,29 @@ def worker_wait_ll():
              and ctl["failed_src"] == 1 and ctl["failed_flag"] == 1 << 24 | d and "different collective" in msg,
              mismatch_s=mismatch_s, control=ctl, message=msg)
         peer.close()
+
+    # Every line on time but no announcement: the kernel waits for that too
+    # (it orders the peer's zeroing before this rank's next lines), and
+    # gives up at the timeout.
+    peer = FakePeer(lib, 9106, rank=0, timeout_s=timeout_s)
+    peer.loopback()
+    n = 1001
+    mine, theirs = _inputs(bf, n, 2, seed=23)
+    desc = peer.describe_ll("bfloat16", n)
+    f = run(9106)
+    xd = jnp.asarray(mine)
+    f.lower(xd).compile()
+    peer.write_lines(1, 1, theirs, ll_flag(1, desc))
+    t = time.perf_counter()
+    got = np.asarray(f(xd))
+    silent_s = time.perf_counter() - t
+    ctl = peer.control()
+    msg = peer.failure()
+    case("ll_no_announcement", np.isnan(got.astype(np.float32)).all()
+         and timeout_s * 0.9 <= silent_s <= timeout_s + 3 and ctl["failed_seq"] == 1 and ctl["failed_kind"] == 1
+         and ctl["failed_missing"] == 0b1100 and not peer.read_lines(1, 1, nlines(theirs)).any()
+         and "rank 1" in msg and "timed out" in msg, silent_s=silent_s, control=ctl, message=msg)
+    peer.close()
 
     # The host fails the endpoint: Control::abort stops the LL wait at once.
     peer = FakePeer(lib, 9105, rank=0, timeout_s=30.0)

@@ -499,11 +499,19 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(DeviceView v, uint8
 //   8 KiB chunks             8.4 / 10.4 / 12.0 / 13.1 / 25.5 / 51.8
 //   4 KiB chunks             8.0 / 9.0 / 12.8 / 26.6 / 49.8 / 51.4
 //   NCCL (NVLink)            14.1 / 15.1 / 14.8 / 15.5 / 20.2 / 16.1
+// With GPU inboxes, after the counting fix (grid.cuh, tag_arrivals: each
+// block had cost about 1 us more), one run, us at 256 KB / 512 KB / 2 MB /
+// 4 MB (below 256 KB the default is LL now):
+//   32 KiB chunks            10.5 / 11.3 / 22.4 / 33.5
+//   8 KiB chunks             12.2 / 10.8 / 21.8 / 33.2
+//   4 KiB chunks             10.0 / 16.1 / 21.4 / 33.2
+// so 32 KiB stays.
 constexpr uint64_t kPipeChunkBytes = 16 << 10;
 constexpr uint64_t kPipeChunkBytesPeerMemory = 32 << 10;
 // Blocks besides the service block: chunks beyond this many are taken in
 // turns (split blocks, see above).
 constexpr int kPipeBlocks = 32;
+static_assert(kPipeBlocks + 1 <= (int)0xff, "pipe_finish counts the blocks out in 8 bits");
 // Vectors a consumer thread has in flight from each peer before the adds.
 constexpr int kPipeUnroll = 2;
 
@@ -600,11 +608,9 @@ __device__ bool wait_chunk(const DeviceView& v, uint64_t seq, uint64_t desc, int
 }
 
 // The seq-level flag words, flag_word(seq, desc), into every peer's flags
-// (flag_index(rank, root), every root), in send order. Relaxed: the
-// pipelined one-shot stores them after its last wait, for the watchdog and
-// the failure messages only; the LL one-shot at its start, where they are
-// read for one thing, the mismatch check of the LL wait, which needs no
-// order with anything else (see "the LL one-shot").
+// (flag_index(rank, root), every root), in send order, relaxed: the pipelined
+// one-shot stores them after its last wait, for the watchdog and the failure
+// messages only.
 __device__ void store_seq_flags(const DeviceView& v, uint64_t seq, uint64_t desc) {
   const uint64_t f = flag_word(seq, desc);
   for (int step = 1; step < v.world; ++step) {
@@ -613,23 +619,15 @@ __device__ void store_seq_flags(const DeviceView& v, uint64_t seq, uint64_t desc
   }
 }
 
-// The service block's part: publish the seq for the proxy (its watchdog;
-// in direct mode the proxy sends nothing) unless an earlier seq failed, and
-// spread the L2 prefetches over the block. `flags_first` (the LL one-shot):
-// store the seq-level flag words into the peers first (store_seq_flags),
-// instead of pipe_finish at the end.
-__device__ void pipe_service(const DeviceView& v, uint64_t seq, DType dtype, uint64_t bytes, uint64_t desc,
-                             bool prior, bool flags_first, const Prefetch& pf) {
-  if (threadIdx.x == 0 && !prior) {
-    if (flags_first) store_seq_flags(v, seq, desc);
-    Control* ctl = v.ctl;
-    const int par = (int)(seq & 1);
-    st_relaxed_sys(&ctl->bytes[par], bytes);
-    st_relaxed_sys(&ctl->mode[par], (uint64_t)Mode::kFull);
-    st_relaxed_sys(&ctl->desc[par], desc);
-    st_relaxed_sys(&ctl->dtype[par], (uint64_t)dtype);
-    st_release_sys(&ctl->published, seq);
-  }
+// The service block's part: publish the seq for the proxy's watchdog unless
+// an earlier seq failed, and spread the L2 prefetches over the block. These
+// kernels run in direct mode only, where the proxy sends nothing and reads
+// nothing but `published` (it only follows the seqs): the seq alone,
+// relaxed. (A release there, with bytes, mode, desc and dtype before it as
+// publish_and_wait stores them for a proxy that sends, was a fence on every
+// call's path.)
+__device__ void pipe_service(const DeviceView& v, uint64_t seq, bool prior, const Prefetch& pf) {
+  if (threadIdx.x == 0 && !prior) st_relaxed_sys(&v.ctl->published, seq);
   const uint64_t nthr = blockDim.x, t = threadIdx.x;
   for (int r = 0; r < pf.count; ++r) {
     const uint64_t chunk = ((pf.bytes[r] + nthr - 1) / nthr + 15) & ~15ull, off = t * chunk;
@@ -640,21 +638,29 @@ __device__ void pipe_service(const DeviceView& v, uint64_t seq, DType dtype, uin
   }
 }
 
+// DeviceWords::finished of the pipelined and LL one-shots: seq << 16, then
+// the blocks that gave up on the seq, then the blocks out, so that the last
+// block out learns both from its own arrival (grids of 255 blocks at most).
+constexpr unsigned long long kFinishedMask = 0xff, kGaveUpUnit = 1ull << 8, kGaveUpMask = 0xffull << 8;
+
 // Every block, at the end: the last one out settles the seq (see the top of
-// this section). Every thread of the block must call it. `flags_first`: the
-// service block stored the seq-level flag words already (pipe_service).
+// this section). Every thread of the block must call it, and thread 0 of
+// every block must have tagged DeviceWords::finished for seq at its start
+// (tag_arrivals). `gave_up`: this thread's wait gave up on the seq (not an
+// earlier seq's failure, `prior`). `flags_first`: the seq-level flag words
+// are stored already (the LL one-shot).
 template <DType D>
-__device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bool prior, bool flags_first,
-                            uint8_t* out, uint64_t count) {
+__device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bool prior, bool gave_up,
+                            bool flags_first, uint8_t* out, uint64_t count) {
   __shared__ int s_last, s_any;
   DeviceWords* w = v.words;
-  __syncthreads();
+  const int block_gave_up = __syncthreads_or(gave_up);
   if (threadIdx.x == 0) {
     // acq_rel: this block's work (and fail_* stores) before it, every other
     // block's after it for the last one.
-    const unsigned long long n = tagged_arrive(&w->finished, seq);
-    s_last = n >> 16 == seq && (n & 0xffff) == gridDim.x;
-    s_any = s_last && ld_acquire_gpu(&w->fail_any) != 0;
+    const unsigned long long n = count_arrival(&w->finished, block_gave_up ? kGaveUpUnit + 1 : 1);
+    s_last = n >> 16 == seq && (n & kFinishedMask) == gridDim.x;
+    s_any = s_last && (n & kGaveUpMask) != 0;
   }
   __syncthreads();
   if (!s_last) return;
@@ -692,9 +698,10 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
   // it): write nothing to the peers, wait for nothing, fill NaN.
   const bool prior = recorded_failure(v);
   const int blocks = (int)gridDim.x - 1;
+  if (threadIdx.x == 0) tag_arrivals(&v.words->finished, seq);
   if ((int)blockIdx.x == blocks) {
-    pipe_service(v, seq, D, bytes, desc, prior, false, pf);
-    pipe_finish<D>(v, seq, desc, prior, false, out, count);
+    pipe_service(v, seq, prior, pf);
+    pipe_finish<D>(v, seq, desc, prior, false, false, out, count);
     return;
   }
   __shared__ unsigned s_sent;      // chunks of this block whose copy has read `in`
@@ -759,7 +766,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
       else reduce_range<D>(v, slots, in, out, lo, hi, ct, ncons);
     }
   }
-  pipe_finish<D>(v, seq, desc, prior, false, out, count);
+  pipe_finish<D>(v, seq, desc, prior, s_failed && !prior, false, out, count);
 }
 
 // ---- the LL one-shot (direct mode, small sizes) -----------------------------------
@@ -786,18 +793,17 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
 //   3. polls the same line of its own ll_recv[seq & 1][src], for every peer
 //      src, until both flag words equal f (ll_wait), bounded as the
 //      pipelined one-shot's waits are (keep_waiting: %globaltimer,
-//      Control::abort, another waiter's give-up), and reading src's seq-level
-//      flag word now and then to catch a peer that issued something else;
+//      Control::abort, another waiter's give-up);
 //   4. zeroes the lines it consumed (see "Stale lines");
 //   5. sums in rank order, fp32 from 0.0f, rounded once (the bits of
 //      reduce()), and writes its 8 bytes of out (NaN if it gave up).
-// Then each block fences at system scope (one thread after the block's
-// barrier: the fence is cumulative), and the last block out settles the seq
-// (pipe_finish: the failure record and the NaN fill, seq_dev, Control::done).
-// The service block, at the start, stores the seq-level flag words into the
-// peers' flags, publishes the seq for the proxy's watchdog and asks L2 for
-// the prefetch ranges (pipe_service). After an earlier failure (prior), no
-// thread writes or waits for anything: each fills its lines of out with NaN.
+// The service block announces the seq to every peer (ll_announce: the
+// seq-level flag word, with release), publishes the seq for the proxy's
+// watchdog and asks L2 for the prefetch ranges (pipe_service), then waits
+// for every peer's announcement of seq (ll_await). The last block out
+// settles the seq (pipe_finish: the failure record and the NaN fill, seq_dev,
+// Control::done). After an earlier failure (prior), no thread writes or
+// waits for anything: each fills its lines of out with NaN.
 //
 // Stale lines. Invariant: while an endpoint has not failed, every line of its
 // ll_recv holds 0 except lines that a peer wrote for a seq this rank has not
@@ -820,37 +826,37 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
 // Buffer reuse: parity is enough. This rank writes its lines of seq + 2 into
 // a peer's ll_recv[seq & 1][rank] only in its kernel for seq + 2, which starts
 // after its kernel for seq + 1 completed. That kernel did not fail (after a
-// failure nothing more is written), so it received something the peer stored
-// in its kernel for seq + 1 -- lines, chunk flags or flag words, whichever
-// algorithm seq + 1 was -- which started after the peer's kernel for seq
-// completed: every read of the peer's ll_recv[seq & 1] for seq was over,
-// and so were its zeroing stores, which its blocks fenced at system scope
-// before that kernel ended (a fence completes only once the stores before
-// it are performed at system scope). So the zeroing is in place before
-// this rank's seq + 2 lines are written, and the peer finds 0 or seq + 2's
-// lines there. The same holds for this rank's own ll_recv, with the roles
-// swapped. As for the pipelined one-shot, the argument needs an endpoint's
-// kernels not to overlap (stream order).
+// failure nothing more is written), so it acquired a word the peer released
+// in its kernel for seq + 1: the announcement (ll_await, LL), a chunk flag
+// (the pipelined one-shot, whose writer fences before it) or a flag word
+// (publish_and_wait), whichever algorithm seq + 1 was. That kernel of the
+// peer's started after its kernel for seq completed, so every read of its
+// ll_recv[seq & 1] for seq, and every zeroing store, happens before that
+// release (the kernel boundary orders them before the releasing thread, and
+// the release is cumulative), hence before this rank's seq + 2 lines: the
+// peer finds 0 or seq + 2's lines there. The same holds for this rank's own
+// ll_recv, with the roles swapped. No fence is needed at the end of the
+// kernel; there was one per block until the announcement took its place, and
+// it cost about 1 us at every size. As for the pipelined one-shot, the
+// argument needs an endpoint's kernels not to overlap (stream order).
 //
 // Mismatch. A peer that issued another collective at this seq must show up
-// as an error, never as a sum. Its lines never match f (above). The service
-// block stores the seq-level flag word flag_word(seq, desc), desc with the
-// LL tag in it (ll_tag), into every peer's flags at the start of the kernel,
-// and a waiting thread whose lines are late reads the peer's word every
-// 1024th turn: progress seq with another descriptor is kMismatch. A peer that
-// ran the one-piece or two-shot kernels at this seq stored its word with its
-// own descriptor (publish_and_wait): a mismatch here, and, since our word
-// carries the LL tag, one there too. A peer that ran the pipelined one-shot
-// stores its word only after its waits, which wait for chunk flags this
-// kernel never stores: both sides time out. Either way, a failure.
-// A word past seq: the peer stored seq + 1's word at the start of its next
-// kernel, so it finished seq -- it read all of this rank's lines, which each
-// thread stores before it polls, so this rank may well still be polling --
-// and its own lines for seq were stored (and fenced) before that kernel
-// ended: they are visible to the next poll of the line, which takes them.
-// It cannot be past seq + 1: the peer's seq + 1 needs this rank's seq + 1
-// lines. And a peer that had failed stores no word at all (pipe_service).
-// So a word past seq calls for nothing: the wait goes on polling.
+// as an error, never as a sum. Its lines never match f (above). The
+// announcement is flag_word(seq, desc), desc with the LL tag in it (ll_tag),
+// and the service block's wait for the peer's (ll_await) compares it:
+// progress seq with another descriptor is kMismatch, and the give-up ends
+// the line waits too (DeviceWords::fail_any). A peer that ran the one-piece
+// or two-shot kernels at this seq stored its word with its own descriptor
+// (publish_and_wait): a mismatch here, and, since our word carries the LL
+// tag, one there too. A peer that ran the pipelined one-shot stores its word
+// only after its waits, which wait for chunk flags this kernel never
+// stores: both sides time out. Either way, a failure. A word past seq: the
+// peer announced seq + 1 at the start of its next kernel, so it finished
+// seq -- it read all of this rank's lines, which each thread stores before
+// it polls, so this rank may well still be polling -- and its own lines for
+// seq were stored before that kernel started: the next polls take them. It
+// cannot be past seq + 1: the peer's seq + 1 needs this rank's seq + 1
+// lines. And a peer that had failed announces nothing (prior).
 //
 // Agreement: both sides choose LL from the size and the config alone
 // (ll_oneshot), and the tag is in the descriptor, so a peer that chose
@@ -859,6 +865,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
 // Lines a thread owns at most: every line's polls of all the peers in flight
 // at once, before the first check.
 constexpr int kLLLinesPerThread = 2;
+static_assert(kLLMaxPayload / kLLLinePayload / kLLLinesPerThread / kThreads + 1 <= 0xff,
+              "pipe_finish counts the blocks out in 8 bits");
 
 // One line: two 8-byte halves, each a single-copy-atomic element (see the
 // top of this section), relaxed at system scope: the peers (and this rank's
@@ -931,12 +939,11 @@ __device__ __forceinline__ uint2 ll_sum(const DeviceView& v, uint2 mine, const u
 
 // Step 3 for thread g's lines (g, g + nthr, ... below `lines`): polls them in
 // every peer's slot of `slots` (this rank's ll_recv[seq & 1]) until each
-// holds f in both halves, leaving them in lo / hi. false: the thread gives
-// up on the seq (see give_up_mismatch).
-__device__ bool ll_wait(const DeviceView& v, uint64_t seq, uint64_t desc, const uint8_t* slots, uint64_t g,
-                        uint64_t nthr, uint64_t lines, uint64_t start, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
+// holds f = ll_flag(seq, desc) in both halves, leaving them in lo / hi.
+// false: the thread gives up on the seq (see keep_waiting).
+__device__ bool ll_wait(const DeviceView& v, uint32_t f, const uint8_t* slots, uint64_t g, uint64_t nthr,
+                        uint64_t lines, uint64_t start, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
                         uint64_t (&hi)[kLLLinesPerThread][kMaxWorld]) {
-  const uint32_t f = ll_flag(seq, desc);
   uint32_t pending = 0;  // bit src * kLLLinesPerThread + k: line k from src not taken yet
 #pragma unroll
   for (int src = 0; src < kMaxWorld; ++src)
@@ -966,23 +973,68 @@ __device__ bool ll_wait(const DeviceView& v, uint64_t seq, uint64_t desc, const 
         for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
     }
     if (!pending) break;
-    if ((turn & 1023) == 1023) {
-      // A peer that issued another collective at this seq never writes our
-      // lines: its seq-level flag word says so (see "Mismatch"; a word past
-      // seq calls for nothing). It is in host memory: read rarely, as
-      // keep_waiting reads Control::abort.
-      for (int src = 0; src < v.world; ++src) {
-        if (!(pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1))) continue;
-        const uint64_t w = ld_acquire_sys(v.flags + flag_index(src, 0));
-        if (flag_progress(w) == seq && flag_desc(w) != flag_desc(flag_word(seq, desc))) {
-          give_up_mismatch(v.words, w, src);
-          return false;
-        }
+    // A peer that issued another collective at this seq never writes our
+    // lines; the service block finds it out (ll_await) and gives up for the
+    // grid, which ends this wait too (keep_waiting).
+    if (!keep_waiting(v, turn, start, missing)) return false;
+  }
+  return true;
+}
+
+// The service block's announcement of the seq (see "Buffer reuse" and
+// "Mismatch"): flag_word(seq, desc) into every peer's chunk_flags page at
+// flag_index(rank, root), with release, in send order. The release orders
+// before the word everything this rank did before it, its earlier kernels'
+// zeroing of their lines included (the kernel boundary orders those before
+// this thread). With the inboxes in GPU memory that page is not the host
+// region's, so the word goes into the host region's flags too, relaxed, for
+// the watchdog, the failure messages and a peer that waits there
+// (publish_and_wait).
+__device__ void ll_announce(const DeviceView& v, uint64_t seq, uint64_t desc) {
+  const uint64_t f = flag_word(seq, desc);
+  for (int step = 1; step < v.world; ++step) {
+    const int peer = (v.rank + step) % v.world;
+    for (int root = 0; root < v.roots; ++root) {
+      st_release_sys(v.peer_chunk_flags[peer] + flag_index(v.rank, root), f);
+      if (v.peer_memory) st_relaxed_sys(v.peer_flags[peer] + flag_index(v.rank, root), f);
+    }
+  }
+}
+
+// The service block's wait for every peer's announcement of seq: thread t <
+// world waits for peer t's word in this rank's chunk_flags page, with
+// acquire, until its progress reaches seq; at exactly seq it must carry our
+// descriptor (kMismatch otherwise). Past seq, the peer finished seq (it
+// announced seq + 1 at its next kernel's start), which counts too: its
+// release of seq + 1 comes after that of seq. With the inboxes in GPU
+// memory, a peer that ran the one-piece or two-shot kernels at seq stores
+// its word only into the host region's flags (publish_and_wait): read there
+// every 256th turn (a read of host memory, over the bus), for the mismatch.
+// false: this thread gave up on the seq (give_up_mismatch, keep_waiting).
+__device__ bool ll_await(const DeviceView& v, uint64_t seq, uint64_t desc, uint64_t start) {
+  const int src = (int)threadIdx.x;
+  if (src >= v.world || src == v.rank) return true;
+  const uint64_t want = flag_desc(flag_word(seq, desc));
+  unsigned long long missing = 0;
+  for (int root = 0; root < v.roots; ++root) missing |= 1ull << flag_index(src, root);
+  for (uint32_t turn = 0;; ++turn) {
+    const uint64_t w = ld_acquire_sys(v.chunk_flags + flag_index(src, 0));
+    if (flag_progress(w) >= seq) {
+      if (flag_progress(w) == seq && flag_desc(w) != want) {
+        give_up_mismatch(v.words, w, src);
+        return false;
+      }
+      return true;
+    }
+    if (v.peer_memory && (turn & 255) == 255) {
+      const uint64_t h = ld_acquire_sys(v.flags + flag_index(src, 0));
+      if (flag_progress(h) == seq && flag_desc(h) != want) {
+        give_up_mismatch(v.words, h, src);
+        return false;
       }
     }
     if (!keep_waiting(v, turn, start, missing)) return false;
   }
-  return true;
 }
 
 template <DType D>
@@ -997,9 +1049,12 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, c
   // it): write nothing to the peers, wait for nothing, fill NaN.
   const bool prior = recorded_failure(v);
   const int blocks = (int)gridDim.x - 1;
+  if (threadIdx.x == 0) tag_arrivals(&v.words->finished, seq);
   if ((int)blockIdx.x == blocks) {
-    pipe_service(v, seq, D, bytes, desc, prior, true, pf);
-    pipe_finish<D>(v, seq, desc, prior, true, out, count);
+    if (threadIdx.x == 0 && !prior) ll_announce(v, seq, desc);
+    pipe_service(v, seq, prior, pf);
+    const bool ok = prior || ll_await(v, seq, desc, start);
+    pipe_finish<D>(v, seq, desc, prior, !ok, true, out, count);
     return;
   }
   const uint64_t nthr = (uint64_t)blocks * blockDim.x, g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1022,11 +1077,10 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, c
   }
   uint8_t* slots = v.ll_recv + (uint64_t)par * v.world * kLLSlotBytes;
   uint64_t lo[kLLLinesPerThread][kMaxWorld] = {}, hi[kLLLinesPerThread][kMaxWorld] = {};
-  const bool ok = !prior && ll_wait(v, seq, desc, slots, g, nthr, lines, start, lo, hi);
+  const bool ok = !prior && ll_wait(v, ll_flag(seq, desc), slots, g, nthr, lines, start, lo, hi);
   if (ok) {
-    // Zero the lines consumed (see "Stale lines"), first: the fence below
-    // waits for these stores, and the sum runs meanwhile. After a give-up
-    // the endpoint is failed for good and no line is polled again.
+    // Zero the lines consumed (see "Stale lines"). After a give-up the
+    // endpoint is failed for good and no line is polled again.
     for (int src = 0; src < v.world; ++src) {
       if (src == v.rank) continue;
 #pragma unroll
@@ -1043,47 +1097,28 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, c
   for (int k = 0; k < kLLLinesPerThread; ++k)
     if (g + k * nthr < lines)
       ll_put(out, g + k * nthr, bytes, aligned, ok ? ll_sum<D>(v, mine[k], lo[k], hi[k]) : nan);
-  // The block's zeroing is performed at system scope before this kernel
-  // ends, so before this rank's next lines leave (see "Buffer reuse").
-  __syncthreads();
-  if (threadIdx.x == 0) fence_sys();
-  pipe_finish<D>(v, seq, desc, prior, true, out, count);
+  pipe_finish<D>(v, seq, desc, prior, !ok && !prior, true, out, count);
 }
 
-// LL up to this size when Config::cuda_ll_max_bytes is -1 (the default).
-// Measured on 2 H200s (examples/bench_psum.py, bf16, 2 processes,
-// jax_arx.psum, us at 8 KB / 16 KB / 32 KB / 64 KB / 128 KB, the range of
-// 3-6 runs each):
-//   LL (arx-shm-ll128k)       8.4-10.3 / 9.9-11.0 / 12.9-63 / 18.9-130 / 255-273
-//   pipelined (arx-shm-noll)  9.3-10.7 / 10.6-11.5 / 11.3-12.6 / 13.8-15.6 / 18.4-21.3
-//   NCCL, NCCL_P2P_DISABLE=1  18.0 / 18.0 / 13.1 / 18.4 / 22.4 (one run)
-// LL wins by about 1 us up to 16 KB (one bus trip each way) and loses from
-// 32 KB on: its lines carry twice the payload's bytes, and every line is
-// polled over the bus while the peer writes it. From 32 KB on, some runs are
-// also slow throughout (most runs at 64 KB and above: about 120 us at 64 KB,
-// 260 us at 128 KB), as if reads of host memory lines being written stalled
-// the writes; neither a back-off between polls, nor polling one line per
-// thread first, nor weak or volatile stores for the lines changed that. The
-// pipelined one-shot polls one flag per chunk and never shows it.
-// Of the LL kernel's own costs, the end-of-kernel fence measured about 1 us
-// at 8 KB and the zeroing under 1 us (both needed, see "Stale lines").
-// The slow runs from 32 KB on were the waiters' reads of host memory: every
-// waiting thread read Control::abort every 16th turn and the peer's flag
-// word every 64th, thousands of threads at once; they showed with the
-// inboxes in GPU memory too (65 us at 32 KB, 137 at 64 KB), where no poll
-// crosses the bus. Those reads now come every 256th and 1024th turn
-// (keep_waiting, ll_wait), and the collapse is gone with the GPU inboxes
-// (not measured again with the host inboxes: the figures above, and the
-// 16 KiB limit for them, are from before that change).
-// With the inboxes in GPU memory (DeviceView::peer_memory), after it, one
-// run, us at 8 KB / 16 KB / 32 KB / 64 KB / 128 KB:
-//   pipelined (LL off)        7.7 / 8.9 / 11.2 / 12.0 / 13.2
-//   LL up to 64 KiB           7.6 / 10.7 / 7.8 / 13.0 / 12.4
-//   LL up to 128 KiB          6.9 / 7.1 / 8.8 / 12.9 / 18.4
-//   NCCL (NVLink)             21.1 / 14.6 / 18.2 / 18.8 / 19.4
-// so LL up to 32 KiB there.
-constexpr uint64_t kLLDefaultMaxBytes = 16 << 10;
-constexpr uint64_t kLLDefaultMaxBytesPeerMemory = 32 << 10;
+// LL up to this size when Config::cuda_ll_max_bytes is -1 (the default): up
+// to its cap, with the inboxes in GPU memory or in the host region. Measured
+// on 2 H200s (examples/bench_psum.py, bf16, 2 processes, jax_arx.psum, k 64,
+// 11 samples), us at 8 KB / 16 KB / 32 KB / 64 KB / 128 KB, after the
+// counting fix (grid.cuh, tag_arrivals) and the announcement (ll_announce):
+//   GPU inboxes, LL up to 128 KiB            8.4 / 7.6 / 7.7 / 8.1 / 8.4
+//     the same, a second run                 8.7 / 9.1 / 8.5 / 8.1 / 8.2
+//   GPU inboxes, LL up to 32 KiB, then
+//     32 KiB chunks (the default before)     7.8 / 8.0 / 7.9 / 9.8 / 10.0
+//   GPU inboxes, 4 KiB chunks (LL to 32 KiB) 7.4 / 7.6 / 7.9 / 8.3 / 7.9
+//   host inboxes, LL up to 128 KiB           8.3 / 8.1 / 8.8 / 11.4 / 17.2
+//   host inboxes, LL up to 16 KiB, then
+//     16 KiB chunks (the default before)     8.4 / 8.2 / 10.7 / 13.4 / 18.1
+//   NCCL (NVLink)                            10.9 / 18.2 / 18.7 / 18.6 / 21.0
+// Before those two changes LL lost from 32 KB on (its grid's blocks met on
+// a compare-and-swap loop, and each block fenced at the end), and earlier
+// still it collapsed there (every waiting thread read host memory every
+// 16th turn: keep_waiting's intervals).
+constexpr uint64_t kLLDefaultMaxBytes = kLLMaxPayload;
 
 // The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at
 // most kThreads) such that each thread owns kLLLinesPerThread lines or fewer;
@@ -1101,19 +1136,14 @@ void ll_grid(uint64_t bytes, int& blocks, int& threads) {
 }
 
 // The one place that decides whether a one-shot goes LL: in direct mode, up
-// to Config::cuda_ll_max_bytes (-1: kLLDefaultMaxBytes, or
-// kLLDefaultMaxBytesPeerMemory with the inboxes in GPU memory; 0: never),
-// capped at kLLMaxPayload, the room of an ll_recv slot. Every rank computes
-// the same from the same size and config, and peer_memory, which all ranks
-// agreed on at set-up (map_peer_memory; see "Agreement" in "the LL
-// one-shot").
+// to Config::cuda_ll_max_bytes (-1: kLLDefaultMaxBytes; 0: never), capped at
+// kLLMaxPayload, the room of an ll_recv slot. Every rank computes the same
+// from the same size and config (see "Agreement" in "the LL one-shot").
 // Above it, pipeline_chunks() decides between the pipelined and the
 // one-piece kernel.
 bool ll_oneshot(const DeviceView& v, uint64_t bytes) {
   if (!v.direct || v.ll_max_bytes == 0) return false;
-  const uint64_t limit = v.ll_max_bytes >= 0 ? (uint64_t)v.ll_max_bytes
-                         : v.peer_memory    ? kLLDefaultMaxBytesPeerMemory
-                                            : kLLDefaultMaxBytes;
+  const uint64_t limit = v.ll_max_bytes >= 0 ? (uint64_t)v.ll_max_bytes : kLLDefaultMaxBytes;
   return limit > 0 && bytes <= std::min(limit, kLLMaxPayload);
 }
 

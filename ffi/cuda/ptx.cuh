@@ -37,14 +37,15 @@ __device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned l
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long cas_acq_rel_gpu(unsigned long long* p, unsigned long long expected,
-                                                              unsigned long long desired) {
+__device__ __forceinline__ unsigned long long add_acq_rel_gpu(unsigned long long* p, unsigned long long v) {
   unsigned long long old;
-  asm volatile("atom.acq_rel.gpu.global.cas.b64 %0, [%1], %2, %3;"
-               : "=l"(old)
-               : "l"(p), "l"(expected), "l"(desired)
-               : "memory");
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   return old;
+}
+
+// Fire and forget: no value comes back, so the thread does not wait for it.
+__device__ __forceinline__ void red_max_relaxed_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // A word in shared memory that one thread of a block hands to the others.
