@@ -15,9 +15,8 @@ Series (one two-process job each, since NCCL reads its environment once):
   arx-shm        jax_arx over the shm carrier: jax_arx.psum's own choice, and
                  one-shot and two-shot forced (direct FFI calls); the kernels
                  write the peer's inbox themselves, the one-shot as jax_arx
-                 chooses per size (today: up to 32 KiB with the inboxes
-                 in GPU memory, 16 KiB with them in host memory, in 16-byte
-                 lines that carry their flags inside the data, the "LL"
+                 chooses per size (today: up to 128 KiB in 16-byte lines
+                 that carry their flags inside the data, the "LL"
                  one-shot; above, chunk by chunk, a flag per chunk, in
                  32 KiB chunks (GPU inboxes) or 16 KiB chunks (host))
   arx-shm-host   the same with the peers' data in pinned host memory
@@ -26,10 +25,9 @@ Series (one two-process job each, since NCCL reads its environment once):
                  (over NVLink here), when every rank can map every peer's
   arx-shm-noll   the same with the LL one-shot off
                  (JAX_ARX_CUDA_LL_MAX_BYTES=0): chunk by chunk at every size
-  arx-shm-ll64k  the same with LL up to 64 KiB
-  arx-shm-ll128k the same with LL up to its cap, 128 KiB
-                 (JAX_ARX_CUDA_LL_MAX_BYTES=128KiB); with arx-shm-noll, what
-                 the built-in limit was chosen from (run them with
+  arx-shm-ll32k  the same with LL up to 32 KiB (ll64k: 64 KiB); with
+                 arx-shm-noll and arx-shm, what the built-in limit (LL up
+                 to its cap, 128 KiB) was chosen from (run them with
                  --sizes 8192,16384,32768,65536,131072)
   arx-shm-whole  the same with the one-shot in one piece, one flag, the
                  blocks meeting before the flag (JAX_ARX_CUDA_PIPELINE=0)
@@ -69,7 +67,7 @@ CONFIGS = {
     "arx-shm-host": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PEER_MEMORY": "0"},
     "arx-shm-noll": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "0"},
     "arx-shm-ll64k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "64KiB"},
-    "arx-shm-ll128k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "128KiB"},
+    "arx-shm-ll32k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "32KiB"},
     "arx-shm-whole": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "0"},
     "arx-shm-pipe4k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "4KiB"},
     "arx-shm-pipe8k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "8KiB"},

@@ -51,9 +51,9 @@ JAX_ARX_CUDA_PIPELINE      1: in direct mode, psum goes chunk by    per size
                            piece, one flag
 JAX_ARX_CUDA_CHUNK_BYTES   its chunk size (a tuning knob)           32 KiB /
                                                                     16 KiB
-JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size     32 KiB /
-                           carries its flags inside the data (0:    16 KiB
-                           never); defaults: GPU / host inboxes
+JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size     128 KiB
+                           carries its flags inside the data (0:    (its cap)
+                           never)
 JAX_ARX_CUDA_PEER_MEMORY   in direct mode, psum inboxes in GPU      where
                            memory mapped into the peers' GPUs (1:   every rank
                            required, 0: pinned host memory)         can map
