@@ -834,17 +834,22 @@ def worker_wait_ll():
 
     bf = _np_dtype("bfloat16")
 
+    def endpoint(comm_id, seed, n=1001):
+        """Rank 0 of 2 on a loopback endpoint, bf16 inputs (this rank's, the
+        peer's) of n elements, the LL descriptor, the call compiled for them."""
+        peer = FakePeer(lib, comm_id, rank=0, timeout_s=timeout_s)
+        peer.loopback()
+        mine, theirs = _inputs(bf, n, 2, seed=seed)
+        f = run(comm_id)
+        xd = jnp.asarray(mine)
+        f.lower(xd).compile()
+        return peer, mine, theirs, peer.describe_ll("bfloat16", n), f, xd
+
     # On time (seq 1), then late with the halves of each line arriving apart
     # (seq 2), then a stale line (seq 3): one endpoint. 1001 bf16: the last
     # line holds 2 bytes and 6 of padding.
-    peer = FakePeer(lib, 9101, rank=0, timeout_s=timeout_s)
-    peer.loopback()
     n = 1001
-    mine, theirs = _inputs(bf, n, 2, seed=21)
-    desc = peer.describe_ll("bfloat16", n)
-    f = run(9101)
-    xd = jnp.asarray(mine)
-    f.lower(xd).compile()
+    peer, mine, theirs, desc, f, xd = endpoint(9101, seed=21, n=n)
     peer.write_lines(1, 1, theirs, ll_flag(1, desc))
     peer.flag(1, 1, desc)
     got = np.asarray(f(xd))
@@ -939,14 +944,7 @@ def worker_wait_ll():
     # Every line on time but no announcement: the kernel waits for that too
     # (it orders the peer's zeroing before this rank's next lines), and
     # gives up at the timeout.
-    peer = FakePeer(lib, 9106, rank=0, timeout_s=timeout_s)
-    peer.loopback()
-    n = 1001
-    mine, theirs = _inputs(bf, n, 2, seed=23)
-    desc = peer.describe_ll("bfloat16", n)
-    f = run(9106)
-    xd = jnp.asarray(mine)
-    f.lower(xd).compile()
+    peer, mine, theirs, desc, f, xd = endpoint(9106, seed=23)
     peer.write_lines(1, 1, theirs, ll_flag(1, desc))
     t = time.perf_counter()
     got = np.asarray(f(xd))
