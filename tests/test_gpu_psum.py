@@ -554,6 +554,33 @@ LL_SLOT_BYTES = 256 << 10  # kLLSlotBytes: kLLMaxPayload (128 KiB) in 16-byte li
 LL_TAG = 0x9E3779B97F4A7C15  # ll_tag(tag) = tag ^ LL_TAG
 
 
+def _call_timed(peer, f, x):
+    """Calls f(x) on peer's endpoint: the result, the seconds the call took,
+    and what the endpoint recorded (control words, failure message)."""
+    t = time.perf_counter()
+    got = np.asarray(f(x))
+    return got, time.perf_counter() - t, peer.control(), peer.failure()
+
+
+def _aborted_while_waiting(peer, f, x):
+    """Compiles f for x, calls it on peer's endpoint (whose peer never
+    answers), and 0.3 s into the wait fails the endpoint from the host, as a
+    carrier that lost the peer does (Control::abort). Returns whether the
+    call came back within 2 s, all NaN, with the failure recorded as an
+    abort that names the peer, and what was seen."""
+    f.lower(x).compile()
+    t = time.perf_counter()
+    y = f(x)
+    time.sleep(0.3)
+    peer.fail("jax_arx: test: lost rank 1: connection reset")
+    got = np.asarray(y)
+    abort_s = time.perf_counter() - t
+    ctl = peer.control()
+    ok = (np.isnan(got).all() and abort_s < 2.0 and ctl["abort"] == 1 and ctl["failed_kind"] == 3
+          and "lost rank 1" in peer.failure())
+    return ok, dict(abort_s=abort_s, control=ctl)
+
+
 def ll_flag(seq, desc):
     return (desc & 0xFFFFFF) << 8 | ((seq >> 1) & 0x7F) << 1 | 1
 
@@ -718,11 +745,7 @@ def worker_wait():
     case("late", waiting and late_s >= 0.3 and np.array_equal(_bits(got), _bits(reference([mine2, theirs2]))),
          late_s=late_s, control=ctl)
 
-    t = time.perf_counter()
-    got = np.asarray(f(xd))  # the flags stay at 2: stale for seq 3
-    stale_s = time.perf_counter() - t
-    ctl = peer.control()
-    msg = peer.failure()
+    got, stale_s, ctl, msg = _call_timed(peer, f, xd)  # the flags stay at 2: stale for seq 3
     case("stale_never", np.isnan(got.astype(np.float32)).all() and timeout_s * 0.9 <= stale_s <= timeout_s + 3
          and ctl["failed_seq"] == 3 and ctl["failed_kind"] == 1 and ctl["failed_missing"] == 0b1100
          and ctl["done"] == 3 and "rank 1" in msg and "timed out" in msg, stale_s=stale_s, control=ctl, message=msg)
@@ -754,11 +777,7 @@ def worker_wait():
     f = run(9003, None)
     xd = jnp.asarray(mine)
     f.lower(xd).compile()
-    t = time.perf_counter()
-    got = np.asarray(f(xd))
-    mismatch_s = time.perf_counter() - t
-    ctl = peer.control()
-    msg = peer.failure()
+    got, mismatch_s, ctl, msg = _call_timed(peer, f, xd)
     case("mismatch", np.isnan(got).all() and mismatch_s < 1.0 and ctl["failed_kind"] == 2 and ctl["failed_src"] == 1
          and "different collective" in msg, mismatch_s=mismatch_s, control=ctl, message=msg)
     peer.close()
@@ -766,18 +785,8 @@ def worker_wait():
     # The host fails the endpoint (a carrier lost the peer): Control::abort
     # stops the wait at once.
     peer = FakePeer(lib, 9004, rank=0, timeout_s=30.0)
-    f = run(9004, None)
-    xd = jnp.asarray(mine)
-    f.lower(xd).compile()
-    t = time.perf_counter()
-    y = f(xd)
-    time.sleep(0.3)
-    peer.fail("jax_arx: test: lost rank 1: connection reset")
-    got = np.asarray(y)
-    abort_s = time.perf_counter() - t
-    ctl = peer.control()
-    case("abort", np.isnan(got).all() and abort_s < 2.0 and ctl["abort"] == 1 and ctl["failed_kind"] == 3
-         and "lost rank 1" in peer.failure(), abort_s=abort_s, control=ctl)
+    ok, seen = _aborted_while_waiting(peer, run(9004, None), jnp.asarray(mine))
+    case("abort", ok, **seen)
     peer.close()
 
     # Two-shot on one GPU: the test plays rank 1 for both halves. Its flags
@@ -886,11 +895,7 @@ def worker_wait_ll():
     # never taken (the kernel zeroed seq 1's; the test writes them again).
     peer.write_lines(3, 1, theirs, ll_flag(1, desc))
     peer.flag(1, 3, desc)
-    t = time.perf_counter()
-    got = np.asarray(f(xd))
-    stale_s = time.perf_counter() - t
-    ctl = peer.control()
-    msg = peer.failure()
+    got, stale_s, ctl, msg = _call_timed(peer, f, xd)
     case("ll_stale_never", np.isnan(got.astype(np.float32)).all() and timeout_s * 0.9 <= stale_s <= timeout_s + 3
          and ctl["failed_seq"] == 3 and ctl["failed_kind"] == 1 and ctl["failed_missing"] == 0b1100
          and ctl["done"] == 3 and "rank 1" in msg and "timed out" in msg, stale_s=stale_s, control=ctl, message=msg)
@@ -931,11 +936,7 @@ def worker_wait_ll():
         f = run(comm_id)
         xd = jnp.asarray(mine)
         f.lower(xd).compile()
-        t = time.perf_counter()
-        got = np.asarray(f(xd))
-        mismatch_s = time.perf_counter() - t
-        ctl = peer.control()
-        msg = peer.failure()
+        got, mismatch_s, ctl, msg = _call_timed(peer, f, xd)
         case(f"ll_mismatch_{other}", np.isnan(got).all() and mismatch_s < 1.0 and ctl["failed_kind"] == 2
              and ctl["failed_src"] == 1 and ctl["failed_flag"] == 1 << 24 | d and "different collective" in msg,
              mismatch_s=mismatch_s, control=ctl, message=msg)
@@ -946,11 +947,7 @@ def worker_wait_ll():
     # gives up at the timeout.
     peer, mine, theirs, desc, f, xd = endpoint(9106, seed=23)
     peer.write_lines(1, 1, theirs, ll_flag(1, desc))
-    t = time.perf_counter()
-    got = np.asarray(f(xd))
-    silent_s = time.perf_counter() - t
-    ctl = peer.control()
-    msg = peer.failure()
+    got, silent_s, ctl, msg = _call_timed(peer, f, xd)
     case("ll_no_announcement", np.isnan(got.astype(np.float32)).all()
          and timeout_s * 0.9 <= silent_s <= timeout_s + 3 and ctl["failed_seq"] == 1 and ctl["failed_kind"] == 1
          and ctl["failed_missing"] == 0b1100 and not peer.read_lines(1, 1, nlines(theirs)).any()
@@ -960,18 +957,8 @@ def worker_wait_ll():
     # The host fails the endpoint: Control::abort stops the LL wait at once.
     peer = FakePeer(lib, 9105, rank=0, timeout_s=30.0)
     peer.loopback()
-    f = run(9105)
-    xd = jnp.asarray(mine)
-    f.lower(xd).compile()
-    t = time.perf_counter()
-    y = f(xd)
-    time.sleep(0.3)
-    peer.fail("jax_arx: test: lost rank 1: connection reset")
-    got = np.asarray(y)
-    abort_s = time.perf_counter() - t
-    ctl = peer.control()
-    case("ll_abort", np.isnan(got).all() and abort_s < 2.0 and ctl["abort"] == 1 and ctl["failed_kind"] == 3
-         and "lost rank 1" in peer.failure(), abort_s=abort_s, control=ctl)
+    ok, seen = _aborted_while_waiting(peer, run(9105), jnp.asarray(mine))
+    case("ll_abort", ok, **seen)
     peer.close()
 
     _emit(cases=cases)

@@ -638,17 +638,38 @@ __device__ void pipe_service(const DeviceView& v, uint64_t seq, bool prior, cons
   }
 }
 
+// What the pipelined and LL one-shots begin with, in every block: the seq,
+// its parity and descriptor (`tag`: the call site's, with the algorithm's
+// mixed in), the start of the waits' bounds in %globaltimer time, and
+// whether an earlier seq failed (`prior`: recorded by an earlier kernel, so
+// every block sees it; then nothing is written to the peers nor waited
+// for, and the output is NaN). Thread 0 of each block tags
+// DeviceWords::finished for the seq (pipe_finish counts on it).
+struct PipeSeq {
+  uint64_t seq;
+  int par;
+  uint64_t desc, start;
+  bool prior;
+};
+
+template <DType D>
+__device__ PipeSeq pipe_begin(const DeviceView& v, uint64_t count, uint64_t tag) {
+  const uint64_t seq = next_seq(v);
+  if (threadIdx.x == 0) tag_arrivals(&v.words->finished, seq);
+  return PipeSeq{seq, (int)(seq & 1), describe(Mode::kFull, D, count, tag), globaltimer(), recorded_failure(v)};
+}
+
 // DeviceWords::finished of the pipelined and LL one-shots: seq << 16, then
 // the blocks that gave up on the seq, then the blocks out, so that the last
 // block out learns both from its own arrival (grids of 255 blocks at most).
 constexpr unsigned long long kFinishedMask = 0xff, kGaveUpUnit = 1ull << 8, kGaveUpMask = 0xffull << 8;
 
 // Every block, at the end: the last one out settles the seq (see the top of
-// this section). Every thread of the block must call it, and thread 0 of
-// every block must have tagged DeviceWords::finished for seq at its start
-// (tag_arrivals). `gave_up`: this thread's wait gave up on the seq (not an
-// earlier seq's failure, `prior`). `flags_first`: the seq-level flag words
-// are stored already (the LL one-shot).
+// this section). Every thread of the block must call it, and every block
+// must have begun with pipe_begin (which tags DeviceWords::finished).
+// `gave_up`: this thread's wait gave up on the seq (not an earlier seq's
+// failure, `prior`). `flags_first`: the seq-level flag words are stored
+// already (the LL one-shot).
 template <DType D>
 __device__ void pipe_finish(const DeviceView& v, uint64_t seq, uint64_t desc, bool prior, bool gave_up,
                             bool flags_first, uint8_t* out, uint64_t count) {
@@ -690,15 +711,9 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_pipe_kernel(DeviceView v,
                                                                    uint64_t count, uint64_t tag, Prefetch pf,
                                                                    int chunks) {
   using E = Elem<D>;
-  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
-  const int par = (int)(seq & 1);
-  const uint64_t desc = describe(Mode::kFull, D, count, pipe_tag(tag, chunks));
-  const uint64_t start = globaltimer();
-  // An earlier seq failed (recorded by an earlier kernel, so every block sees
-  // it): write nothing to the peers, wait for nothing, fill NaN.
-  const bool prior = recorded_failure(v);
+  const uint64_t bytes = count * E::kSize;
+  const auto [seq, par, desc, start, prior] = pipe_begin<D>(v, count, pipe_tag(tag, chunks));
   const int blocks = (int)gridDim.x - 1;
-  if (threadIdx.x == 0) tag_arrivals(&v.words->finished, seq);
   if ((int)blockIdx.x == blocks) {
     pipe_service(v, seq, prior, pf);
     pipe_finish<D>(v, seq, desc, prior, false, false, out, count);
@@ -1041,15 +1056,9 @@ template <DType D>
 __global__ void __launch_bounds__(kThreads, 1) oneshot_ll_kernel(DeviceView v, const uint8_t* in, uint8_t* out,
                                                                  uint64_t count, uint64_t tag, Prefetch pf) {
   using E = Elem<D>;
-  const uint64_t seq = next_seq(v), bytes = count * E::kSize;
-  const int par = (int)(seq & 1);
-  const uint64_t desc = describe(Mode::kFull, D, count, ll_tag(tag));
-  const uint64_t start = globaltimer();
-  // An earlier seq failed (recorded by an earlier kernel, so every block sees
-  // it): write nothing to the peers, wait for nothing, fill NaN.
-  const bool prior = recorded_failure(v);
+  const uint64_t bytes = count * E::kSize;
+  const auto [seq, par, desc, start, prior] = pipe_begin<D>(v, count, ll_tag(tag));
   const int blocks = (int)gridDim.x - 1;
-  if (threadIdx.x == 0) tag_arrivals(&v.words->finished, seq);
   if ((int)blockIdx.x == blocks) {
     if (threadIdx.x == 0 && !prior) ll_announce(v, seq, desc);
     pipe_service(v, seq, prior, pf);

@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/endpoint.h"
@@ -34,6 +35,20 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
         "jax.distributed.initialize) with the mesh the collective runs over, before running it",
         (long long)comm_id, (int)device_ordinal));
   return ffi::Error::Success();
+}
+
+// The binding of all_gather and psum_scatter, which take the same operands
+// and attributes on both platforms; `bind` is Ffi::Bind() with the
+// platform's own context before them (CUDA: the stream).
+template <typename Binding>
+auto prefill_collective_binding(Binding bind) {
+  return std::move(bind)
+      .template Ctx<ffi::DeviceOrdinal>()    // device_ordinal
+      .RemainingArgs()                       // x[0..n), then dependency operands
+      .RemainingRets()                       // y[0..n)
+      .template Attr<int64_t>("comm_id")     // comm_id
+      .template Attr<int64_t>("site")        // site: the call site's tag
+      .template Attr<int64_t>("dimension");  // dimension: x's axis gathered along, or scattered along
 }
 
 // The rows of the gathered / scattered dimension (host/prefill.h): the

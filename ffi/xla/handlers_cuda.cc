@@ -240,25 +240,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_cuda, arx::xla::psum_cuda,
 // The prefill ops: command-buffer compatible for the same reason (they only
 // launch; the prefill seq and the ring index live on the device).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_cuda, arx::xla::all_gather_cuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
-                                  .RemainingArgs()                 // x[0..n), then dependency operands
-                                  .RemainingRets()                 // y[0..n)
-                                  .Attr<int64_t>("comm_id")        // comm_id
-                                  .Attr<int64_t>("site")           // site: the call site's tag
-                                  .Attr<int64_t>("dimension"),     // dimension: gathered along x's axis d
+                              arx::xla::prefill_collective_binding(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_cuda, arx::xla::psum_scatter_cuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
-                                  .RemainingArgs()                 // x[0..n), then dependency operands
-                                  .RemainingRets()                 // y[0..n)
-                                  .Attr<int64_t>("comm_id")        // comm_id
-                                  .Attr<int64_t>("site")           // site: the call site's tag
-                                  .Attr<int64_t>("dimension"),     // dimension: scattered along x's axis d
+                              arx::xla::prefill_collective_binding(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_cuda, arx::xla::moe_combine_psum_scatter_cuda,

@@ -147,22 +147,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_host, arx::xla::psum_host,
                                   .Attr<int64_t>("site"));         // site: the call site's tag
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_host, arx::xla::all_gather_host,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()  // device_ordinal
-                                  .RemainingArgs()                 // x[0..n), then dependency operands
-                                  .RemainingRets()                 // y[0..n)
-                                  .Attr<int64_t>("comm_id")        // comm_id
-                                  .Attr<int64_t>("site")           // site: the call site's tag
-                                  .Attr<int64_t>("dimension"));    // dimension: gathered along x's axis d
+                              arx::xla::prefill_collective_binding(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_host, arx::xla::psum_scatter_host,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()  // device_ordinal
-                                  .RemainingArgs()                 // x[0..n), then dependency operands
-                                  .RemainingRets()                 // y[0..n)
-                                  .Attr<int64_t>("comm_id")        // comm_id
-                                  .Attr<int64_t>("site")           // site: the call site's tag
-                                  .Attr<int64_t>("dimension"));    // dimension: scattered along x's axis d
+                              arx::xla::prefill_collective_binding(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_host, arx::xla::moe_combine_psum_scatter_host,
                               xla::ffi::Ffi::Bind()
