@@ -62,10 +62,18 @@ class Communicator:
     mesh_axis_names: tuple
     mesh_shape: tuple[int, ...]
     device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
-    slot_bytes: int  # the one-shot limit the endpoints were built with
-    send_bytes: int
-    prefill_slot_bytes: int  # the prefill ops' limit (all_gather output, psum_scatter input)
     endpoints: tuple[LocalEndpoint, ...]
+
+    def plan(self, op: str, nbytes: int) -> tuple[int, str]:
+        """What runs a collective ``op`` with ``nbytes`` per rank on this
+        communicator, as the C++ core decides it (ffi/comm/plan.h, the one
+        place): (algorithm, why_not); algorithm 0 means jax_arx does not
+        take it, and why_not says why and what to set. Every endpoint of a
+        communicator decides alike."""
+        if not self.endpoints:
+            return 0, "this process has no device on the axis"
+        algorithm, _pieces, why_not = self.endpoints[0].endpoint.plan(op, int(nbytes))
+        return algorithm, why_not
 
 
 _lock = threading.RLock()
@@ -150,7 +158,7 @@ def groups(mesh, axis_name: Hashable) -> list[list[Any]]:
 
 # --- initialize -------------------------------------------------------------
 
-def initialize(mesh=None) -> None:
+def initialize(mesh=None, *, _tuning=None) -> None:
     """Sets up jax_arx's communicators for ``mesh``; call it on every process.
 
     Call after ``jax.distributed.initialize`` (or in a single process with
@@ -173,6 +181,10 @@ def initialize(mesh=None) -> None:
 
     Idempotent: calling again with the same mesh does nothing, and a mesh
     whose axis names are all new adds communicators for them.
+
+    ``_tuning`` is not for users: tests and benchmarks pass settings that a
+    benchmark decided (``jax_arx.config.TUNING_KEYS``) to reach a path the
+    defaults take only at other sizes. Every process must pass the same.
 
     Raises:
       InitializationError: no mesh; an axis name already set up for a
@@ -208,7 +220,7 @@ def initialize(mesh=None) -> None:
         _generation += 1
         store = _Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
         _check_same_mesh_everywhere(store, mesh, wanted)
-        _communicators.update(_set_up(core, cfg, store, mesh, wanted))
+        _communicators.update(_set_up(core, cfg, store, mesh, wanted, _tuning))
 
 
 def _resolve_mesh(mesh):
@@ -266,7 +278,7 @@ class _Plan:
     secret: bytes = b""
 
 
-def _set_up(core, cfg, store, mesh, wanted) -> dict[Hashable, Communicator]:
+def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Communicator]:
     me = jax.process_index()
     rdma = False
     if cfg.transport is None:
@@ -299,7 +311,7 @@ def _set_up(core, cfg, store, mesh, wanted) -> dict[Hashable, Communicator]:
     if any(p.transport == "tcp" for p in plans):
         tcp_addr = cfg.tcp_addr or default_tcp_addr(_compat.coordinator_address())
         _debug(cfg, "process %d: tcp address %s", me, tcp_addr)
-    options = cfg.endpoint_options(tcp_addr)
+    options = cfg.endpoint_options(tcp_addr, tuning)
 
     made: list[tuple[_Plan, LocalEndpoint]] = []
     try:
@@ -344,7 +356,6 @@ def _set_up(core, cfg, store, mesh, wanted) -> dict[Hashable, Communicator]:
         comms[axis] = Communicator(
             axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
             mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
-            slot_bytes=cfg.slot_bytes, send_bytes=cfg.send_bytes, prefill_slot_bytes=cfg.prefill_slot_bytes,
             endpoints=tuple(le for p, le in made if p.axis == axis))
     _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
     return comms

@@ -374,18 +374,12 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None, lax_nam
     comm = _psum.axis_communicator(op, axis, mesh, aval, fallback)
     if comm is None:
         return None
-    # Endpoints live on CPUs or NVIDIA GPUs (jax_arx.initialize refuses
-    # other devices); both device sides run these ops over shm and tcp.
-    if any(le.transport not in ("shm", "tcp") for le in comm.endpoints):
-        return fallback(("transport", axis), "the prefill ops run over the shm and tcp carriers only so far (the "
-                        "verbs carrier does not register their receive buffers yet)")
     if nbytes is None:
         nbytes = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize * (world if gathered else 1)
-    if nbytes > comm.prefill_slot_bytes:
-        return fallback(("size", axis, op),
-                        f"{nbytes} bytes ({'gathered from ' if gathered else ''}{aval.str_short()}) exceed the "
-                        f"prefill slot of {comm.prefill_slot_bytes} bytes (raise JAX_ARX_PREFILL_SLOT_BYTES on "
-                        "every process to run it with jax_arx)")
+    # One rank's lane: its slice of the gathered output, or of the scattered input.
+    algorithm, why_not = comm.plan(op, nbytes // world)
+    if not algorithm:
+        return fallback(("size", axis, op), f"{'gathered from ' if gathered else ''}{aval.str_short()}: {why_not}")
     return _Decision(comm.comm_id, world)
 
 

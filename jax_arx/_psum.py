@@ -19,18 +19,18 @@ and lowers to ONE call of the XLA FFI target ``jax_arx_psum`` with the
 leaves as operands (the handler runs them in operand order, so the leaves
 of one call never race), followed by dependency operands that order the
 call after the previous jax_arx call of the program (see "ordering" below).
-Attributes: the communicator id, the algorithm and the call site's tag;
-every process lowers the same HLO, and the handler finds its endpoint from
-the id and the device it runs on.
+Attributes: the communicator id and the call site's tag; every process
+lowers the same HLO, and the handler finds its endpoint from the id and the
+device it runs on, and asks the core's plan (ffi/comm/plan.h) which
+algorithm runs each leaf's size.
 
 A bind may also carry prefetch operands after the leaves (the primitives'
 ``prefetch`` parameter counts them): arrays that the kernels after the sum
 read, which the CUDA handler asks the GPU's L2 cache to fetch while it waits
-for the peers. They are a hint, never read for the result. The lowering is
-per platform (``_psum_lowering``): for CUDA they become the call's last
-operands, after the dependency operands, with a ``prefetch`` attribute that
-counts them; for the CPU backend (whose handler binds exactly comm_id,
-algorithm and site) they are left out, as by every fallback to jax.lax.
+for the peers. They are a hint, never read for the result. They become the
+call's last operands, after the dependency operands, with a ``prefetch``
+attribute that counts them; the CPU handler binds the same attributes and
+ignores them, so one lowering serves every platform.
 
 What jax_arx does not run (see ``_decide``) goes to ``jax.lax.psum``, with
 one log line per distinct reason, or raises ``JaxArxFallbackError`` when
@@ -58,10 +58,6 @@ from jax_arx.errors import JaxArxFallbackError
 logger = logging.getLogger("jax_arx")
 
 FFI_TARGET = "jax_arx_psum"
-
-# Algorithm numbers, the handler's `algorithm` attribute.
-ONE_SHOT = 1  # every rank sends its whole partial to every peer, then sums
-TWO_SHOT = 2  # reduce-scatter then all-gather, each its own seq (CUDA side, mesh)
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
@@ -146,7 +142,7 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
             out[i] = jax.lax.psum(leaf, axes, axis_index_groups=axis_index_groups)
         else:
             ours.setdefault(decision, []).append(i)
-    for decision, idx in ours.items():  # one group in practice: one communicator, one algorithm
+    for decision, idx in ours.items():  # one group in practice: one communicator
         # The first call prefetches; the hint is dropped with the leaves left to jax.lax.
         for i, y in zip(idx, _bind([leaves[i] for i in idx], axes, decision, hint)):
             out[i] = y
@@ -177,7 +173,7 @@ def _bind(leaves, axes, decision, prefetch=()):
     """Sums ``leaves`` with one bind, typed as jax.lax.psum's own non-constant
     path (bind_psum_invariant) types each of them, prefetching the arrays
     ``prefetch``."""
-    params = dict(axes=axes, comm_id=decision.comm_id, algorithm=decision.algorithm)
+    params = dict(axes=axes, comm_id=decision.comm_id)
     prim = psum_p
     if _compat.check_vma_enabled():
         prim = psum_invariant_p
@@ -193,33 +189,6 @@ def _bind(leaves, axes, decision, prefetch=()):
 
 class _Decision(NamedTuple):
     comm_id: int
-    algorithm: int
-
-
-def choose_algorithm(nbytes: int, comm: _comm.Communicator) -> int | None:
-    """The algorithm for a partial of ``nbytes`` on ``comm``, or None when no
-    algorithm takes that size (then jax.lax.psum). The one place the size
-    envelope is decided:
-
-    - one-shot up to ``JAX_ARX_ONESHOT_MAX_BYTES`` (default, and at most,
-      ``slot_bytes``: the whole partial goes into each peer's slot);
-    - above it, on GPUs, two-shot up to ``min(send_bytes, world * slot_bytes)``
-      (the partial is staged in a send buffer, and each peer's chunk fills a
-      slot); the CPU device side has no two-shot.
-
-    Measured on 2 H200s (examples/bench_psum.py): at world 2 the two-shot is
-    never faster than the one-shot (it moves the same bytes and adds a round
-    trip), so the one-shot takes all it can; the two-shot extends the envelope.
-    """
-    cfg = _config.load()
-    oneshot_max = min(comm.slot_bytes, cfg.oneshot_max_bytes or comm.slot_bytes)
-    if nbytes <= oneshot_max:
-        return ONE_SHOT
-    world = comm.endpoints[0].world if comm.endpoints else 0
-    on_gpu = bool(comm.endpoints) and comm.endpoints[0].device.platform != "cpu"
-    if on_gpu and world > 0 and nbytes <= min(comm.send_bytes, world * comm.slot_bytes):
-        return TWO_SHOT
-    return None
 
 
 def axis_communicator(op: str, axis, mesh, aval, fallback):
@@ -277,13 +246,10 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | None:
     if comm is None:
         return None
     nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    algorithm = choose_algorithm(nbytes, comm)
-    if algorithm is None:
-        return _fallback(("size", axis),
-                         f"a partial of {nbytes} bytes ({aval.str_short()}) exceeds the one-shot limit of "
-                         f"{comm.slot_bytes} bytes (raise JAX_ARX_SLOT_BYTES on every process to run it with "
-                         "jax_arx)")
-    return _Decision(comm.comm_id, algorithm)
+    algorithm, why_not = comm.plan("psum", nbytes)
+    if not algorithm:
+        return _fallback(("size", axis), f"{aval.str_short()}: {why_not}")
+    return _Decision(comm.comm_id)
 
 
 def _describe(names, sizes):
@@ -321,7 +287,7 @@ def _split(operands, prefetch):
     return list(operands[:n]), list(operands[n:])
 
 
-def _psum_abstract_eval(*avals, axes, comm_id, algorithm, prefetch, invariant):
+def _psum_abstract_eval(*avals, axes, comm_id, prefetch, invariant):
     # jax.lax.psum's own rules, leaf by leaf: the same result types, shape
     # checks and NamedAxisEffects as the collectives this replaces.
     # invariant=False: jax's psum (check_vma=False); True: jax's
@@ -335,7 +301,7 @@ def _psum_abstract_eval(*avals, axes, comm_id, algorithm, prefetch, invariant):
     return outs, effects
 
 
-def _psum_lowering(ctx, *operands, axes, comm_id, algorithm, prefetch):
+def _psum_lowering(ctx, *operands, axes, comm_id, prefetch):
     # has_side_effect: XLA must neither merge two identical sums nor drop an
     # unused one, since every rank must issue the same collectives in the
     # same order. The attributes carry no pointers, so every process lowers
@@ -354,25 +320,13 @@ def _psum_lowering(ctx, *operands, axes, comm_id, algorithm, prefetch):
     if why is not None:
         _fallback(*why)
         return _compat.lax_psum_lowering(ctx, xs, axes=axes)  # the prefetch hint goes with jax_arx
-    attributes = dict(comm_id=comm_id, algorithm=algorithm, site=call_site_tag(ctx))
-    # The prefetch operands, per platform, read off the module being
-    # lowered. For CUDA alone they go last, after the dependency operands,
-    # with a `prefetch` attribute that counts them (only when there are
-    # some: a call without them lowers the same everywhere). Any other
-    # module leaves them out: the CPU handler binds exactly comm_id,
-    # algorithm and site, and rejects other attributes; a module lowered for
-    # several platforms at once has one call for all of them. (Not one rule
-    # per platform through jax's registry: in a module for several
-    # platforms jax would emit each rule's call in a branch of a switch on
-    # the platform, out of the ordering's reach, and jax 0.10.2 fails to
-    # build that switch for a primitive with several results.)
-    if not pf or tuple(ctx.module_context.platforms) != ("cuda",):
-        return emit_ordered_call(ctx, FFI_TARGET, xs, attributes)
-    attributes["prefetch"] = len(pf)
+    attributes = dict(comm_id=comm_id, site=call_site_tag(ctx))
+    if pf:  # a call without prefetch operands lowers as before
+        attributes["prefetch"] = len(pf)
     return emit_ordered_call(ctx, FFI_TARGET, xs, attributes, trailing=pf)
 
 
-def lax_lowering(ctx, *operands, axes, comm_id, algorithm, prefetch=0):
+def lax_lowering(ctx, *operands, axes, comm_id, prefetch=0):
     """Lowers either primitive the way jax.lax.psum lowers (an XLA
     all-reduce per leaf), ignoring jax_arx's attributes and the prefetch
     operands: a stand-in for the FFI call in tests that run without the C++
@@ -380,14 +334,14 @@ def lax_lowering(ctx, *operands, axes, comm_id, algorithm, prefetch=0):
     return _compat.lax_psum_lowering(ctx, _split(operands, prefetch)[0], axes=axes)
 
 
-def _psum_jvp(prim, primals, tangents, *, axes, comm_id, algorithm, prefetch):
+def _psum_jvp(prim, primals, tangents, *, axes, comm_id, prefetch):
     # The primitive is linear in its leaves, but not jax's linear JVP (the
     # same bind on every operand's tangent, zeros instantiated): the
     # tangent is the sum of the leaves' nonzero tangents, one call with no
     # prefetch operands, or none when they are all zero. The linear JVP
     # would hand the tangent's call zeros the size of the weights to
     # prefetch, and sum zeros whenever only the weights have tangents.
-    params = dict(axes=axes, comm_id=comm_id, algorithm=algorithm)
+    params = dict(axes=axes, comm_id=comm_id)
     ys = prim.bind(*primals, prefetch=prefetch, **params)
     dxs = _split(tangents, prefetch)[0]
     dys = [_compat.Zero(jax.typeof(y).to_tangent_aval()) for y in ys]
@@ -407,7 +361,7 @@ def _no_ct(a):
     return _compat.Zero(a.aval.to_ct_aval()) if _compat.is_undefined_primal(a) else None
 
 
-def _psum_transpose_rule(cts, *args, axes, comm_id, algorithm, prefetch):
+def _psum_transpose_rule(cts, *args, axes, comm_id, prefetch):
     # As jax: psum is psum + pbroadcast, so the cotangent is summed again.
     # Same shapes and dtypes as the primals, hence the same decision. Leaves
     # with a symbolic zero cotangent, or that are constants, have nothing to
@@ -418,14 +372,13 @@ def _psum_transpose_rule(cts, *args, axes, comm_id, algorithm, prefetch):
     live = [i for i, (ct, a) in enumerate(zip(cts, xs))
             if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)]
     if live:
-        summed = psum_p.bind(*[cts[i] for i in live], axes=axes, comm_id=comm_id, algorithm=algorithm,
-                             prefetch=0)
+        summed = psum_p.bind(*[cts[i] for i in live], axes=axes, comm_id=comm_id, prefetch=0)
         for i, y in zip(live, summed):
             out[i] = y
     return out + [_no_ct(a) for a in pf]
 
 
-def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, algorithm, prefetch):
+def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, prefetch):
     # As jax: the cotangent of an invariant result is itself invariant, i.e.
     # already the same on every device; it only has to be typed as varying.
     xs, pf = _split(args, prefetch)
@@ -433,7 +386,7 @@ def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, algorithm, prefetc
             else _no_ct(a) for ct, a in zip(cts, xs)] + [_no_ct(a) for a in pf]
 
 
-def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, algorithm, prefetch):
+def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch):
     invariant = prim is psum_invariant_p
     vals_in, pf_vals = _split(vals_in, prefetch)
     dims_in, pf_dims = _split(dims_in, prefetch)
@@ -454,14 +407,14 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, algorithm
     out = list(vals_in)
     ours: dict[_Decision, list[int]] = {}
     for i, (v, d) in enumerate(zip(vals_in, dims_in)):
-        decision = _Decision(comm_id, algorithm) if d is None else _decide(jax.typeof(v), axes, None)
+        decision = _Decision(comm_id) if d is None else _decide(jax.typeof(v), axes, None)
         if decision is None:
             out[i] = _compat.lax_psum_bind(v, axes=axes, invariant=invariant)
         else:
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():
         summed = prim.bind(*[vals_in[i] for i in idx], *pf, axes=axes, comm_id=decision.comm_id,
-                           algorithm=decision.algorithm, prefetch=len(pf))
+                           prefetch=len(pf))
         for i, y in zip(idx, summed):
             out[i] = y
         pf = []
@@ -718,8 +671,8 @@ def _reaches(value, target, block) -> bool:
 
 ### registration
 
-# Params of both primitives: axes, comm_id, algorithm, and prefetch (how
-# many of the operands, the last ones, are prefetch operands).
+# Params of both primitives: axes, comm_id, and prefetch (how many of the
+# operands, the last ones, are prefetch operands).
 #
 # cacheable=False: by default jax lowers a primitive once per distinct
 # (params, types) into a private function and pastes copies of it wherever

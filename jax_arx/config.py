@@ -22,9 +22,10 @@ JAX_ARX_SLOT_BYTES         per-peer slot; the one-shot size limit   1 MiB
 JAX_ARX_SEND_BYTES         per-parity send buffer (two-shot)        4 MiB
 JAX_ARX_ONESHOT_MAX_BYTES  one-shot up to here, then two-shot (GPU)  slot
                            up to min(send, world x slot)            bytes
-JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the prefill ops     32 MiB
-                           (all_gather output, psum_scatter input;
-                           0: none, they fall back to jax.lax)
+JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the bulk ops        32 MiB
+                           (all_gather output, psum_scatter input,
+                           world x the largest slice; 0: none, they
+                           fall back to jax.lax)
 JAX_ARX_TCP_ADDR           IPv4 address the tcp carrier listens on  the one
                            and advertises                           routing to
                                                                     the
@@ -40,34 +41,33 @@ JAX_ARX_IB_TC              verbs traffic class, 0..255 (else        0
                            NCCL_IB_TC)
 JAX_ARX_IB_SL              verbs service level, 0..15 (else         0
                            NCCL_IB_SL)
-JAX_ARX_IB_CHUNK_BYTES     split verbs data writes into pieces of   whole
-                           at most this size (a test knob)
 JAX_ARX_IBVERBS_LIB        the libibverbs to load                   libibverbs
                                                                     .so.1
-JAX_ARX_CUDA_DIRECT        0: GPUs on shm send through the proxy    1
-                           instead of writing peers' inboxes
-JAX_ARX_CUDA_PIPELINE      1: in direct mode, psum goes chunk by    per size
-                           chunk, a flag per chunk; 0: in one
-                           piece, one flag
-JAX_ARX_CUDA_CHUNK_BYTES   its chunk size (a tuning knob)           32 KiB /
-                                                                    16 KiB
-JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size     128 KiB
-                           carries its flags inside the data (0:    (its cap)
-                           never)
-JAX_ARX_CUDA_PEER_MEMORY   in direct mode, psum inboxes in GPU      where
-                           memory mapped into the peers' GPUs (1:   every rank
+JAX_ARX_CUDA_DIRECT        0: GPUs of one host send through the     1
+                           proxy instead of writing the peers'
+                           inboxes themselves
+JAX_ARX_CUDA_PEER_MEMORY   GPUs of one host: inboxes in GPU memory  where
+                           mapped into the peers' GPUs (1:          every rank
                            required, 0: pinned host memory)         can map
 JAX_ARX_DEBUG              1: log set-up steps                      0
 =========================  =======================================  =========
 
 Sizes accept a plain byte count or a binary suffix: ``65536``, ``64K``,
 ``64KiB``, ``1M``, ``1MiB``, ``1G``.
+
+Settings that benchmarks decided are no user settings: the pieces a psum is
+cut into on GPUs, how far the LL one-shot goes, how the verbs carrier splits
+its writes. Tests and benchmarks that must reach a path the defaults take
+only at other sizes pass them to ``jax_arx.initialize(mesh,
+_tuning={...})`` (``TUNING_KEYS``). The variables that used to set them
+(``RETIRED``) are ignored with one warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -75,6 +75,11 @@ from collections.abc import Mapping
 from jax_arx.errors import ConfigError
 
 TRANSPORTS = ("shm", "tcp", "verbs")
+# jax_arx.initialize(_tuning=...): the endpoint options a test or a benchmark
+# may set (ffi/base/config.h, "tuning").
+TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes")
+# Variables of earlier releases whose settings benchmarks have decided.
+RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
 FALLBACKS = ("lax", "error")
 ON_FAILURE = ("raise", "abort")
 
@@ -98,7 +103,7 @@ class Config:
     send_bytes: int = 4 << 20
     # all_gather / psum_scatter / the fused MoE combine: the largest gathered
     # output (or scattered input) per call. An endpoint pins 4x this.
-    prefill_slot_bytes: int = 32 << 20
+    bulk_bytes: int = 32 << 20
     tcp_addr: str | None = None  # None: the address that routes to the coordinator
     ib_hca: str | None = None
     ib_gid_index: int | None = None  # None: the verbs carrier finds it
@@ -108,23 +113,19 @@ class Config:
     ib_retry_cnt: int | None = None
     ib_tc: int | None = None
     ib_sl: int | None = None
-    ib_chunk_bytes: int | None = None
     ibverbs_lib: str | None = None  # None: libibverbs.so.1, then libibverbs.so
     cuda_direct: bool = True  # shm on GPUs: kernels write the peers' inboxes themselves
-    cuda_pipeline: bool | None = None  # direct mode: chunk by chunk; None: the kernels choose per size
-    cuda_chunk_bytes: int | None = None  # its chunk size; None: built in
-    cuda_ll_max_bytes: int | None = None  # direct mode: flags inside the data up to here; 0 never; None built in
     cuda_peer_memory: bool | None = None  # direct mode: inboxes in GPU memory; None: where every rank can map them
     debug: bool = False
 
-    def endpoint_options(self, tcp_addr: str | None) -> dict[str, str]:
+    def endpoint_options(self, tcp_addr: str | None, tuning: Mapping[str, int] | None = None) -> dict[str, str]:
         """The options dict ``_core.Endpoint`` takes: every value a string,
         only keys it knows (it rejects unknown keys, so a typo here fails
-        loudly instead of being ignored)."""
+        loudly instead of being ignored). ``tuning``: see TUNING_KEYS."""
         options = {
             "slot_bytes": str(self.slot_bytes),
             "send_bytes": str(self.send_bytes),
-            "prefill_slot_bytes": str(self.prefill_slot_bytes),
+            "bulk_bytes": str(self.bulk_bytes),
             "timeout_s": repr(float(self.timeout_s)),
             "idle_spin_ms": str(self.idle_spin_ms),
             "idle_nap_us": str(self.idle_nap_us),
@@ -137,7 +138,9 @@ class Config:
             options["ib_hca"] = self.ib_hca
         # The rest only when set, so the options of a set-up without RDMA stay
         # the few every carrier reads.
-        for key in ("ib_gid_index", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ib_chunk_bytes"):
+        if self.oneshot_max_bytes is not None:
+            options["oneshot_max_bytes"] = str(self.oneshot_max_bytes)
+        for key in ("ib_gid_index", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl"):
             value = getattr(self, key)
             if value is not None:
                 options[key] = str(value)
@@ -145,14 +148,12 @@ class Config:
             options["ibverbs_lib"] = self.ibverbs_lib
         if not self.cuda_direct:
             options["cuda_direct"] = "0"
-        if self.cuda_pipeline is not None:
-            options["cuda_pipeline"] = "1" if self.cuda_pipeline else "0"
-        if self.cuda_chunk_bytes is not None:
-            options["cuda_chunk_bytes"] = str(self.cuda_chunk_bytes)
-        if self.cuda_ll_max_bytes is not None:
-            options["cuda_ll_max_bytes"] = str(self.cuda_ll_max_bytes)
         if self.cuda_peer_memory is not None:
             options["cuda_peer_memory"] = "1" if self.cuda_peer_memory else "0"
+        for key, value in (tuning or {}).items():
+            if key not in TUNING_KEYS:
+                raise ValueError(f"jax_arx: _tuning key {key!r} is not one of {TUNING_KEYS}")
+            options[key] = str(int(value))
         return options
 
 
@@ -165,6 +166,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         message names it and lists what is.
     """
     env = os.environ if environ is None else environ
+    _warn_retired(env)
     defaults = Config()
     slot_bytes = _size(env, "JAX_ARX_SLOT_BYTES", defaults.slot_bytes)
     send_bytes = _size(env, "JAX_ARX_SEND_BYTES", defaults.send_bytes)
@@ -182,7 +184,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         slot_bytes=slot_bytes,
         oneshot_max_bytes=_size(env, "JAX_ARX_ONESHOT_MAX_BYTES", None),
         send_bytes=send_bytes,
-        prefill_slot_bytes=_size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.prefill_slot_bytes),
+        bulk_bytes=_size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.bulk_bytes),
         tcp_addr=_ipv4(env, "JAX_ARX_TCP_ADDR"),
         ib_hca=_string(env, "JAX_ARX_IB_HCA") or _string(env, "NCCL_IB_HCA"),
         ib_gid_index=_nonnegative_int(env, "JAX_ARX_IB_GID_INDEX", None),
@@ -190,15 +192,22 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         ib_retry_cnt=_int_in(env, "JAX_ARX_IB_RETRY_CNT", 0, 7, "NCCL_IB_RETRY_CNT"),
         ib_tc=_int_in(env, "JAX_ARX_IB_TC", 0, 255, "NCCL_IB_TC"),
         ib_sl=_int_in(env, "JAX_ARX_IB_SL", 0, 15, "NCCL_IB_SL"),
-        ib_chunk_bytes=_size(env, "JAX_ARX_IB_CHUNK_BYTES", None, alignment=1, minimum=64),
         ibverbs_lib=_string(env, "JAX_ARX_IBVERBS_LIB"),
         cuda_direct=_flag(env, "JAX_ARX_CUDA_DIRECT", defaults.cuda_direct),
-        cuda_pipeline=_flag(env, "JAX_ARX_CUDA_PIPELINE", None),
-        cuda_chunk_bytes=_size(env, "JAX_ARX_CUDA_CHUNK_BYTES", None),
-        cuda_ll_max_bytes=_size_or_off(env, "JAX_ARX_CUDA_LL_MAX_BYTES", None),
         cuda_peer_memory=_flag(env, "JAX_ARX_CUDA_PEER_MEMORY", None),
         debug=_flag(env, "JAX_ARX_DEBUG", defaults.debug),
     )
+
+
+_warned: set = set()
+
+
+def _warn_retired(env) -> None:
+    for name in RETIRED:
+        if _raw(env, name) is not None and name not in _warned:
+            _warned.add(name)
+            logging.getLogger("jax_arx").warning(
+                "%s is no longer a setting (a benchmark decided it); it is ignored: unset it", name)
 
 
 def _raw(env: Mapping[str, str], name: str) -> str | None:

@@ -2,8 +2,8 @@
 
 - tests/cpp/test_core.cc: endpoints, proxies, carriers and the host device side
   with ranks as threads, over shm and tcp, against an independent reference.
-- tests/cpp/test_prefill.cc: the prefill-sized ops (all-gather, reduce-scatter,
-  the fused MoE combine) through the work ring, the same way.
+- tests/cpp/test_bulk.cc: the bulk collectives (all-gather, reduce-scatter,
+  the fused MoE combine) over the channels, the same way; test_layout.cc: the layout.
 - The same under ThreadSanitizer (tcp only: see the note in test_core.cc), with
   no report allowed.
 - The core cross-compiled for aarch64 (the first users run it on ARM CPUs).
@@ -63,8 +63,8 @@ def test_core(core_build, carrier):
 
 
 @pytest.mark.parametrize("carrier", ["shm", "tcp"])
-def test_prefill(core_build, carrier):
-    out = _run([str(core_build / "test_prefill"), carrier], timeout=600)
+def test_bulk(core_build, carrier):
+    out = _run([str(core_build / "test_bulk"), carrier], timeout=600)
     assert f"{carrier}: ok" in out
 
 
@@ -74,9 +74,14 @@ def test_core_under_thread_sanitizer(tsan_build):
     out = _run([str(tsan_build / "test_core"), "--quick", "tcp"], timeout=900)
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
-    out = _run([str(tsan_build / "test_prefill"), "--quick", "tcp"], timeout=900)
+    out = _run([str(tsan_build / "test_bulk"), "--quick", "tcp"], timeout=900)
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
+
+
+def test_layout(core_build):
+    out = _run([str(core_build / "test_layout")], timeout=120)
+    assert "layout: ok" in out
 
 
 @pytest.mark.parametrize("name", ["test_tcp_transport"])
@@ -106,5 +111,5 @@ def test_core_cross_compiles_for_aarch64():
     if qemu and Path("/usr/aarch64-linux-gnu").exists():
         out = _run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), "--quick", "shm"], timeout=900)
         assert "shm: ok" in out
-        out = _run([qemu, "-L", "/usr/aarch64-linux-gnu", str(d / "test_prefill"), "--quick", "shm"], timeout=900)
+        out = _run([qemu, "-L", "/usr/aarch64-linux-gnu", str(d / "test_bulk"), "--quick", "shm"], timeout=900)
         assert "shm: ok" in out

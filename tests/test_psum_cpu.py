@@ -361,9 +361,10 @@ def case_grad(w: _Worker):
 
 def case_prefetch(w: _Worker):
     """jax_arx.psum(..., prefetch=weights) is jax_arx.psum(...): the hint is
-    for the CUDA handler; on the CPU backend the call has no prefetch
-    operands (the CPU handler binds exactly comm_id, algorithm and site).
-    The same bits with and without it, under jit, grad and vmap."""
+    for the CUDA handler; the call lowers the same on every platform (the
+    weights are its last operands, counted by its `prefetch` attribute) and
+    the CPU handler ignores them. The same bits with and without it, under
+    jit, grad and vmap."""
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     jnp = jax.numpy
     dts = _dtypes()
@@ -384,11 +385,12 @@ def case_prefetch(w: _Worker):
         return [w.smap(lambda *a, p=p: body(*a, prefetch={"w": a[-1], "w0": a[-1][0]} if p else None),
                        in_specs, out_specs, check_vma=check_vma) for p in (True, False)]
 
-    # jit, a pytree of three dtypes: one call, no prefetch operands.
+    # jit, a pytree of three dtypes: one call of three results, with the four
+    # weights as its prefetch operands.
     f, plain = both(lambda t, ws, prefetch: jax_arx.psum(t, "tp", prefetch=prefetch), (P("tp"), w_specs), P())
     calls = w.calls(f, x, ws, target="jax_arx_psum")
-    if len(calls) != 1 or "prefetch" in calls[0] or calls[0].rsplit(" : (", 1)[-1].split("->")[0].count("tensor<") != 3:
-        w.fail("prefetch", f"expected one call of the three leaves, without prefetch operands, got {calls}")
+    if len(calls) != 1 or "prefetch = 4 : i64" not in calls[0] or calls[0].rsplit("->", 1)[-1].count("tensor<") != 3:
+        w.fail("prefetch", f"expected one call of the three leaves with 4 prefetch operands, got {calls}")
     out, out_plain = f(x, ws), plain(x, ws)
     for k in g:
         for got, got_plain in zip(w.shards(out[k]), w.shards(out_plain[k])):

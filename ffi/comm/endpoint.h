@@ -1,10 +1,12 @@
 // One rank of one communicator on one local device: its region (layout.h),
-// its carrier, its proxy thread, and its failure state.
+// its carrier, the peers' mapped regions where they share this host, its
+// proxy thread, and its failure state.
 //
 // Lifecycle (the reference's): create() allocates the region and opens the
 // carrier; details() is what this rank tells its peers (a fingerprint of
-// what must agree, then the carrier's details); connect() checks every
-// peer's fingerprint, wires the carrier and starts the proxy. The caller
+// what must agree, the region's name where it is shared, the carrier's
+// details); connect() checks every peer's fingerprint, maps the peers'
+// regions (one host), wires the carrier and starts the proxy. The caller
 // meets its peers at a barrier before the first collective. close() stops
 // the proxy and the carrier; the memory goes with the last reference.
 //
@@ -16,13 +18,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "comm/config.h"
-#include "comm/layout.h"
-#include "comm/region.h"
-#include "comm/status.h"
+#include "base/config.h"
+#include "base/layout.h"
+#include "base/region.h"
+#include "base/status.h"
+#include "base/windows.h"
+#include "comm/channel.h"
 #include "transport/transport.h"
 
 namespace arx {
@@ -58,14 +61,33 @@ class Endpoint {
   uint8_t* base() const { return region_->base(); }
   Region* region() const { return region_.get(); }
   Control* control() const { return reinterpret_cast<Control*>(region_->base() + layout_.control); }
-  PrefillControl* prefill_control() const {
-    return reinterpret_cast<PrefillControl*>(region_->base() + layout_.prefill_ctl);
-  }
+  const uint64_t* flags() const { return reinterpret_cast<const uint64_t*>(region_->base() + layout_.flags); }
   Transport* transport() const { return transport_.get(); }
   int roots() const { return transport_->roots(); }
   bool connected() const { return connected_; }
   // "communicator 'tp' rank 0 of 2"
   const std::string& label() const { return label_; }
+
+  // The peers' regions mapped here, when every rank shares this host (the
+  // shm carrier); mapped() is false otherwise. The direct channels go
+  // through them.
+  const PeerWindows& windows() const { return windows_; }
+
+  // How the device side reaches its peers: through the proxy, or directly
+  // (the peers' memory mapped here); and, for the CUDA side, whether its
+  // psum inboxes live in GPU memory. Every rank of a communicator takes the
+  // same route (the choice depends only on what they all agree on). connect()
+  // sets the host's (direct where the peers' regions are mapped); a device
+  // side that chooses otherwise sets its own before the first collective.
+  struct Route {
+    bool direct = false;
+    bool gpu_inboxes = false;
+  };
+  const Route& route() const { return route_; }
+  void set_route(const Route& r) { route_ = r; }
+  // The host-memory channels of family `f`, as this process sees the region.
+  ProxyChannel proxy_channel(Family f) const { return make_proxy_channel(layout_, f, spec_.rank, roots(), base()); }
+  DirectChannel direct_channel(Family f) const;
 
   // Failure state. The first failure is kept and every later call reports
   // it. Failures come from three places: a device side's wait (recorded in
@@ -77,26 +99,19 @@ class Endpoint {
   // Reads the Control block's record; true and the message if failed.
   bool failed();
   std::string failure();
-  uint32_t lost_peers() const { return lost_peers_.load(std::memory_order_acquire); }
   // The message for a failure a device side recorded in the Control block.
   std::string describe_recorded_failure() const;
+  // What each peer last sent, per family: " r1=psum #5, bulk #2 ...".
+  std::string heard_from_peers() const;
 
   // Held by a host-side handler for a whole collective. XLA's CPU runtime
   // may run independent custom calls concurrently; the sequence state and
-  // the send buffers belong to one collective at a time.
+  // the buffers belong to one collective at a time.
   std::mutex host_call_mu;
 
   // State a device side keeps with the endpoint (the CUDA side's device
-  // words and registered pointers); freed with it.
+  // words, registered memory and channels); freed with it.
   std::shared_ptr<void> device_state;
-
-  // Set by a device side that writes its psum partials straight into the
-  // peers' inboxes (the CUDA side over the shm carrier): the proxy then
-  // posts no psum seq, only follows `published` for the watchdog. Set
-  // before the first collective, never cleared. The prefill ring is not
-  // affected.
-  void set_device_sends() { device_sends_.store(true, std::memory_order_release); }
-  bool device_sends() const { return device_sends_.load(std::memory_order_acquire); }
 
  private:
   Endpoint() = default;
@@ -104,14 +119,14 @@ class Endpoint {
   Layout layout_;
   std::string label_;
   std::unique_ptr<Region> region_;
+  PeerWindows windows_;
+  Route route_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<Proxy> proxy_;
   bool connected_ = false;
   std::mutex failure_mu_;
   std::string failure_;
   std::atomic<bool> failed_{false};
-  std::atomic<uint32_t> lost_peers_{0};
-  std::atomic<bool> device_sends_{false};
 };
 
 // The endpoints of this process, by (communicator id, device ordinal).

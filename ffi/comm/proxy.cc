@@ -1,41 +1,10 @@
-// The protocol's sending half (see DESIGN.md, "The protocol").
-//
-// The device side publishes seq after its partial is in send[seq & 1]. The
-// proxy sees it and, per peer, writes the partial into the peer's
-// recv[seq & 1][rank], then writes the flag word (seq, descriptor) into the
-// peer's flag for (rank, root), on the same ordered channel, so the data is
-// in place before the flag.
-//
-// The proxy posts every seq in order, never skipping one. The device side
-// can publish seq + 1 before the proxy has seen seq (finishing seq needs
-// only the peers' data), and skipping seq would let peers accept seq + 1's
-// flag over stale seq data.
-//
-// Two buffers by parity are enough: a rank reaches seq + 2 only after every
-// peer consumed seq + 1, which needed this rank's seq + 1 flag, which the
-// proxy posts after this rank's seq data was read (written out). So when
-// the device side overwrites send[seq & 1] for seq + 2, the proxy is done
-// with seq; and when a peer writes our recv[seq & 1] for seq + 2, we have
-// finished summing seq.
-//
-// Rank r sends to r+1, r+2, ... in turn, so no receiver takes every sender
-// at once. Every write is split over the carrier's roots, each half
-// followed by its own flag on that root.
-//
-// The prefill ops come in through a second input, the work ring (layout.h,
-// "Prefill-sized ops"): the proxy takes its entries strictly in index
-// order, each a piece to send, and sends each piece with the flag
-// prefill_progress(seq, piece). Both inputs feed the same carriers; a
-// turn of the loop takes at most one psum seq and one ring entry, so
-// neither starves the other. Their flags are different words, so how the
-// two interleave on a channel does not matter.
 #include "comm/proxy.h"
 
 #include <chrono>
 #include <cstdio>
 #include <string>
 
-#include "comm/atomics.h"
+#include "base/atomics.h"
 #include "comm/endpoint.h"
 
 namespace arx {
@@ -63,168 +32,122 @@ struct IdleNap {
   }
 };
 
-}  // namespace
-
-// One seq: what the device side published, sent to every peer in turn.
-Status post_seq(Endpoint& ep, uint64_t seq) {
-  const Layout& L = ep.layout();
-  Control* ctl = ep.control();
-  Transport* t = ep.transport();
-  const int rank = ep.spec().rank, world = ep.spec().world, roots = t->roots(), par = (int)(seq & 1);
-  // Acquired through `published`: the device side stored these first.
-  const Mode mode = (Mode)load_relaxed(&ctl->mode[par]);
-  const uint64_t bytes = load_relaxed(&ctl->bytes[par]);
-  const uint64_t flag = flag_word(seq, load_relaxed(&ctl->desc[par]));
-  const uint64_t capacity = mode == Mode::kScatter ? L.send_bytes : L.slot_bytes;
-  if (bytes > capacity)
-    return Status::Error(strf("jax_arx: %s published %llu bytes at seq %llu, more than its buffer holds (%llu)",
-                              ep.label().c_str(), (unsigned long long)bytes, (unsigned long long)seq,
-                              (unsigned long long)capacity));
-  const uint8_t* send = ep.base() + L.send_offset(par);
-  for (int step = 1; step < world; ++step) {
-    const int peer = (rank + step) % world;
-    // kFull and kGather send this rank's whole buffer; kScatter sends peer
-    // j only its chunk j. Either way it lands in the peer's recv[par][rank].
-    uint64_t lo = 0, hi = bytes;
-    switch (mode) {
-      case Mode::kFull:
-      case Mode::kGather:
-        break;
-      case Mode::kScatter:
-        chunk_range(bytes, world, peer, lo, hi);
-        break;
-    }
-    for (int root = 0; root < roots; ++root) {
-      uint64_t off, len;
-      root_split(hi - lo, root, roots, off, len);
-      ARX_RETURN_IF_ERROR(t->put(peer, root, send + lo + off, L.recv_offset(par, rank) + off, len,
-                                 L.flag_offset(flag_index(rank, root)), flag));
-    }
-  }
-  return Status::Ok();
-}
-
-namespace {
-
-// The proxy's side of the work ring: how far it has taken entries, and the
-// kRsPiece pieces that arrived ahead of an earlier piece of the same
-// destination (producers publish in any order; peers read a flag as "every
-// piece up to this one arrived", so pieces go out in order per destination).
-struct WorkIntake {
-  uint64_t consumed = 0;  // entries taken
-  uint64_t last_seq = 0;  // seq of the last entry taken (watchdog)
-  WorkItem pend[kMaxWorld][kChunks] = {};
-  uint32_t pend_mask[kMaxWorld] = {};
-  int next_k[kMaxWorld] = {};  // the next row piece to send to each destination
-  uint64_t cur_seq[kMaxWorld] = {};
-};
-
-// Takes the next entry if its producer has published it (tag = index + 1,
+// Takes entry `consumed` if its producer has published it (tag = index + 1,
 // acquired: the other fields were stored before it).
-bool take_work(PrefillControl* pc, WorkIntake& in, WorkItem& it) {
-  WorkItem& slot = pc->ring[in.consumed % kWorkRing];
-  if (load_acquire(&slot.tag) != in.consumed + 1) return false;
-  it.op = load_relaxed(&slot.op);
-  it.seq = load_relaxed(&slot.seq);
-  it.piece = load_relaxed(&slot.piece);
-  it.slice = load_relaxed(&slot.slice);
-  it.lo = load_relaxed(&slot.lo);
-  it.hi = load_relaxed(&slot.hi);
-  it.desc = load_relaxed(&slot.desc);
-  it.tag = in.consumed + 1;
-  ++in.consumed;
-  in.last_seq = it.seq;
+bool take(Control* ctl, Trigger* ring, uint64_t& consumed, Trigger& t) {
+  Trigger& slot = ring[consumed % kRing];
+  if (load_acquire(&slot.tag) != consumed + 1) return false;
+  t.src = load_relaxed(&slot.src);
+  t.len = load_relaxed(&slot.len);
+  t.dst = load_relaxed(&slot.dst);
+  t.flag = load_relaxed(&slot.flag);
+  t.value = load_relaxed(&slot.value);
+  t.dest = load_relaxed(&slot.dest);
+  t.family = load_relaxed(&slot.family);
+  t.tag = consumed + 1;
+  ++consumed;
   // Release: the reads above come before a producer may reuse the entry.
-  store_release(&pc->consumed, in.consumed);
+  store_release(&ctl->ring_consumed, consumed);
   return true;
 }
 
-// Bytes [lo, hi) of chunk `index` of prefill_send[seq & 1] to `peer`, into
-// the same place of its prefill_recv[seq & 1] that this rank's chunk takes
-// (rank * slice), split over the roots, each part followed by its flag.
-Status send_piece(Endpoint& ep, int peer, const WorkItem& it, int index, uint64_t flag) {
+// One entry: its bytes to every peer it names, in send order, each root's
+// part followed by its flag word.
+Status post(Endpoint& ep, const Trigger& t) {
   const Layout& L = ep.layout();
-  Transport* t = ep.transport();
-  const int rank = ep.spec().rank, roots = t->roots(), par = (int)(it.seq & 1);
-  const uint8_t* src = ep.base() + L.prefill_send_offset(par, index, it.slice) + it.lo;
-  const uint64_t dst = L.prefill_recv_offset(par, rank, it.slice) + it.lo;
-  for (int root = 0; root < roots; ++root) {
-    uint64_t off, len;
-    root_split(it.hi - it.lo, root, roots, off, len);
-    ARX_RETURN_IF_ERROR(t->put(peer, root, src + off, dst + off, len, L.flag_offset(prefill_flag_index(rank, root)),
-                               flag));
+  Transport* carrier = ep.transport();
+  const int rank = ep.spec().rank, world = ep.spec().world, roots = carrier->roots();
+  // A bad entry is a bug of a device side. The carriers refuse what would
+  // land outside this rank's slots of a peer's inbox; the source must lie in
+  // one of this rank's staging buffers.
+  const bool in_send = t.src >= L.send && t.src <= L.send + 2 * L.send_bytes && t.len <= L.send + 2 * L.send_bytes - t.src;
+  const uint64_t bulk_end = L.bulk_send + 2 * (uint64_t)world * L.bulk_lane;
+  const bool in_bulk = t.src >= L.bulk_send && t.src <= bulk_end && t.len <= bulk_end - t.src;
+  if (!(in_send || in_bulk) || (t.dest != kEveryPeer && (t.dest >= (uint64_t)world || t.dest == (uint64_t)rank)) ||
+      t.family >= (uint64_t)kFamilies)
+    return Status::Error(strf("jax_arx: %s: trigger %llu is malformed (%llu bytes at %llu to rank %lld, family %llu)",
+                              ep.label().c_str(), (unsigned long long)t.tag - 1, (unsigned long long)t.len,
+                              (unsigned long long)t.src, (long long)t.dest, (unsigned long long)t.family));
+  const int n = t.dest == kEveryPeer ? world - 1 : 1;
+  for (int i = 0; i < n; ++i) {
+    const int peer = peer_in_send_order(rank, world, t.dest, i);
+    for (int root = 0; root < roots; ++root) {
+      uint64_t off, len;
+      root_split(t.len, root, roots, off, len);
+      ARX_RETURN_IF_ERROR(carrier->put(peer, root, ep.base() + t.src + off, t.dst + off, len,
+                                       L.flag_offset((int)t.flag + root), t.value));
+    }
   }
   return Status::Ok();
 }
 
-// One ring entry: what it asks for, to every peer it concerns.
-Status post_work(Endpoint& ep, WorkIntake& in, const WorkItem& it) {
-  const Layout& L = ep.layout();
-  const int rank = ep.spec().rank, world = ep.spec().world;
-  const bool rows = (WorkOp)it.op == WorkOp::kRsPiece;
-  const uint64_t pieces = rows ? (uint64_t)world * kChunks : kChunks;
-  // A bad entry is a bug of a device side; the carriers would refuse what
-  // lands outside a peer's inbox, but not what reads past our own buffer.
-  if (it.seq == 0 || it.piece >= pieces || it.lo > it.hi || it.hi > it.slice || it.slice > L.prefill_slot_bytes ||
-      it.slice * (uint64_t)world > L.prefill_slot_bytes || it.op < 1 || it.op > 3)
-    return Status::Error(strf("jax_arx: %s: work ring entry %llu is malformed (op %llu seq %llu piece %llu bytes "
-                              "[%llu, %llu) of a %llu-byte chunk; prefill slot %llu bytes)",
-                              ep.label().c_str(), (unsigned long long)it.tag - 1, (unsigned long long)it.op,
-                              (unsigned long long)it.seq, (unsigned long long)it.piece, (unsigned long long)it.lo,
-                              (unsigned long long)it.hi, (unsigned long long)it.slice,
-                              (unsigned long long)L.prefill_slot_bytes));
-  switch ((WorkOp)it.op) {
-    case WorkOp::kAllGather:
-    case WorkOp::kReduceScatter: {
-      // One piece for every peer: all-gather sends this rank's slice,
-      // reduce-scatter peer j's chunk.
-      const uint64_t flag = flag_word(prefill_progress(it.seq, (int)it.piece), it.desc);
-      const bool gather = (WorkOp)it.op == WorkOp::kAllGather;
-      for (int step = 1; step < world; ++step) {
-        const int peer = (rank + step) % world;
-        ARX_RETURN_IF_ERROR(send_piece(ep, peer, it, gather ? rank : peer, flag));
-      }
-      return Status::Ok();
+// Watchdog: a collective under way (begun past done) that has not finished
+// for stall_report_s, or a peer ahead of this rank (it sent a seq this rank
+// has not begun), is a stall: say so once, in words, with what each peer
+// last sent. Slow peers (one still compiling) are the usual cause; a stall
+// that lasts past the timeout fails the collective.
+class Watchdog {
+ public:
+  explicit Watchdog(Endpoint& ep)
+      : ep_(ep),
+        after_(std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(ep.spec().config.stall_report_s))) {
+    read(begun_, done_);
+  }
+
+  void look() {
+    const auto now = Clock::now();
+    if (now - last_look_ < std::chrono::milliseconds(50)) return;  // words of peers: not every turn
+    last_look_ = now;
+    uint64_t begun[kFamilies], done[kFamilies];
+    read(begun, done);
+    bool idle = true, moved = false;
+    for (int f = 0; f < kFamilies; ++f) {
+      moved |= done[f] != done_[f] || begun[f] != begun_[f];
+      idle &= begun[f] <= done[f];
+      begun_[f] = begun[f];
+      done_[f] = done[f];
     }
-    case WorkOp::kRsPiece:
-      break;
+    if (moved || idle) {
+      last_move_ = now;
+      reported_ = false;
+      return;
+    }
+    if (reported_ || now - last_move_ < after_) return;
+    reported_ = true;
+    fprintf(stderr,
+            "jax_arx: %s: no progress for %.0f s: psum #%llu and bulk collective #%llu began, #%llu and #%llu "
+            "finished. Last heard from each peer:%s. Waiting for the peers (one may be slow to start, stopped, "
+            "or issuing other collectives); the collective fails after JAX_ARX_TIMEOUT_S=%g s\n",
+            ep_.label().c_str(), std::chrono::duration<double>(now - last_move_).count(),
+            (unsigned long long)begun[0], (unsigned long long)begun[1], (unsigned long long)done[0],
+            (unsigned long long)done[1], ep_.heard_from_peers().c_str(), ep_.spec().config.timeout_s);
   }
-  // Row piece k of destination j's chunk.
-  const int j = (int)(it.piece / kChunks), k = (int)(it.piece % kChunks);
-  if (j == rank) return Status::Ok();  // this rank's own rows never leave
-  if (in.cur_seq[j] != it.seq) {
-    // Every piece of the destination's previous op went out before this
-    // one: the producer published all of them before it finished that op,
-    // and entries are taken in index order.
-    if (in.cur_seq[j] != 0 && in.next_k[j] != kChunks)
-      return Status::Error(strf("jax_arx: %s: prefill op %llu began before row piece %d of op %llu for rank %d was "
-                                "published",
-                                ep.label().c_str(), (unsigned long long)it.seq, in.next_k[j],
-                                (unsigned long long)in.cur_seq[j], j));
-    in.cur_seq[j] = it.seq;
-    in.next_k[j] = 0;
-    in.pend_mask[j] = 0;
+
+ private:
+  void read(uint64_t* begun, uint64_t* done) const {
+    const Control* ctl = ep_.control();
+    for (int f = 0; f < kFamilies; ++f) {
+      begun[f] = load_relaxed(&ctl->begun[f]);
+      done[f] = load_relaxed(&ctl->done[f]);
+    }
   }
-  in.pend[j][k] = it;
-  in.pend_mask[j] |= 1u << k;
-  while (in.next_k[j] < kChunks && (in.pend_mask[j] >> in.next_k[j] & 1)) {
-    const int next = in.next_k[j]++;
-    const WorkItem& p = in.pend[j][next];
-    ARX_RETURN_IF_ERROR(send_piece(ep, j, p, j, flag_word(prefill_progress(p.seq, next), p.desc)));
-  }
-  return Status::Ok();
-}
+  Endpoint& ep_;
+  const Clock::duration after_;
+  uint64_t begun_[kFamilies] = {}, done_[kFamilies] = {};
+  Clock::time_point last_move_ = Clock::now(), last_look_ = Clock::now();
+  bool reported_ = false;
+};
 
 }  // namespace
 
 void Proxy::start() {
   stop_ = false;
-  // Where the inputs stand now, read before the thread exists: the device
-  // side may publish as soon as connect() returns, before the new thread
-  // first runs, and a seq read as "already posted" would never be sent.
-  const uint64_t posted = load_acquire(&ep_.control()->published);
-  const uint64_t consumed = load_acquire(&ep_.prefill_control()->consumed);
-  thread_ = std::thread([this, posted, consumed] { loop(posted, consumed); });
+  // Where the ring stands now, read before the thread exists: a device side
+  // may publish as soon as connect() returns, before the new thread first
+  // runs, and an entry read as "already taken" would never be sent.
+  const uint64_t consumed = load_acquire(&ep_.control()->ring_consumed);
+  thread_ = std::thread([this, consumed] { loop(consumed); });
 }
 
 void Proxy::stop() {
@@ -232,56 +155,25 @@ void Proxy::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Proxy::loop(uint64_t posted, uint64_t consumed) {
+void Proxy::loop(uint64_t consumed) {
   const Config& cfg = ep_.spec().config;
   Control* ctl = ep_.control();
-  PrefillControl* pc = ep_.prefill_control();
-  const Layout& L = ep_.layout();
-  const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep_.base() + L.flags);
-  const int rank = ep_.spec().rank, world = ep_.spec().world;
+  Trigger* ring = reinterpret_cast<Trigger*>(ep_.base() + ep_.layout().ring);
   IdleNap nap(cfg.idle_spin_ms, cfg.idle_nap_us);
-  uint64_t last_done = load_relaxed(&ctl->done);
-  WorkIntake intake;
-  intake.consumed = consumed;
-  uint64_t last_pdone = load_relaxed(&pc->done);
-  Clock::time_point last_move = Clock::now();
-  bool stall_reported = false, failure_seen = false;
-  const auto stall_after = std::chrono::duration<double>(cfg.stall_report_s);
+  Watchdog watchdog(ep_);
+  bool failure_seen = false;
   while (!stop_.load(std::memory_order_relaxed)) {
     Status s = ep_.transport()->poll();
+    Trigger t{};
+    if (s.ok() && take(ctl, ring, consumed, t)) {
+      s = post(ep_, t);
+      nap.busy();
+    }
     if (!s.ok()) {
       ep_.fail(s.message());
       return;
     }
-    bool moved = false;
-    const uint64_t published = load_acquire(&ctl->published);
-    if (published > posted && ep_.device_sends()) {
-      // The device side sent these seqs itself: only follow them (watchdog),
-      // and do not count it as work, so an idle proxy naps and leaves the
-      // cores to the device side.
-      posted = published;
-    } else if (published > posted) {
-      ++posted;  // every seq, in order
-      s = post_seq(ep_, posted);
-      if (!s.ok()) {
-        ep_.fail(s.message());
-        return;
-      }
-      moved = true;
-    }
-    WorkItem item;
-    if (take_work(pc, intake, item)) {
-      s = post_work(ep_, intake, item);
-      if (!s.ok()) {
-        ep_.fail(s.message());
-        return;
-      }
-      moved = true;
-    }
-    if (moved) {
-      nap.busy();
-      continue;
-    }
+    if (t.tag) continue;
     // A failure the device side recorded (a kernel that gave up) becomes
     // the endpoint's sticky failure here, so JAX_ARX_ON_FAILURE=abort acts
     // even when no host code of ours runs (replayed CUDA graphs).
@@ -289,47 +181,7 @@ void Proxy::loop(uint64_t posted, uint64_t consumed) {
       failure_seen = true;
       ep_.failed();
     }
-    // Watchdog: published work that has not completed for stall_report_s is
-    // a stall, and so is a peer whose flags are ahead of what this rank
-    // posted. Print what this rank sent and what it heard from each peer.
-    // Prefill ops alike: an op whose pieces were taken but that has not
-    // finished, or a peer whose prefill flags are past the last op taken.
-    const uint64_t done = load_relaxed(&ctl->done);
-    const uint64_t pdone = load_relaxed(&pc->done);
-    bool behind = false;
-    for (int j = 0; j < world; ++j)
-      if (j != rank) {
-        behind |= flag_progress(load_relaxed(&flags[flag_index(j, 0)])) > posted;
-        behind |= flag_progress(load_relaxed(&flags[prefill_flag_index(j, 0)])) >
-                  prefill_progress(intake.last_seq, kChunks - 1);
-      }
-    const auto now = Clock::now();
-    if (done != last_done || pdone != last_pdone || (done >= posted && pdone >= intake.last_seq && !behind)) {
-      last_done = done;
-      last_pdone = pdone;
-      last_move = now;
-      stall_reported = false;
-    } else if (!stall_reported && now - last_move > stall_after) {
-      stall_reported = true;
-      std::string msg = strf("jax_arx %s STALL: published %llu posted %llu done %llu; prefill ops taken up to #%llu, "
-                             "done %llu; flags from peers (psum seq, prefill op#piece):",
-                             ep_.label().c_str(), (unsigned long long)published, (unsigned long long)posted,
-                             (unsigned long long)done, (unsigned long long)intake.last_seq,
-                             (unsigned long long)pdone);
-      for (int j = 0; j < world; ++j) {
-        if (j == rank) continue;
-        msg += strf(" r%d=", j);
-        for (int r = 0; r < ep_.roots(); ++r)
-          msg += strf("%s%llu", r ? "/" : "",
-                      (unsigned long long)flag_progress(load_relaxed(&flags[flag_index(j, r)])));
-        for (int r = 0; r < ep_.roots(); ++r) {
-          const uint64_t p = flag_progress(load_relaxed(&flags[prefill_flag_index(j, r)]));
-          msg += strf("%s%llu#%llu", r ? "/" : ",", (unsigned long long)(p ? (p - 1) / 16 : 0),
-                      (unsigned long long)(p ? (p - 1) % 16 : 0));
-        }
-      }
-      fprintf(stderr, "%s\n", msg.c_str());
-    }
+    watchdog.look();
     nap.idle();
   }
 }

@@ -1,24 +1,39 @@
-// The proxy: one thread per endpoint that turns each published seq into
-// carrier puts, in order, and watches for stalls and recorded failures.
-// It knows nothing of carriers beyond the Transport interface.
+// The proxy: one thread per endpoint that drains the trigger ring through
+// the carrier, and watches for stalls and recorded failures. It knows
+// nothing of collectives (a trigger is a put; layout.h) and nothing of
+// carriers beyond the Transport interface.
+//
+// Order. The proxy takes entries strictly in index order, and puts each to
+// its peers in send order (rank + 1, rank + 2, ...), every root's part
+// followed by that root's flag word on the same ordered channel: so a peer
+// that acquires the flag word sees the bytes (comm/channel.h).
+//
+// The ring is reused by index modulo kRing; a producer must never overwrite
+// an entry the proxy has not taken. By (*) of channel.h, when a rank begins
+// a collective, every peer has finished the collective two before it (in the
+// endpoint's order, both families together: every rank issues them in one
+// order), which needed every flag this rank sent for it, so the proxy has
+// taken every entry of it and of everything before. What may be left is the
+// entries of the two collectives before the one beginning, and its own: at
+// most 3 x kMaxEntries, which must fit the ring (static_assert below). The
+// host producer also checks Control::ring_consumed before it writes.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <thread>
 
+#include "base/layout.h"
+
 namespace arx {
 
 class Endpoint;
-class Status;
 
-// The protocol's sending half for one psum seq: what the device side
-// published for `seq` (in send[seq & 1], with bytes, mode and descriptor in
-// the Control block), put to every peer in turn (r+1, r+2, ...), each write
-// split over the carrier's roots and followed by its flag. Seqs must be
-// posted in order, each once: by the proxy thread, or, where the device side
-// sends its own seqs (Endpoint::device_sends), by that device side.
-Status post_seq(Endpoint& ep, uint64_t seq);
+// The most trigger entries one collective publishes: a piece per peer for
+// each of kChunks pieces (the bulk ops' per-destination pieces; psum takes
+// fewer, see comm/plan.cc).
+constexpr int kMaxEntries = kChunks * (kMaxWorld - 1);
+static_assert(3 * kMaxEntries <= kRing, "the trigger ring must hold three collectives' entries");
 
 class Proxy {
  public:
@@ -28,8 +43,7 @@ class Proxy {
   void stop();
 
  private:
-  // posted, consumed: where the inputs stood when start() was called.
-  void loop(uint64_t posted, uint64_t consumed);
+  void loop(uint64_t consumed);
   Endpoint& ep_;
   std::atomic<bool> stop_{false};
   std::thread thread_;

@@ -1,16 +1,24 @@
 // attach(): the CUDA device side's resources for one endpoint. The host
-// object (DeviceState) owns them; the kernels get a DeviceView, plain data.
+// object (DeviceState) owns them; the kernels get a Grid and a channel,
+// plain data, built here from the endpoint's region and, on one host, the
+// peers' (comm/channel.h).
+//
+// Routes. On one host (the peers' regions mapped here, Endpoint::windows)
+// the kernels write the peers' inboxes themselves: the direct channel, one
+// copy over the bus instead of a copy to the staging buffer and the proxy's
+// copy after it, and no proxy hop on the way; with the inboxes in GPU memory
+// where every rank can map every peer's (peer_memory.cc). Elsewhere, or with
+// JAX_ARX_CUDA_DIRECT=0, the proxy channel over the carrier. Every rank of a
+// communicator takes the same route: it depends only on the carrier, the
+// config (checked at rendezvous) and the GPU inbox agreement.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "cuda/device_side.h"
 
 namespace arx::cuda {
-namespace {
 
 // Makes `device` current for the scope and restores the caller's device: the
 // handler threads belong to XLA, which keeps its own device current.
@@ -35,7 +43,7 @@ struct DeviceState {
   std::vector<void*> registered;  // host addresses pinned for the device: the region, then mapped peers'
   DeviceWords* words = nullptr;
   std::shared_ptr<void> peer_memory;  // the GPU inboxes' mappings (peer_memory.cc), if any
-  DeviceView view{};
+  Channels channels;
 
   ~DeviceState() {
     // Kernels of this endpoint may still be queued: let them finish (every
@@ -48,6 +56,8 @@ struct DeviceState {
     for (void* p : registered) cudaHostUnregister(p);
   }
 };
+
+namespace {
 
 // Pins [p, p + bytes) for the current device and returns its device address.
 cudaError_t map_host(DeviceState& st, void* p, uint64_t bytes, uint8_t*& dev) {
@@ -63,35 +73,45 @@ cudaError_t map_host(DeviceState& st, void* p, uint64_t bytes, uint8_t*& dev) {
   return e;
 }
 
-// Direct mode: on the shm carrier the peers' regions are mapped in this
-// process, so the kernels can write the peers' inboxes themselves, one copy
-// over the bus instead of a copy to send[] and the proxy's copy after it,
-// and no proxy hop on the way. Measured on 2 H200s (examples/bench_psum.py,
-// bf16 one-shot, us): 13 / 21 / 42 / 72 / 135 / 215 at 8 KB / 64 KB /
-// 256 KB / 512 KB / 2 MB / 4 MB, against 12 / 29 / 74 / 132 / 343 / 616
-// through the proxy (those direct figures are the one-shot in one piece;
-// chunk by chunk, a flag per chunk, the default now: 13 / 16 / 30 / 46 / 97 /
-// 167, see kPipeChunkBytes in allreduce.cu). JAX_ARX_CUDA_DIRECT=0 turns it
-// off. The psum inboxes then move into GPU memory where the GPUs can map
-// each other's (peer_memory.cc); those figures are for host inboxes.
-bool want_direct(const Endpoint& ep) {
-  return ep.spec().config.cuda_direct && ep.transport()->kind() == TransportKind::kShm;
-}
-
 Status cuda_error(const Endpoint& ep, const char* what, cudaError_t e) {
   cudaGetLastError();  // clear it: it belongs to this call, not to a later kernel
   return Status::Error(strf("jax_arx: %s: %s on device %d failed: %s (%s)", ep.label().c_str(), what,
                             ep.spec().device_ordinal, cudaGetErrorName(e), cudaGetErrorString(e)));
 }
 
+// The inboxes in GPU memory, laid out as in the host region: a flag page,
+// psum recv[2][world], ll_recv[2][world], bulk_recv[2][world]. Moves the
+// direct channels' receiving halves (and the peers' they write) there.
+void use_gpu_inboxes(Channels& c, const Layout& L, const PeerInboxes& in) {
+  const int world = L.world, rank = c.psum_direct.rank;
+  const uint64_t recv = kFlagWords * 8, ll = recv + 2 * (uint64_t)world * L.slot_bytes;
+  const uint64_t bulk = ll + 2 * (uint64_t)world * kLLSlotBytes;
+  auto move = [&](DirectChannel& ch, uint64_t at) {
+    ch.in.flags = reinterpret_cast<uint64_t*>(in.mine);
+    ch.in.data = in.mine + at;
+    for (int p = 0; p < world; ++p) {
+      if (p == rank) continue;
+      ch.peer_flags[p] = reinterpret_cast<uint64_t*>(in.peer[p]);
+      ch.peer_data[p] = in.peer[p] + at;
+    }
+  };
+  move(c.psum_direct, recv);
+  move(c.bulk_direct, bulk);
+  c.ll.lines = in.mine + ll;
+  for (int p = 0; p < world; ++p)
+    if (p != rank) c.ll.peer_lines[p] = in.peer[p] + ll;
+}
+
+uint64_t gpu_inbox_bytes(const Layout& L) {
+  return kFlagWords * 8 + 2 * (uint64_t)L.world * (L.slot_bytes + kLLSlotBytes + L.bulk_lane);
+}
+
 }  // namespace
 
 Status attach(Endpoint& ep) {
   if (ep.device_state) return Status::Ok();
-  const int device = ep.spec().device_ordinal;
+  const int device = ep.spec().device_ordinal, rank = ep.spec().rank, world = ep.spec().world;
   const Layout& L = ep.layout();
-  if (L.slot_bytes % 16 || L.send_bytes % 16)
-    return Status::Error(strf("jax_arx: %s: slot_bytes and send_bytes must be multiples of 16", ep.label().c_str()));
   DeviceScope scope(device);
   if (!scope.ok()) return cuda_error(ep, "cudaSetDevice", cudaGetLastError());
   auto st = std::make_shared<DeviceState>();
@@ -107,86 +127,46 @@ Status attach(Endpoint& ep) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
 
-  DeviceView& v = st->view;
-  v.ctl = reinterpret_cast<Control*>(base + L.control);
-  v.flags = reinterpret_cast<const uint64_t*>(base + L.flags);
-  v.recv = base + L.recv;
-  v.send = base + L.send;
-  v.words = st->words;
-  v.slot_bytes = L.slot_bytes;
-  v.send_bytes = L.send_bytes;
-  v.timeout_ns = (uint64_t)(ep.spec().config.timeout_s * 1e9);
-  v.rank = ep.spec().rank;
-  v.world = ep.spec().world;
-  v.roots = ep.roots();
-  // The blocks of a grid wait for each other, so they must all be resident:
-  // a quarter of the multiprocessors at most, one block each (more blocks
-  // measured slower, see kUnroll in allreduce.cu).
-  v.max_blocks = std::clamp(sms / 4, 1, 32);
-  v.direct = false;
-  v.pipeline = (int)ep.spec().config.cuda_pipeline;
-  v.chunk_bytes = ep.spec().config.cuda_chunk_bytes;
-  v.ll_max_bytes = ep.spec().config.cuda_ll_max_bytes;
-  v.ll_recv = base + L.ll_recv;
-  v.chunk_flags = v.flags;
-  v.peer_memory = false;
-  v.pctl = reinterpret_cast<PrefillControl*>(base + L.prefill_ctl);
-  v.prefill_send = base + L.prefill_send;
-  v.prefill_recv = base + L.prefill_recv;
-  v.prefill_slot_bytes = L.prefill_slot_bytes;
-  bool mapped = want_direct(ep);
-  for (int p = 0; p < v.world && mapped; ++p)  // every peer, or none (a carrier that is not connected)
-    mapped = p == v.rank || ep.transport()->peer_base(p) != nullptr;
-  if (mapped) {
-    for (int p = 0; p < v.world; ++p) {
-      if (p == v.rank) continue;
-      uint8_t* dev = nullptr;
-      e = map_host(*st, ep.transport()->peer_base(p), L.total, dev);
+  Channels& c = st->channels;
+  // The blocks of a two-shot grid wait for each other, so they must all be
+  // resident: a quarter of the multiprocessors at most, one block each.
+  c.grid = Grid{st->words, reinterpret_cast<Control*>(base + L.control),
+                (uint64_t)(ep.spec().config.timeout_s * 1e9), std::clamp(sms / 4, 1, 32)};
+  c.psum_proxy = make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base);
+  c.bulk_proxy = make_proxy_channel(L, Family::kBulk, rank, ep.roots(), base);
+  Endpoint::Route route;
+  route.direct = ep.windows().mapped() && ep.spec().config.cuda_direct;
+  if (route.direct) {
+    uint8_t* peers[kMaxWorld] = {};
+    for (int p = 0; p < world; ++p) {
+      if (p == rank) continue;
+      e = map_host(*st, ep.windows().base(p), L.total, peers[p]);
       if (e != cudaSuccess) return cuda_error(ep, "pinning a peer's region (cudaHostRegister)", e);
-      v.peer_recv[p] = dev + L.recv;
-      v.peer_flags[p] = reinterpret_cast<uint64_t*>(dev + L.flags);
-      v.peer_chunk_flags[p] = v.peer_flags[p];
-      v.peer_prefill_recv[p] = dev + L.prefill_recv;
-      v.peer_ll_recv[p] = dev + L.ll_recv;
     }
-    // The psum inboxes in GPU memory where every rank can map every peer's:
-    // a flag page, recv[2][world] and ll_recv[2][world], laid out as in the
-    // host region. The prefill inboxes stay in the host region.
-    const uint64_t recv_at = kFlagWords * 8, ll_at = recv_at + 2 * (uint64_t)v.world * L.slot_bytes;
+    c.psum_direct = make_direct_channel(L, Family::kPsum, rank, base, peers);
+    c.bulk_direct = make_direct_channel(L, Family::kBulk, rank, base, peers);
+    c.ll.lines = base + L.ll_recv;
+    for (int p = 0; p < world; ++p)
+      if (p != rank) c.ll.peer_lines[p] = peers[p] + L.ll_recv;
     PeerInboxes inboxes;
-    const Status s = map_peer_memory(ep, device, ll_at + 2 * (uint64_t)v.world * kLLSlotBytes, inboxes);
-    if (!s.ok()) return s;
+    ARX_RETURN_IF_ERROR(map_peer_memory(ep, device, gpu_inbox_bytes(L), inboxes));
     if (inboxes.mine) {
-      v.chunk_flags = reinterpret_cast<const uint64_t*>(inboxes.mine);
-      v.recv = inboxes.mine + recv_at;
-      v.ll_recv = inboxes.mine + ll_at;
-      for (int p = 0; p < v.world; ++p) {
-        if (p == v.rank) continue;
-        v.peer_chunk_flags[p] = reinterpret_cast<uint64_t*>(inboxes.peer[p]);
-        v.peer_recv[p] = inboxes.peer[p] + recv_at;
-        v.peer_ll_recv[p] = inboxes.peer[p] + ll_at;
-      }
-      v.peer_memory = true;
+      use_gpu_inboxes(c, L, inboxes);
       st->peer_memory = std::move(inboxes.holder);
+      route.gpu_inboxes = true;
     }
-    v.direct = true;
-    ep.set_device_sends();  // the proxy sends no psum seq from now on
+    c.ll.psum = c.psum_direct;
   }
+  c.direct = route.direct;
+  ep.set_route(route);
   ep.device_state = std::move(st);
   return Status::Ok();
 }
 
-const DeviceView* view_of(const Endpoint& ep) {
-  return ep.device_state ? &static_cast<const DeviceState*>(ep.device_state.get())->view : nullptr;
-}
+bool attached(const Endpoint& ep) { return ep.device_state != nullptr; }
 
-uint64_t oneshot_max_bytes(const Endpoint& ep) { return ep.layout().slot_bytes; }
-
-// The two-shot partial goes whole into send[par], and each rank's chunk
-// (chunk_range: a 16-byte multiple of at most ceil(bytes / world)) into a slot.
-uint64_t twoshot_max_bytes(const Endpoint& ep) {
-  const Layout& L = ep.layout();
-  return std::min<uint64_t>(L.send_bytes, L.slot_bytes * (uint64_t)L.world);
+const Channels& channels_of(const Endpoint& ep) {
+  return static_cast<const DeviceState*>(ep.device_state.get())->channels;
 }
 
 }  // namespace arx::cuda

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "comm/layout.h"
+#include "base/layout.h"
 #include "cuda/ptx.cuh"
 
 namespace arx::cuda {
@@ -77,16 +77,17 @@ template <>
 struct Elem<DType::kF16> : Elem16<DType::kF16> {};
 
 // One 16-byte vector of the result from one vector of each of `world`
-// sources: the fp32 sum in rank order from 0.0f, rounded once -- every rank
-// gets the same bits, and the host side's sum_rank_order the same too.
+// sources: the fp32 sum in rank order from rank 0's element (not from +0.0,
+// which would turn a sum of negative zeros positive), rounded once -- every
+// rank gets the same bits, and the host side's sum_rank_order the same too.
 template <DType D>
 __device__ __forceinline__ uint4 sum_rank_order(const uint4 (&part)[kMaxWorld], int world) {
   using E = Elem<D>;
   float acc[E::kPerVec];
 #pragma unroll
-  for (int k = 0; k < E::kPerVec; ++k) acc[k] = 0.0f;
+  for (int k = 0; k < E::kPerVec; ++k) acc[k] = E::get(part[0], k);
 #pragma unroll
-  for (int src = 0; src < kMaxWorld; ++src)
+  for (int src = 1; src < kMaxWorld; ++src)
     if (src < world)
 #pragma unroll
       for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[src], k));
@@ -94,6 +95,14 @@ __device__ __forceinline__ uint4 sum_rank_order(const uint4 (&part)[kMaxWorld], 
 #pragma unroll
   for (int k = 0; k < E::kPerVec; ++k) E::put(o, k, acc[k]);
   return o;
+}
+
+// One element of the result, the same sum: value(src) for src in rank order.
+template <typename Value>
+__device__ __forceinline__ float sum_one(int world, Value value) {
+  float acc = value(0);
+  for (int src = 1; src < world; ++src) acc = __fadd_rn(acc, value(src));
+  return acc;
 }
 
 __device__ __forceinline__ uint64_t global_thread() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }

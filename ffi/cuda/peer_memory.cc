@@ -33,7 +33,7 @@
 
 #include <cstring>
 
-#include "comm/atomics.h"
+#include "base/atomics.h"
 #include "cuda/device_side.h"
 
 namespace arx::cuda {
@@ -132,7 +132,7 @@ uint64_t* own_word(Endpoint& ep, int index) {
 }
 
 const uint64_t* peer_word(Endpoint& ep, int peer, int index) {
-  return reinterpret_cast<const uint64_t*>(ep.transport()->peer_base(peer) + ep.layout().flag_offset(index));
+  return reinterpret_cast<const uint64_t*>(ep.windows().base(peer) + ep.layout().flag_offset(index));
 }
 
 // This rank's inbox: allocated on its GPU, zeroed, mapped for it, exported.

@@ -1,30 +1,14 @@
-// The device side's access to memory it shares with the proxy, the carriers
-// and the peers. Words shared across the system (flags, the Control block)
-// are read with ld.acquire.sys and written with st.release.sys or
-// st.relaxed.sys followed by a release, never as plain or volatile accesses:
-// the target's CPU (Grace, ARM) reorders what x86 does not. Peer data is read
-// with ld.global.cv, which does not hit a line cached before the peer (the
-// proxy, a NIC) wrote it.
+// The device side's accesses that only kernels make: words shared by the
+// blocks of one grid (gpu scope), reads of peer data past the caches, the
+// clock, barriers and prefetches. Words shared across the system (flags, the
+// Control block, triggers) go through base/atomics.h, the same functions the
+// host side uses, compiled as ld.acquire.sys / st.release.sys /
+// st.relaxed.sys / fence.acq_rel.sys here.
 #pragma once
 
 #include <cstdint>
 
 namespace arx::cuda {
-
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Ordered before a later release (or fence) by the same thread.
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 // Device words (DeviceWords) are shared by the blocks of one grid only.
 __device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
@@ -64,10 +48,6 @@ __device__ __forceinline__ unsigned ld_acquire_cta(const unsigned* p) {
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-
-// Orders this thread's earlier accesses (and, cumulatively, those it has
-// observed) before its later ones, at system scope.
-__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Peer data: bypass the caches (the proxy, a NIC or a peer GPU wrote it).
 __device__ __forceinline__ uint4 ld_cv_v4(const void* p) {

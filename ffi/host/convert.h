@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "comm/layout.h"
+#include "base/layout.h"
 
 namespace arx::host {
 

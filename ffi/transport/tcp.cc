@@ -36,7 +36,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm/atomics.h"
+#include "base/atomics.h"
 #include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
@@ -168,8 +168,6 @@ class TcpTransport final : public Transport {
   Status connect(const std::vector<std::string>& details, double timeout_s) override;
   Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
              uint64_t flag_value) override;
-  // Each outbound stream has its own lock, and so has the sticky error.
-  bool puts_from_any_thread() const override { return true; }
 
   Status poll() override {
     std::lock_guard<std::mutex> lk(send_error_mu_);
@@ -785,15 +783,13 @@ bool TcpTransport::on_header(InLink& c) {
   if (h.magic != kFrameMagic) {
     why = strf("sent a frame with a bad magic 0x%016llx: the stream is out of step (mixed jax_arx versions?)",
                (unsigned long long)h.magic);
-  } else if (!L.inbox_contains(h.offset, h.len)) {
-    why = strf("sent a write of %llu bytes at offset %llu, outside this endpoint's inbox [%llu, %llu): the ranks "
-               "disagree on the buffer geometry, or the peer is faulty",
-               (unsigned long long)h.len, (unsigned long long)h.offset, (unsigned long long)L.inbox_lo,
-               (unsigned long long)L.inbox_hi);
-  } else if (!L.is_flag(h.flag_offset)) {
-    why = strf("sent a flag for offset %llu, which is not a word of this endpoint's flag page [%llu, %llu)",
-               (unsigned long long)h.flag_offset, (unsigned long long)L.flags,
-               (unsigned long long)(L.flags + 8 * kFlagWords));
+  } else if (!L.src_may_write(c.peer, h.offset, h.len)) {
+    why = strf("sent a write of %llu bytes at offset %llu, outside its own slots in this endpoint's inbox: the "
+               "ranks disagree on the buffer geometry, or the peer is faulty",
+               (unsigned long long)h.len, (unsigned long long)h.offset);
+  } else if (!L.src_may_flag(c.peer, h.flag_offset)) {
+    why = strf("sent a flag for offset %llu, which is not one of its own words of this endpoint's flag page",
+               (unsigned long long)h.flag_offset);
   }
   if (!why.empty()) {
     why = strf("rank %d (root %d) %s; its connection is closed", c.peer, c.root, why.c_str());
@@ -850,12 +846,11 @@ Status make_tcp_transport(const TransportContext& ctx, std::unique_ptr<Transport
     return Status::Error(strf("jax_arx: %s: the tcp carrier needs the communicator's secret of 1-%zu bytes, got %zu; "
                               "it is what keeps strangers from writing into this endpoint",
                               ctx.label.c_str(), kMaxSecret, ctx.secret.size()));
-  // The receiver trusts the layout's inbox as the bounds of the region.
-  if (ctx.layout.inbox_lo > ctx.layout.inbox_hi || ctx.layout.inbox_hi > ctx.region->size() ||
-      ctx.layout.flags + 8 * kFlagWords > ctx.region->size())
-    return Status::Error(strf("jax_arx: %s: the inbox [%llu, %llu) does not fit the region of %llu bytes",
-                              ctx.label.c_str(), (unsigned long long)ctx.layout.inbox_lo,
-                              (unsigned long long)ctx.layout.inbox_hi, (unsigned long long)ctx.region->size()));
+  // The receiver trusts the layout's slots as the bounds of the region.
+  if (ctx.layout.total > ctx.region->size())
+    return Status::Error(strf("jax_arx: %s: the layout of %llu bytes does not fit the region of %llu bytes",
+                              ctx.label.c_str(), (unsigned long long)ctx.layout.total,
+                              (unsigned long long)ctx.region->size()));
   auto t = std::make_unique<TcpTransport>(ctx);
   ARX_RETURN_IF_ERROR(t->open());
   out = std::move(t);

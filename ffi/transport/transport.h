@@ -1,7 +1,8 @@
 // The carrier interface. A carrier knows only two things: "write these bytes
 // into peer p's region at offset o over root r, then write this flag word, in
 // that order", and "poll for completions and errors". The protocol (what to
-// send when, and in which order) lives in comm/proxy.cc, written once.
+// send when, and in which order) lives in comm/ (channel.h, proxy.cc),
+// written once; the proxy is the only caller of put().
 //
 // Carriers: shm (peers on one host map each other's regions), tcp (any
 // hosts; the receiver checks every frame against its inbox), verbs (RDMA
@@ -14,10 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "comm/config.h"
-#include "comm/layout.h"
-#include "comm/region.h"
-#include "comm/status.h"
+#include "base/config.h"
+#include "base/layout.h"
+#include "base/region.h"
+#include "base/status.h"
+#include "base/windows.h"
 
 namespace arx {
 
@@ -28,7 +30,10 @@ const char* transport_name(TransportKind kind);
 struct TransportContext {
   int rank = 0, world = 0;
   Region* region = nullptr;  // this endpoint's memory
-  Layout layout;             // where the inbox is; every incoming write is checked against it
+  Layout layout;             // where the inbox is; every write is checked against the sender's slots in it
+  // Peers on one host: their regions mapped here (the shm carrier puts
+  // through them). Mapped by the endpoint before connect(); null elsewhere.
+  const PeerWindows* windows = nullptr;
   std::string secret;        // the communicator's random secret, from the rendezvous
   const Config* config = nullptr;
   std::string label;  // "communicator 'tp' rank 0 of 2", for messages
@@ -59,20 +64,14 @@ class Transport {
   // `src` lies inside this endpoint's region.
   virtual Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
                      uint64_t flag_value) = 0;
-  // Whether put() may be called from a thread other than the proxy's, while
-  // the proxy puts and polls (the CPU device side sends its own psum seqs
-  // where it may).
-  virtual bool puts_from_any_thread() const = 0;
   // Reaps completions; returns the first error, which is sticky.
   virtual Status poll() = 0;
-  // This process's mapping of `peer`'s whole region, where a carrier has one
-  // (shm), else nullptr. The CUDA device side writes the peers' inboxes
-  // through it directly (data, then the flag with release), skipping the
-  // proxy's copy; the proxy then sends no psum seq (Endpoint::device_sends).
-  virtual uint8_t* peer_base(int peer) const { return nullptr; }
   // Stops the carrier's threads and closes its links. Idempotent.
   virtual void close() = 0;
 };
+
+// The carrier of `kind` (transport/factory.cc).
+Status make_transport(TransportKind kind, const TransportContext& ctx, std::unique_ptr<Transport>& out);
 
 Status make_shm_transport(const TransportContext& ctx, std::unique_ptr<Transport>& out);
 Status make_tcp_transport(const TransportContext& ctx, std::unique_ptr<Transport>& out);

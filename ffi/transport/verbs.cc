@@ -56,7 +56,7 @@ constexpr int kChain = 16;          // WRs per ibv_post_send call
 constexpr uint64_t kMaxChunk = 1ull << 30;
 
 constexpr uint32_t kWireMagic = 0x56585241;  // "ARXV"
-constexpr uint32_t kWireVersion = 1;
+constexpr uint32_t kWireVersion = 2;
 
 // What this rank tells its peers (details()). Raw bytes: every rank runs the
 // same jax_arx (the endpoint's fingerprint checks the version), and the
@@ -66,14 +66,16 @@ struct Wire {
   int32_t rank, world, roots, pad0;
   uint64_t secret_hash;  // details of another communicator are refused
   uint64_t region_addr, region_bytes;
-  uint64_t inbox_lo, inbox_hi;  // offsets from region_addr that peers may write
+  uint64_t inbox_lo, inbox_hi;  // offsets from region_addr that peers may write: flags and psum slots
+  uint64_t bulk_lo, bulk_hi;    // and the bulk slots (empty when the endpoint has none)
   struct Root {
     uint8_t gid[16];
-    uint32_t rkey;  // of the inbox MR
+    uint32_t rkey;       // of the inbox MR
+    uint32_t bulk_rkey;  // of the bulk inbox MR
     uint32_t mtu;   // the port's active MTU (enum ibv_mtu)
     uint32_t port, gid_index;
     uint16_t lid;
-    uint8_t ethernet, pad[5];
+    uint8_t ethernet, pad[1];
     char dev[32];
   } root[kRoots];
   uint32_t qpn[kMaxWorld][kRoots];  // this rank's QP to rank j over root r
@@ -133,9 +135,6 @@ class VerbsTransport final : public Transport {
   Status connect(const std::vector<std::string>& details, double timeout_s) override;
   Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
              uint64_t flag_value) override;
-  // The signalled-every-N counters and the completion reaping are the
-  // proxy thread's alone.
-  bool puts_from_any_thread() const override { return false; }
 
   Status poll() override {
     if (error_.ok()) reap();
@@ -152,8 +151,8 @@ class VerbsTransport final : public Transport {
     uint64_t unsignalled = 0;  // WRs posted since the last signalled one
     bool failed = false;
     // The peer's side, from its details.
-    uint64_t remote_base = 0, inbox_lo = 0, inbox_hi = 0;
-    uint32_t rkey = 0, remote_qpn = 0;
+    uint64_t remote_base = 0, inbox_lo = 0, inbox_hi = 0, bulk_lo = 0, bulk_hi = 0;
+    uint32_t rkey = 0, bulk_rkey = 0, remote_qpn = 0;
     int path_mtu = 0;
     std::string remote;  // "rank 1 (rxe1 port 1, GID 198.51.100.2, QP 0x12)", for messages
   };
@@ -183,6 +182,7 @@ class VerbsTransport final : public Transport {
   ibv_cq* cq_[kRoots] = {};
   ibv_mr* local_mr_[kRoots] = {};  // the whole region: sources
   ibv_mr* inbox_mr_[kRoots] = {};  // the inbox: what peers write into
+  ibv_mr* bulk_mr_[kRoots] = {};   // the bulk inbox, likewise
   Link links_[kMaxWorld][kRoots];
   Wire wire_{};
   uint64_t sq_depth_ = kSqDepth, signal_every_ = kSqDepth / 4, chunk_ = kMaxChunk;
@@ -197,7 +197,7 @@ Status VerbsTransport::open() {
   const Layout& lay = ctx_.layout;
   Region* region = ctx_.region;
   if (!region || !ctx_.config || ctx_.world < 1 || ctx_.world > kMaxWorld || ctx_.rank < 0 ||
-      ctx_.rank >= ctx_.world || lay.inbox_lo >= lay.inbox_hi || lay.inbox_hi > region->size())
+      ctx_.rank >= ctx_.world || lay.total > region->size())
     return labelled("jax_arx: verbs carrier given an invalid context (region, config, rank/world or inbox)");
   const Config& cfg = *ctx_.config;
   Status knobs = knob("ib_timeout", "JAX_ARX_IB_TIMEOUT", cfg.ib_timeout, 1, 31, timeout_);
@@ -219,8 +219,10 @@ Status VerbsTransport::open() {
   wire_.secret_hash = fnv1a(ctx_.secret);
   wire_.region_addr = (uint64_t)(uintptr_t)region->base();
   wire_.region_bytes = region->size();
-  wire_.inbox_lo = lay.inbox_lo;
-  wire_.inbox_hi = lay.inbox_hi;
+  wire_.inbox_lo = lay.inbox_lo();
+  wire_.inbox_hi = lay.inbox_hi();
+  wire_.bulk_lo = lay.bulk_inbox_lo();
+  wire_.bulk_hi = lay.bulk_inbox_hi();
   for (int r = 0; r < roots(); ++r) {
     const Device& d = devices_[r];
     sq_depth_ = std::min<uint64_t>(sq_depth_, (uint64_t)d.attr.max_qp_wr);
@@ -246,9 +248,19 @@ Status VerbsTransport::open() {
                            (unsigned long long)region->size(), where(r).c_str(), verbs::error_text(-1).c_str(),
                            memlock_hint));
     errno = 0;
-    if (!(inbox_mr_[r] = api_.reg_mr(pd_[r], region->base() + lay.inbox_lo, lay.inbox_hi - lay.inbox_lo, remote)))
+    // Two windows that peers may write (layout.h): the flags and psum slots,
+    // and the bulk slots. Everything else is this rank's alone, and the NIC
+    // itself refuses a remote write there.
+    if (!(inbox_mr_[r] = api_.reg_mr(pd_[r], region->base() + lay.inbox_lo(), lay.inbox_hi() - lay.inbox_lo(), remote)))
       return labelled(strf("jax_arx: ibv_reg_mr of the inbox (%llu bytes, remote write) on %s failed: %s; %s",
-                           (unsigned long long)(lay.inbox_hi - lay.inbox_lo), where(r).c_str(),
+                           (unsigned long long)(lay.inbox_hi() - lay.inbox_lo()), where(r).c_str(),
+                           verbs::error_text(-1).c_str(), memlock_hint));
+    errno = 0;
+    if (lay.bulk_inbox_hi() > lay.bulk_inbox_lo() &&
+        !(bulk_mr_[r] = api_.reg_mr(pd_[r], region->base() + lay.bulk_inbox_lo(),
+                                    lay.bulk_inbox_hi() - lay.bulk_inbox_lo(), remote)))
+      return labelled(strf("jax_arx: ibv_reg_mr of the bulk inbox (%llu bytes, remote write) on %s failed: %s; %s",
+                           (unsigned long long)(lay.bulk_inbox_hi() - lay.bulk_inbox_lo()), where(r).c_str(),
                            verbs::error_text(-1).c_str(), memlock_hint));
     // Every QP's WRs fit, failed ones included (they complete signalled or not).
     const int cqe = (int)std::min<uint64_t>((uint64_t)(ctx_.world - 1) * sq_depth_ + 64, (uint64_t)d.attr.max_cqe);
@@ -259,6 +271,7 @@ Status VerbsTransport::open() {
     Wire::Root& w = wire_.root[r];
     memcpy(w.gid, d.gid.raw, 16);
     w.rkey = inbox_mr_[r]->rkey;
+    w.bulk_rkey = bulk_mr_[r] ? bulk_mr_[r]->rkey : 0;
     w.mtu = d.port_attr.active_mtu;
     w.port = d.port;
     w.gid_index = d.gid_index;
@@ -356,7 +369,10 @@ Status VerbsTransport::connect(const std::vector<std::string>& details, double t
       l.remote_base = p.region_addr;
       l.inbox_lo = p.inbox_lo;
       l.inbox_hi = p.inbox_hi;
+      l.bulk_lo = p.bulk_lo;
+      l.bulk_hi = p.bulk_hi;
       l.rkey = pr.rkey;
+      l.bulk_rkey = pr.bulk_rkey;
       l.remote_qpn = p.qpn[ctx_.rank][r];
       l.remote = strf("rank %d (%s port %u, GID %s, QP 0x%x)", j, pr.dev, pr.port, verbs::gid_text(pr.gid).c_str(),
                       l.remote_qpn);
@@ -470,13 +486,17 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
     return labelled(strf("jax_arx: verbs put() of %llu bytes from %p: the source is not inside this endpoint's "
                          "region",
                          (unsigned long long)len, src));
-  if (offset < l.inbox_lo || offset > l.inbox_hi || len > l.inbox_hi - offset || flag_offset % 8 ||
+  // Only into this rank's own slots of the peer's inbox (every rank has the
+  // same layout), and through the window (MR) that holds them.
+  const bool bulk = offset >= l.bulk_lo && offset < l.bulk_hi;
+  if (!ctx_.layout.src_may_write(ctx_.rank, offset, len) || !ctx_.layout.src_may_flag(ctx_.rank, flag_offset) ||
+      (bulk ? len > l.bulk_hi - offset : (offset < l.inbox_lo || len > l.inbox_hi - offset)) ||
       flag_offset < l.inbox_lo || flag_offset + 8 > l.inbox_hi)
     return labelled(strf("jax_arx: verbs put() to %s: %llu bytes at offset %llu and a flag at %llu do not lie inside "
-                         "its inbox [%llu, %llu)",
+                         "this rank's slots of its inbox",
                          l.remote.c_str(), (unsigned long long)len, (unsigned long long)offset,
-                         (unsigned long long)flag_offset, (unsigned long long)l.inbox_lo,
-                         (unsigned long long)l.inbox_hi));
+                         (unsigned long long)flag_offset));
+  const uint32_t data_rkey = bulk ? l.bulk_rkey : l.rkey;
   // The flag goes inline: the NIC driver copies it into the WQE inside
   // ibv_post_send, so this local only has to live until the post returns.
   uint64_t flag = flag_value;
@@ -491,7 +511,7 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
       wr[k] = ibv_send_wr{};
       wr[k].opcode = IBV_WR_RDMA_WRITE;
       wr[k].wr.rdma.remote_addr = l.remote_base + offset + sent;
-      wr[k].wr.rdma.rkey = l.rkey;
+      wr[k].wr.rdma.rkey = data_rkey;
       sent += n;
       ++k;
     }
@@ -587,10 +607,11 @@ void VerbsTransport::close() {
       }
   for (int r = 0; r < kRoots; ++r) {
     if (inbox_mr_[r]) api_.dereg_mr(inbox_mr_[r]);
+    if (bulk_mr_[r]) api_.dereg_mr(bulk_mr_[r]);
     if (local_mr_[r]) api_.dereg_mr(local_mr_[r]);
     if (cq_[r]) api_.destroy_cq(cq_[r]);
     if (pd_[r]) api_.dealloc_pd(pd_[r]);
-    inbox_mr_[r] = local_mr_[r] = nullptr;
+    inbox_mr_[r] = bulk_mr_[r] = local_mr_[r] = nullptr;
     cq_[r] = nullptr;
     pd_[r] = nullptr;
   }

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/status.h"
+#include "base/status.h"
 
 #if ARX_HAVE_VERBS
 #include "transport/verbs_lib.h"

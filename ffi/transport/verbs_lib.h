@@ -14,7 +14,7 @@
 
 #include <infiniband/verbs.h>
 
-#include "comm/status.h"
+#include "base/status.h"
 
 namespace arx::verbs {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "comm/endpoint.h"
-#include "comm/layout.h"
+#include "base/layout.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace arx::xla {
@@ -37,11 +37,62 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
   return ffi::Error::Success();
 }
 
+// The attributes of a psum call, the same on both platforms: comm_id, site
+// (the call site's tag, default 0) and prefetch (how many of the operands,
+// the last ones, are weights to prefetch; default 0). Taken as a dictionary,
+// so that attributes a lowering adds later do not break it. `args` and
+// `rets`: the operand and result counts, checked against prefetch.
+struct PsumAttributes {
+  int64_t comm_id = 0, site = 0, prefetch = 0;
+};
+
+inline ffi::Error psum_attributes(const ffi::Dictionary& attrs, size_t args, size_t rets, PsumAttributes& at) {
+  if (!attrs.contains("comm_id")) return ffi::Error::InvalidArgument("jax_arx.psum: the call has no 'comm_id' attribute");
+  auto get = [&](const char* name, int64_t& out) -> ffi::Error {
+    if (!attrs.contains(name)) return ffi::Error::Success();
+    auto v = attrs.get<int64_t>(name);
+    if (v.has_error()) return v.error();
+    out = *v;
+    return ffi::Error::Success();
+  };
+  for (auto [name, out] : {std::pair{"comm_id", &at.comm_id}, {"site", &at.site}, {"prefetch", &at.prefetch}})
+    if (ffi::Error e = get(name, *out); e.failure()) return e;
+  if (at.prefetch < 0 || args < rets + (size_t)at.prefetch)
+    return ffi::Error::InvalidArgument(strf("jax_arx.psum: %zu operands for %zu results and %lld prefetch operands",
+                                            args, rets, (long long)at.prefetch));
+  return ffi::Error::Success();
+}
+
+// Pair i of a psum call, x_i -> y_i: a reducing dtype, y of x's shape.
+struct PsumPair {
+  const void* in = nullptr;
+  void* out = nullptr;
+  uint64_t count = 0, bytes = 0;
+  DType dtype = DType::kF32;
+};
+
+inline ffi::Error psum_pair(ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i, PsumPair& p) {
+  auto x = args.get<ffi::AnyBuffer>(i);
+  auto y = rets.get<ffi::AnyBuffer>(i);
+  if (x.has_error()) return x.error();
+  if (y.has_error()) return y.error();
+  const std::optional<DType> dtype = dtype_of(x->element_type());
+  if (!dtype) return ffi::Error::InvalidArgument("jax_arx.psum: takes float32, bfloat16 or float16");
+  if ((*y)->element_type() != x->element_type() || (*y)->element_count() != x->element_count())
+    return ffi::Error::InvalidArgument("jax_arx.psum: each result must have its operand's shape and dtype");
+  p.in = x->untyped_data();
+  p.out = (*y)->untyped_data();
+  p.count = x->element_count();
+  p.bytes = x->size_bytes();
+  p.dtype = *dtype;
+  return ffi::Error::Success();
+}
+
 // The binding of all_gather and psum_scatter, which take the same operands
 // and attributes on both platforms; `bind` is Ffi::Bind() with the
 // platform's own context before them (CUDA: the stream).
 template <typename Binding>
-auto prefill_collective_binding(Binding bind) {
+auto bulk_collective_binding(Binding bind) {
   return std::move(bind)
       .template Ctx<ffi::DeviceOrdinal>()    // device_ordinal
       .RemainingArgs()                       // x[0..n), then dependency operands
@@ -51,7 +102,7 @@ auto prefill_collective_binding(Binding bind) {
       .template Attr<int64_t>("dimension");  // dimension: x's axis gathered along, or scattered along
 }
 
-// The rows of the gathered / scattered dimension (host/prefill.h): the
+// The rows of the gathered / scattered dimension (host/device_side.h): the
 // product of x's first `dimension` sizes. With `dimension` = d, x viewed as
 // [outer][rest] gathers into [outer][world][rest] (all_gather along d,
 // tiled or not) and scatters from [outer][world][rest / world]
@@ -68,12 +119,12 @@ inline ffi::Error outer_rows(const ffi::AnyBuffer& x, int64_t dimension, uint64_
 }
 
 
-// Pair i of a prefill call, x_i -> y_i, checked as both platforms' handlers
+// Pair i of a bulk call, x_i -> y_i, checked as both platforms' handlers
 // check it: all_gather (`gather`): y has x's dtype and world times its
 // bytes; psum_scatter: x has a reducing dtype, y has its dtype and 1/world of
 // its elements. `outer`: the rows of the gathered / scattered dimension
 // (outer_rows), which must divide x's part.
-struct PrefillPair {
+struct BulkPair {
   const void* in = nullptr;
   void* out = nullptr;
   uint64_t in_bytes = 0, out_count = 0, outer = 1;
@@ -81,8 +132,8 @@ struct PrefillPair {
   std::optional<DType> dtype;  // the reducing type; for all_gather, nullopt if x has none
 };
 
-inline ffi::Error prefill_pair(bool gather, ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i,
-                               uint64_t world, int64_t dimension, PrefillPair& p) {
+inline ffi::Error bulk_pair(bool gather, ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i,
+                               uint64_t world, int64_t dimension, BulkPair& p) {
   const char* op = gather ? "all_gather" : "psum_scatter";
   auto x = args.get<ffi::AnyBuffer>(i);
   auto y = rets.get<ffi::AnyBuffer>(i);

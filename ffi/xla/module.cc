@@ -11,13 +11,18 @@
 #include <string>
 #include <vector>
 
+#include <nanobind/stl/tuple.h>
+
 #include "comm/endpoint.h"
+#include "comm/plan.h"
 #include "xla/handlers.h"
 
 #if ARX_HAVE_CUDA
 #include "cuda/device_side.h"
 #include "xla/handlers_cuda.h"
 #endif
+
+#include <tuple>
 
 namespace nb = nanobind;
 
@@ -113,6 +118,19 @@ class PyEndpoint {
     return nb::str(f.c_str());
   }
 
+  // What runs a collective of `op` ("psum", "all_gather", "psum_scatter",
+  // "moe_combine_psum_scatter") on this endpoint: (algorithm, pieces, why
+  // not), comm/plan.h. `bytes`: a psum's partial; for the bulk ops one rank's
+  // lane (an all_gather's input, a psum_scatter's or the combine's output).
+  std::tuple<int, int, std::string> plan(const std::string& op, uint64_t bytes) const {
+    Plan p;
+    if (op == "psum") p = plan_psum(*ep_, bytes);
+    else if (op == "all_gather" || op == "psum_scatter" || op == "moe_combine_psum_scatter")
+      p = plan_bulk(*ep_, op.c_str(), bytes);
+    else throw std::invalid_argument("jax_arx: no plan for op '" + op + "'");
+    return {(int)p.algorithm, p.pieces, p.why_not};
+  }
+
   const std::shared_ptr<Endpoint>& endpoint() const { return ep_; }
 
  private:
@@ -179,14 +197,13 @@ NB_MODULE(_core, m) {
       .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
       .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
       .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
-      .def_prop_ro("oneshot_max_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().slot_bytes; })
-      .def_prop_ro("prefill_slot_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().prefill_slot_bytes; })
-      .def_prop_ro("psum_inboxes", [](const PyEndpoint& p) {
-#if ARX_HAVE_CUDA
-        const arx::cuda::DeviceView* v = arx::cuda::view_of(*p.endpoint());
-        if (v && v->peer_memory) return std::string("gpu");
-#endif
-        return std::string("host");
-      }, "Where the peers' kernels put this rank's psum data: 'gpu' (this GPU's memory, mapped into the peers' "
-         "GPUs: JAX_ARX_CUDA_PEER_MEMORY) or 'host' (the pinned region).");
+      .def("plan", &PyEndpoint::plan, nb::arg("op"), nb::arg("bytes"),
+           "What runs a collective of `op` with `bytes` per rank here: (algorithm, pieces, why_not). algorithm 0: "
+           "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk.")
+      .def_prop_ro("route", [](const PyEndpoint& p) {
+        const arx::Endpoint::Route& r = p.endpoint()->route();
+        return std::string(!r.direct ? "proxy" : r.gpu_inboxes ? "direct, GPU inboxes" : "direct");
+      }, "How the device side reaches its peers: 'proxy' (through the carrier), 'direct' (stores into the peers' "
+         "mapped memory; inboxes in pinned host memory) or 'direct, GPU inboxes' (inboxes in each GPU's memory, "
+         "mapped into the peers' GPUs: JAX_ARX_CUDA_PEER_MEMORY).");
 }

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "comm/endpoint.h"
-#include "host/collectives.h"
+#include "host/device_side.h"
 #include "rig.h"
 
 using namespace arx;
@@ -112,12 +112,12 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
         fill_random(dtype, in[r], count, rng);
         out[r].assign(count * es, 0xAB);
       }
-      // Reference: fp32 sum in rank order from 0.0f, rounded once.
+      // Reference: fp32 sum in rank order from rank 0's element, rounded once.
       std::vector<uint8_t> ref(count * es);
       if (dtype != DType::kF16 || count <= 64)
         for (uint64_t i = 0; i < count; ++i) {
-          float acc = 0.0f;
-          for (int r = 0; r < world; ++r) acc += ref_load(dtype, in[r].data() + i * es);
+          float acc = ref_load(dtype, in[0].data() + i * es);
+          for (int r = 1; r < world; ++r) acc += ref_load(dtype, in[r].data() + i * es);
           ref_store(dtype, ref.data() + i * es, acc);
         }
       std::vector<Status> sts(world);
@@ -125,9 +125,9 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
       on_ranks(world, [&](int r) {
         if (alias) {
           out[r] = in[r];
-          sts[r] = host::allreduce(*rig.eps[r], dtype, out[r].data(), out[r].data(), count, 0);
+          sts[r] = host::psum(*rig.eps[r], dtype, out[r].data(), out[r].data(), count, 0);
         } else {
-          sts[r] = host::allreduce(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, 0);
+          sts[r] = host::psum(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, 0);
         }
       });
       for (int r = 0; r < world; ++r) {
@@ -143,6 +143,32 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
   for (auto& ep : rig.eps) ep->close();
 }
 
+// A sum of negative zeros is a negative zero, as in jax.lax (the sum starts
+// from rank 0's element, not from +0.0); mixed signs give +0.0.
+void test_signed_zero(TransportKind kind) {
+  Rig rig;
+  if (!make_rig(kind, 3, rig, Config())) { EXPECT(false, "rig"); return; }
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const int es = dtype_size(t);
+    // Element 0: -0 everywhere; element 1: -0, +0, -0.
+    const uint32_t neg = t == DType::kF32 ? 0x80000000u : 0x8000u;
+    std::vector<std::vector<uint8_t>> in(3, std::vector<uint8_t>(2 * es, 0)), out(3, std::vector<uint8_t>(2 * es, 0xAB));
+    for (int r = 0; r < 3; ++r) {
+      std::memcpy(in[r].data(), &neg, es);
+      if (r != 1) std::memcpy(in[r].data() + es, &neg, es);
+    }
+    on_ranks(3, [&](int r) { host::psum(*rig.eps[r], t, in[r].data(), out[r].data(), 2, 0); });
+    for (int r = 0; r < 3; ++r) {
+      uint32_t a = 0, b = 0;
+      std::memcpy(&a, out[r].data(), es);
+      std::memcpy(&b, out[r].data() + es, es);
+      EXPECT(a == neg && b == 0, "%s dtype %d rank %d: -0 + -0 + -0 gave %x (want %x), -0 + 0 + -0 gave %x (want 0)",
+             transport_name(kind), (int)t, r, a, neg, b);
+    }
+  }
+  for (auto& ep : rig.eps) ep->close();
+}
+
 // Thousands of back-to-back calls: parity reuse under load.
 void test_back_to_back(TransportKind kind, int world, int calls) {
   Rig rig;
@@ -152,7 +178,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
     std::vector<float> in(97), out(97);
     for (int c = 1; c <= calls; ++c) {
       for (int i = 0; i < 97; ++i) in[i] = (float)(c * (r + 1) + i);
-      const Status s = host::allreduce(*rig.eps[r], DType::kF32, in.data(), out.data(), 97, 0);
+      const Status s = host::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 97, 0);
       if (!s.ok()) { bad[r] = c; return; }
       const float tri = (float)(world * (world + 1) / 2);
       for (int i = 0; i < 97; ++i)
@@ -174,14 +200,14 @@ void test_timeout(TransportKind kind) {
   const auto t0 = std::chrono::steady_clock::now();
   Status s0, s1;
   // Rank 2 never calls.
-  on_ranks(2, [&](int r) { (r ? s1 : s0) = host::allreduce(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0); });
+  on_ranks(2, [&](int r) { (r ? s1 : s0) = host::psum(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0); });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT(!s0.ok() && s0.message().find("rank 2") != std::string::npos, "timeout names the missing rank: %s",
          s0.message().c_str());
   EXPECT(took < 5, "timeout took %.2f s", took);
   EXPECT(std::isnan(out[0]), "output is NaN after a failed call");
   const auto t1 = std::chrono::steady_clock::now();
-  Status again = host::allreduce(*rig.eps[0], DType::kF32, in.data(), out.data(), 10, 0);
+  Status again = host::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 10, 0);
   EXPECT(!again.ok() && again.message() == s0.message(), "a later call reports the same failure: %s",
          again.message().c_str());
   EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "a later call fails at once");
@@ -197,8 +223,8 @@ void test_mismatch(TransportKind kind) {
   std::vector<float> a(16, 1.0f), b(17, 1.0f), oa(16), ob(17);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = host::allreduce(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
-    else s1 = host::allreduce(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
+    if (r == 0) s0 = host::psum(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
+    else s1 = host::psum(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
   });
   EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
          s0.message().c_str());
@@ -223,7 +249,7 @@ void test_abort_on_failure(TransportKind kind) {
     Rig rig;
     if (!make_rig(kind, 2, rig, cfg)) _exit(3);
     std::vector<float> in(4, 1.0f), out(4);
-    host::allreduce(*rig.eps[0], DType::kF32, in.data(), out.data(), 4, 0);  // rank 1 never calls
+    host::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 4, 0);  // rank 1 never calls
     _exit(0);  // not reached: the failure ends the process
   }
   close(err_pipe[1]);
@@ -277,6 +303,7 @@ int main(int argc, char** argv) {
       test_allreduce(k, world, DType::kF16, {1, 3, 64}, quick ? 1 : 2);
       test_back_to_back(k, world, quick ? 300 : 2000);
     }
+    test_signed_zero(k);
     test_timeout(k);
     test_mismatch(k);
     test_fingerprint(k);

@@ -22,10 +22,10 @@
 #include <thread>
 #include <vector>
 
-#include "comm/atomics.h"
-#include "comm/config.h"
-#include "comm/layout.h"
-#include "comm/region.h"
+#include "base/atomics.h"
+#include "base/config.h"
+#include "base/layout.h"
+#include "base/region.h"
 #include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
@@ -34,6 +34,10 @@ using namespace arx::tcp_wire;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// The word of psum piece 0 that `src` stores over `root` (two roots).
+int flag_index(const Layout& L, int src, int root) { return psum_words(L.world, kRoots).index(src, 0, root); }
+
 
 int g_failures = 0;
 std::mutex g_print_mu;
@@ -185,7 +189,7 @@ void test_exchange(int world) {
   const uint64_t slot = 65536, nbytes = slot - 40;  // not a multiple of 16: root 1 gets an odd tail
   World w;
   if (!make_world(w, world, slot, slot) || !connect_ok(w)) return;
-  const uint64_t desc = describe(Mode::kFull, DType::kF32, nbytes / 4, /*tag=*/0);
+  const uint64_t desc = describe(OpCode::kPsum, (uint64_t)DType::kF32, nbytes / 4, /*tag=*/0);
   const auto t0 = Clock::now();
   std::vector<std::thread> senders;
   for (int r = 0; r < world; ++r) {
@@ -199,12 +203,12 @@ void test_exchange(int world) {
           uint64_t off, len;
           root_split(nbytes, root, 2, off, len);
           Status s = me.t->put(p, root, src + off, me.layout.recv_offset(0, r) + off, len,
-                               me.layout.flag_offset(flag_index(r, root)), flag_word(1, desc));
+                               me.layout.flag_offset(flag_index(me.layout, r, root)), flag_word(1, desc));
           CHECK(s.ok(), "put %d->%d root %d: %s", r, p, root, s.message().c_str());
         }
-        // len 0: a flag only, in the words past the one-shot flags.
+        // len 0: a flag only, in the source's word of its second piece.
         Status s = me.t->put(p, k % 2, src, me.layout.recv_offset(0, r), 0,
-                             me.layout.flag_offset(world * kRoots + r), 1000 + r);
+                             me.layout.flag_offset(flag_index(me.layout, r, 0) + 2), 1000 + r);
         CHECK(s.ok(), "flag-only put %d->%d: %s", r, p, s.message().c_str());
       }
     });
@@ -215,9 +219,9 @@ void test_exchange(int world) {
     for (int s = 0; s < world; ++s) {
       if (s == d) continue;
       for (int root = 0; root < 2; ++root)
-        CHECK(wait_flag(me.base(), me.layout.flag_offset(flag_index(s, root)), flag_word(1, desc)),
+        CHECK(wait_flag(me.base(), me.layout.flag_offset(flag_index(me.layout, s, root)), flag_word(1, desc)),
               "world %d: rank %d never saw the flag of rank %d root %d", world, d, s, root);
-      CHECK(wait_flag(me.base(), me.layout.flag_offset(world * kRoots + s), 1000 + s),
+      CHECK(wait_flag(me.base(), me.layout.flag_offset(flag_index(me.layout, s, 0) + 2), 1000 + s),
             "world %d: rank %d never saw the flag-only put of rank %d", world, d, s);
       const uint8_t* got = me.base() + me.layout.recv_offset(0, s);
       uint64_t bad = 0, first = 0;
@@ -265,7 +269,7 @@ void test_ordering() {
         Rank& me = w[s];
         for (int i = 0; i < kN; ++i) {
           Status st = me.t->put(1 - s, root, src + i, me.layout.recv_offset(root, s) + 8 * (uint64_t)i, 8,
-                                me.layout.flag_offset(flag_index(s, root)), (uint64_t)i + 1);
+                                me.layout.flag_offset(flag_index(me.layout, s, root)), (uint64_t)i + 1);
           if (!st.ok()) {
             CHECK(false, "put %d of %d->%d root %d: %s", i, s, 1 - s, root, st.message().c_str());
             return;
@@ -281,7 +285,7 @@ void test_ordering() {
         Rank& me = w[d];
         const int s = 1 - d;
         const uint64_t* flag =
-            reinterpret_cast<const uint64_t*>(me.base() + me.layout.flag_offset(flag_index(s, root)));
+            reinterpret_cast<const uint64_t*>(me.base() + me.layout.flag_offset(flag_index(me.layout, s, root)));
         const uint64_t* words = reinterpret_cast<const uint64_t*>(me.base() + me.layout.recv_offset(root, s));
         uint64_t seen = 0;
         const auto start = Clock::now();
@@ -341,14 +345,14 @@ void test_large() {
         uint64_t off, len;
         root_split(bytes, root, 2, off, len);
         Status st = me.t->put(1 - s, root, me.base() + me.layout.send_offset(1) + off,
-                              me.layout.recv_offset(1, s) + off, len, me.layout.flag_offset(flag_index(s, root)), 42);
+                              me.layout.recv_offset(1, s) + off, len, me.layout.flag_offset(flag_index(me.layout, s, root)), 42);
         CHECK(st.ok(), "large put %d root %d: %s", s, root, st.message().c_str());
       });
   for (auto& t : th) t.join();
   for (int d = 0; d < 2; ++d) {
     const int s = 1 - d;
     for (int root = 0; root < 2; ++root)
-      CHECK(wait_flag(w[d].base(), w[d].layout.flag_offset(flag_index(s, root)), 42, 30),
+      CHECK(wait_flag(w[d].base(), w[d].layout.flag_offset(flag_index(w[d].layout, s, root)), 42, 30),
             "large put: rank %d never saw rank %d root %d", d, s, root);
     const uint8_t* got = w[d].base() + w[d].layout.recv_offset(1, s);
     uint64_t bad = 0;
@@ -371,25 +375,25 @@ void test_out_of_bounds() {
   Rank& victim = w[1];
   const Layout& L = victim.layout;
   // Canary everywhere a peer must not write: the control block and the send buffers.
-  memset(victim.base() + L.control, 0xcd, L.inbox_lo - L.control);
-  memset(victim.base() + L.inbox_hi, 0xcd, L.total - L.inbox_hi);
+  memset(victim.base() + L.control, 0xcd, L.inbox_lo() - L.control);
+  memset(victim.base() + L.inbox_hi(), 0xcd, L.total - L.inbox_hi());
   std::vector<uint8_t> before(victim.base(), victim.base() + L.total);
 
   const uint8_t* src0 = w[0].base() + w[0].layout.send_offset(0);
   const uint8_t* src2 = w[2].base() + w[2].layout.send_offset(0);
   memset(w[0].base() + w[0].layout.send_offset(0), 0x11, slot);
   memset(w[2].base() + w[2].layout.send_offset(0), 0x22, slot);
-  const uint64_t good_flag = L.flag_offset(flag_index(0, 0));
+  const uint64_t good_flag = L.flag_offset(flag_index(L, 0, 0));
   // Each bad frame ends its stream, so each case uses its own (sender, root).
   struct Case {
     int from, root;
     uint64_t offset, len, flag;
     const char* expect;
   } cases[] = {
-      {0, 0, L.send, 64, good_flag, "outside this endpoint's inbox"},               // past the inbox
-      {0, 1, L.inbox_hi - 8, 16, good_flag, "outside this endpoint's inbox"},       // straddles its end
-      {2, 0, L.recv_offset(0, 2), 64, L.recv, "not a word of this endpoint's flag page"},      // flag not a flag
-      {2, 1, L.recv_offset(0, 2), 64, L.flags + 4, "not a word of this endpoint's flag page"},  // misaligned flag
+      {0, 0, L.send, 64, good_flag, "outside its own slots"},               // past the inbox
+      {0, 1, L.inbox_hi() - 8, 16, good_flag, "outside its own slots"},       // straddles its end
+      {2, 0, L.recv_offset(0, 2), 64, L.recv, "not one of its own words"},      // flag not a flag
+      {2, 1, L.recv_offset(0, 2), 64, L.flags + 4, "not one of its own words"},  // misaligned flag
   };
   for (const Case& c : cases) {
     Status s = w[c.from].t->put(1, c.root, c.from ? src2 : src0, c.offset, c.len, c.flag, 99);
@@ -408,7 +412,7 @@ void test_out_of_bounds() {
     for (auto& [peer, why] : victim.lost)
       if (why.find("inbox") != std::string::npos)
         CHECK(why.find(strf("offset %llu", (unsigned long long)L.send)) != std::string::npos ||
-                  why.find(strf("offset %llu", (unsigned long long)(L.inbox_hi - 8))) != std::string::npos,
+                  why.find(strf("offset %llu", (unsigned long long)(L.inbox_hi() - 8))) != std::string::npos,
               "the report should name the offset: %s", why.c_str());
   }
   uint64_t changed = 0, first = 0;
@@ -431,8 +435,8 @@ void test_out_of_bounds() {
         "poll() should report the failed send to rank 1 root 0, says: '%s'", sticky.message().c_str());
   CHECK(w[0].t->poll().message() == sticky.message(), "poll()'s error should be sticky");
   // Other links are unaffected: rank 2 -> rank 0 still works.
-  Status ok = w[2].t->put(0, 0, src2, w[0].layout.recv_offset(0, 2), 64, w[0].layout.flag_offset(flag_index(2, 0)), 7);
-  CHECK(ok.ok() && wait_flag(w[0].base(), w[0].layout.flag_offset(flag_index(2, 0)), 7),
+  Status ok = w[2].t->put(0, 0, src2, w[0].layout.recv_offset(0, 2), 64, w[0].layout.flag_offset(flag_index(w[0].layout, 2, 0)), 7);
+  CHECK(ok.ok() && wait_flag(w[0].base(), w[0].layout.flag_offset(flag_index(w[0].layout, 2, 0)), 7),
         "an unrelated link broke: %s", ok.message().c_str());
   printf("%s out of bounds: 4 bad frames refused and reported, no byte written, sender sees '%.60s...'\n", verdict(f0),
          sticky.message().c_str());
@@ -556,7 +560,7 @@ void test_strangers() {
     if (fd < 0) continue;
     if (c.send_hello) send_hello(fd, c.hello);
     // Then what a writer would send: a payload into rank 2's slot and its flag.
-    FrameHeader h{kFrameMagic, L.recv_offset(0, 2), 256, L.flag_offset(flag_index(2, 0)), 12345};
+    FrameHeader h{kFrameMagic, L.recv_offset(0, 2), 256, L.flag_offset(flag_index(L, 2, 0)), 12345};
     std::vector<uint8_t> payload(256, 0xee);
     for (int k = 0; k < 3; ++k) {
       raw_send(fd, &h, sizeof h);
@@ -571,10 +575,10 @@ void test_strangers() {
   CHECK(changed == 0, "strangers changed %llu bytes of the region", (unsigned long long)changed);
   // The genuine stream still works after all that: the receiver stayed in step.
   std::vector<uint8_t> payload(8, 0x3c);
-  FrameHeader h{kFrameMagic, L.recv_offset(1, 1), 8, L.flag_offset(flag_index(1, 0)), 77};
+  FrameHeader h{kFrameMagic, L.recv_offset(1, 1), 8, L.flag_offset(flag_index(L, 1, 0)), 77};
   raw_send(real, &h, sizeof h);
   raw_send(real, payload.data(), payload.size());
-  CHECK(wait_flag(victim.base(), L.flag_offset(flag_index(1, 0)), 77) &&
+  CHECK(wait_flag(victim.base(), L.flag_offset(flag_index(L, 1, 0)), 77) &&
             memcmp(victim.base() + L.recv_offset(1, 1), payload.data(), 8) == 0,
         "the genuine stream stopped working");
   CHECK(victim.lost_count() == 0, "strangers are not peers, yet on_peer_lost fired: %s", victim.lost_text().c_str());
@@ -594,28 +598,28 @@ void test_faulty_peer() {
   Rank& me = w[0];
   const Layout& L = me.layout;
   const int port = port_of(w.details[0]);
-  memset(me.base() + L.inbox_hi, 0xcd, L.total - L.inbox_hi);
+  memset(me.base() + L.inbox_hi(), 0xcd, L.total - L.inbox_hi());
 
   // Positive control: an authenticated raw stream does write.
   const int a = raw_connect(port);
   send_hello(a, make_hello(kSecret, 3, 2, 0));
   CHECK(read_ack(a), "a correct hello got no ack");
   std::vector<uint8_t> payload(64, 0x5a);
-  FrameHeader h{kFrameMagic, L.recv_offset(0, 2), 64, L.flag_offset(flag_index(2, 0)), 5};
+  FrameHeader h{kFrameMagic, L.recv_offset(0, 2), 64, L.flag_offset(flag_index(L, 2, 0)), 5};
   raw_send(a, &h, sizeof h);
   raw_send(a, payload.data(), payload.size());
-  CHECK(wait_flag(me.base(), L.flag_offset(flag_index(2, 0)), 5), "an authenticated frame was not delivered");
+  CHECK(wait_flag(me.base(), L.flag_offset(flag_index(L, 2, 0)), 5), "an authenticated frame was not delivered");
   CHECK(memcmp(me.base() + L.recv_offset(0, 2), payload.data(), 64) == 0, "authenticated payload differs");
   // A length that wraps around 2^64 past the inbox.
-  FrameHeader wrap{kFrameMagic, L.inbox_lo + 32, ~0ull - 15, L.flag_offset(flag_index(2, 0)), 6};
+  FrameHeader wrap{kFrameMagic, L.inbox_lo() + 32, ~0ull - 15, L.flag_offset(flag_index(L, 2, 0)), 6};
   raw_send(a, &wrap, sizeof wrap);
   raw_send(a, payload.data(), payload.size());
   CHECK(me.wait_lost(1), "a wrapping length was not reported");
   CHECK(read_until_closed(a) == 0, "the stream of a wrapping length should be closed");
   close(a);
-  CHECK(load_acquire(reinterpret_cast<uint64_t*>(me.base() + L.flag_offset(flag_index(2, 0)))) == 5,
+  CHECK(load_acquire(reinterpret_cast<uint64_t*>(me.base() + L.flag_offset(flag_index(L, 2, 0)))) == 5,
         "the refused frame's flag was stored");
-  for (uint64_t i = L.inbox_hi; i < L.total; ++i)
+  for (uint64_t i = L.inbox_hi(); i < L.total; ++i)
     if (me.base()[i] != 0xcd) {
       CHECK(false, "byte %llu past the inbox was written", (unsigned long long)i);
       break;
@@ -625,7 +629,7 @@ void test_faulty_peer() {
   const int b = raw_connect(port);
   send_hello(b, make_hello(kSecret, 3, 2, 1));
   CHECK(read_ack(b), "hello for rank 2 root 1 got no ack");
-  FrameHeader half{kFrameMagic, L.recv_offset(0, 2), 64, L.flag_offset(flag_index(2, 1)), 9};
+  FrameHeader half{kFrameMagic, L.recv_offset(0, 2), 64, L.flag_offset(flag_index(L, 2, 1)), 9};
   raw_send(b, &half, sizeof half);
   raw_send(b, payload.data(), 10);
   close(b);
@@ -643,14 +647,14 @@ void test_faulty_peer() {
     std::lock_guard<std::mutex> lk(me.lost_mu);
     CHECK(me.lost.size() == 2, "EOF after a goodbye was reported as a lost peer (%zu reports)", me.lost.size());
     if (me.lost.size() >= 2) {
-      CHECK(me.lost[0].first == 2 && me.lost[0].second.find("outside this endpoint's inbox") != std::string::npos,
+      CHECK(me.lost[0].first == 2 && me.lost[0].second.find("outside its own slots") != std::string::npos,
             "wrap report: %s", me.lost[0].second.c_str());
       CHECK(me.lost[1].first == 2 && me.lost[1].second.find("connection closed by rank 2 (root 1)") == 0 &&
                 me.lost[1].second.find("middle of a frame") != std::string::npos,
             "EOF report: %s", me.lost[1].second.c_str());
     }
   }
-  CHECK(load_acquire(reinterpret_cast<uint64_t*>(me.base() + L.flag_offset(flag_index(2, 1)))) == 0,
+  CHECK(load_acquire(reinterpret_cast<uint64_t*>(me.base() + L.flag_offset(flag_index(L, 2, 1)))) == 0,
         "a half-received frame's flag was stored");
   printf("%s faulty peer: wrapping length refused, EOF mid-frame reported, orderly goodbye not\n", verdict(f0));
   me.t->close();
@@ -764,7 +768,7 @@ void test_close() {
     const auto t0 = Clock::now();
     while (since(t0) < 10 && err[root].ok()) {
       err[root] = w[0].t->put(1, root, w[0].base() + w[0].layout.send_offset(0), w[0].layout.recv_offset(0, 0),
-                              4096, w[0].layout.flag_offset(flag_index(0, root)), 1);
+                              4096, w[0].layout.flag_offset(flag_index(w[0].layout, 0, root)), 1);
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     CHECK(!err[root].ok() && err[root].message().find(strf("rank 1 (root %d)", root)) != std::string::npos,

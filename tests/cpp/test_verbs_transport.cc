@@ -29,16 +29,20 @@
 #include <string>
 #include <vector>
 
-#include "comm/atomics.h"
-#include "comm/config.h"
-#include "comm/layout.h"
-#include "comm/region.h"
+#include "base/atomics.h"
+#include "base/config.h"
+#include "base/layout.h"
+#include "base/region.h"
 #include "transport/transport.h"
 #include "transport/verbs_device.h"
 
 using namespace arx;
 
 namespace {
+
+// The word of psum piece 0 that `src` stores over `root` (two roots).
+int flag_index(const Layout& L, int src, int root) { return psum_words(L.world, kRoots).index(src, 0, root); }
+
 
 int g_rank = 0;
 int g_failures = 0;
@@ -282,14 +286,14 @@ Status wait_flag(Rank& r, uint64_t off, uint64_t want, double limit_s = 30) {
   uint64_t last = 0;
   for (;;) {
     const uint64_t v = load_acquire(r.word(off));
-    if (flag_progress(v) < flag_progress(last))
+    if (flag_seq(v) < flag_seq(last))
       return Status::Error(strf("flag at %llu went backwards: 0x%llx after 0x%llx", (unsigned long long)off,
                                 (unsigned long long)v, (unsigned long long)last));
     last = v;
-    if (flag_progress(v) == flag_progress(want) && v != want)
+    if (flag_seq(v) == flag_seq(want) && v != want)
       return Status::Error(strf("flag at %llu is 0x%llx, expected 0x%llx", (unsigned long long)off,
                                 (unsigned long long)v, (unsigned long long)want));
-    if (flag_progress(v) >= flag_progress(want)) return Status::Ok();
+    if (flag_seq(v) >= flag_seq(want)) return Status::Ok();
     ARX_RETURN_IF_ERROR(r.t->poll());
     if (now_s() - t0 > limit_s)
       return Status::Error(strf("flag at %llu stayed 0x%llx, waiting for 0x%llx for %.0f s", (unsigned long long)off,
@@ -310,10 +314,10 @@ Status exchange(Rank& r, int rank, int peer, uint64_t seq, uint64_t bytes) {
     uint64_t off, len;
     root_split(bytes, root, roots, off, len);
     ARX_RETURN_IF_ERROR(r.t->put(peer, root, send + off, r.layout.recv_offset(par, rank) + off, len,
-                                 r.layout.flag_offset(flag_index(rank, root)), word));
+                                 r.layout.flag_offset(flag_index(r.layout, rank, root)), word));
   }
   for (int root = 0; root < roots; ++root)
-    ARX_RETURN_IF_ERROR(wait_flag(r, r.layout.flag_offset(flag_index(peer, root)), word));
+    ARX_RETURN_IF_ERROR(wait_flag(r, r.layout.flag_offset(flag_index(r.layout, peer, root)), word));
   std::string err;
   if (!check_pattern(r.at(r.layout.recv_offset(par, peer)), bytes, peer, seq, err)) return Status::Error(err);
   return Status::Ok();
@@ -349,7 +353,7 @@ void expect_peer_lost(Rank& r, const std::string& name, double limit_s) {
   while (st.ok() && now_s() - t0 < limit_s) {
     uint8_t* src = r.at(r.layout.send_offset(0));
     pattern(src, 256, 0, seq);
-    st = r.t->put(1, 0, src, r.layout.recv_offset(0, 0), 256, r.layout.flag_offset(flag_index(0, 0)),
+    st = r.t->put(1, 0, src, r.layout.recv_offset(0, 0), 256, r.layout.flag_offset(flag_index(r.layout, 0, 0)),
                   flag_word(seq++, 0));
     if (st.ok()) st = r.t->poll();
     usleep(1000);
@@ -504,7 +508,7 @@ void run_rank(int rank, const Args& a) {
   // 4. Bounds: writes outside the peer's inbox or from outside the region
   // are refused before anything is posted, and break nothing.
   {
-    const uint64_t lo = r.layout.inbox_lo, hi = r.layout.inbox_hi;
+    const uint64_t lo = r.layout.inbox_lo(), hi = r.layout.inbox_hi();
     uint8_t* src = r.at(r.layout.send_offset(0));
     const Status below = r.t->put(peer, 0, src, 0, 64, r.layout.flag_offset(0), 1);              // the control block
     const Status above = r.t->put(peer, 0, src, hi - 32, 64, r.layout.flag_offset(0), 1);        // past the inbox
@@ -515,7 +519,7 @@ void run_rank(int rank, const Args& a) {
     const Status self = r.t->put(rank, 0, src, r.layout.recv_offset(0, rank), 64, r.layout.flag_offset(0), 1);
     const Status after = r.t->poll();
     if (!below.ok() && !above.ok() && !flag.ok() && !unaligned.ok() && !source.ok() && !self.ok() && after.ok() &&
-        contains(above.message(), "inbox"))
+        contains(above.message(), "slots"))
       pass("bounds", "writes outside the peer's inbox, from outside the region, or to itself are refused: " +
                          above.message());
     else

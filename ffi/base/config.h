@@ -1,20 +1,24 @@
 // Settings of one endpoint. Python reads the JAX_ARX_* environment (one
 // place, jax_arx/config.py) and hands the values over as strings; the
-// defaults below are the reference's.
+// defaults below are the reference's. The "tuning" ones are no user
+// settings: benchmarks chose their defaults, and only tests and benchmarks
+// set them (jax_arx.initialize's private `_tuning` argument), to reach a
+// path that the defaults take only at other sizes.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <string>
 
-#include "comm/status.h"
+#include "base/status.h"
 
 namespace arx {
 
 struct Config {
   uint64_t slot_bytes = 1 << 20;  // per peer per parity: one-shot partial or two-shot chunk
   uint64_t send_bytes = 4 << 20;  // per parity: a two-shot partial
-  uint64_t prefill_slot_bytes = 32 << 20;  // JAX_ARX_PREFILL_SLOT_BYTES: per parity, a prefill op's gathered output / input (0: none)
+  uint64_t oneshot_max_bytes = 0;  // JAX_ARX_ONESHOT_MAX_BYTES: one-shot psum up to here (0: slot_bytes), then two-shot
+  uint64_t bulk_bytes = 32 << 20;  // JAX_ARX_PREFILL_SLOT_BYTES: per parity, a bulk op's gathered output / input (0: none)
   double timeout_s = 30;          // JAX_ARX_TIMEOUT_S: bound of every wait on peers
   int64_t idle_spin_ms = 200;     // JAX_ARX_IDLE_SPIN_MS: proxy spins this long after work
   int64_t idle_nap_us = 200;      // JAX_ARX_IDLE_NAP_US: then naps this long per turn (0: spin)
@@ -29,17 +33,13 @@ struct Config {
   int64_t ib_retry_cnt = 7;       // JAX_ARX_IB_RETRY_CNT, 0..7 (soft-RoCE: 6, see verbs.cc)
   int64_t ib_tc = 0;              // JAX_ARX_IB_TC: traffic class of RoCE packets, 0..255
   int64_t ib_sl = 0;              // JAX_ARX_IB_SL: service level, 0..15
-  uint64_t ib_chunk_bytes = 0;    // JAX_ARX_IB_CHUNK_BYTES: split data writes (a test knob); 0 = whole
+  uint64_t ib_chunk_bytes = 0;    // tuning: split verbs data writes into pieces of at most this; 0 = whole
   std::string ibverbs_lib;        // JAX_ARX_IBVERBS_LIB: the libibverbs to load; empty = the usual names
-  bool cuda_direct = true;         // JAX_ARX_CUDA_DIRECT: GPU writes peers' inboxes itself on shm
-  // JAX_ARX_CUDA_PIPELINE: in direct mode, the one-shot psum goes chunk by
-  // chunk, a flag per chunk (ffi/cuda/allreduce.cu). -1: the kernels choose
-  // per size (pipeline_chunks; today: on at every size); 0: off; 1: on.
-  int64_t cuda_pipeline = -1;
-  uint64_t cuda_chunk_bytes = 0;   // JAX_ARX_CUDA_CHUNK_BYTES: its chunk size (a tuning knob); 0 = built-in
-  // JAX_ARX_CUDA_LL_MAX_BYTES: in direct mode, a one-shot psum up to this
-  // size goes with its flags inside the data (ffi/cuda/allreduce.cu, "LL").
-  // -1: built in; 0: never.
+  bool cuda_direct = true;         // JAX_ARX_CUDA_DIRECT: GPUs of one host write the peers' inboxes themselves
+  // tuning: the pieces of a one-shot psum (comm/plan.cc); 0: built in.
+  uint64_t cuda_chunk_bytes = 0;
+  // tuning: on the direct channel, a one-shot psum up to this size goes LL,
+  // its flags inside the data (cuda/ll.cu). -1: built in; 0: never.
   int64_t cuda_ll_max_bytes = -1;
   // JAX_ARX_CUDA_PEER_MEMORY: in direct mode, the psum inboxes (recv slots,
   // chunk flags, LL lines) live in each GPU's own memory, mapped into the

@@ -1,4 +1,4 @@
-#include "comm/region.h"
+#include "base/region.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,4 +1,4 @@
-#include "comm/config.h"
+#include "base/config.h"
 
 #include <cerrno>
 #include <cstdlib>
@@ -54,7 +54,8 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
   for (const auto& [k, v] : kv) {
     if (k == "slot_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.slot_bytes));
     else if (k == "send_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.send_bytes));
-    else if (k == "prefill_slot_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.prefill_slot_bytes));
+    else if (k == "oneshot_max_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.oneshot_max_bytes));
+    else if (k == "bulk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.bulk_bytes));
     else if (k == "timeout_s") ARX_RETURN_IF_ERROR(parse_f64(k, v, c.timeout_s));
     else if (k == "idle_spin_ms") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_spin_ms));
     else if (k == "idle_nap_us") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_nap_us));
@@ -70,7 +71,6 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
     else if (k == "ib_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.ib_chunk_bytes));
     else if (k == "ibverbs_lib") c.ibverbs_lib = v;
     else if (k == "cuda_direct") c.cuda_direct = v == "1" || v == "true";
-    else if (k == "cuda_pipeline") ARX_RETURN_IF_ERROR(parse_range(k, v, -1, 1, c.cuda_pipeline));
     else if (k == "cuda_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.cuda_chunk_bytes));
     else if (k == "cuda_ll_max_bytes") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.cuda_ll_max_bytes));
     else if (k == "cuda_peer_memory") ARX_RETURN_IF_ERROR(parse_range(k, v, -1, 1, c.cuda_peer_memory));
@@ -91,9 +91,9 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
   if (c.cuda_ll_max_bytes < -1)
     return Status::Error(strf("jax_arx: cuda_ll_max_bytes (%lld) must be -1 (built in), 0 (off) or a size",
                               (long long)c.cuda_ll_max_bytes));
-  if (c.prefill_slot_bytes % 16)
-    return Status::Error(strf("jax_arx: prefill_slot_bytes (%llu) must be a multiple of 16",
-                              (unsigned long long)c.prefill_slot_bytes));
+  if (c.bulk_bytes % 16)
+    return Status::Error(strf("jax_arx: bulk_bytes (%llu, JAX_ARX_PREFILL_SLOT_BYTES) must be a multiple of 16",
+                              (unsigned long long)c.bulk_bytes));
   out = c;
   return Status::Ok();
 }

@@ -1,14 +1,14 @@
-// The prefill-sized ops end to end, ranks as threads of one process:
-// all_gather, reduce_scatter and the fused MoE combine through the work ring,
-// the proxy and a carrier, against an independent reference (conversions
-// written here, sums in rank order from the inputs, never from the library's
-// buffers). Also: prefill ops interleaved with psum on one endpoint, many
-// calls back to back (parity and ring reuse), a producer that publishes
-// pieces out of order (as GPU blocks do), timeouts, mismatches, and the
-// layout's inbox windows. Runs under ThreadSanitizer with --quick (tcp; see
-// test_core.cc for why not shm).
+// The bulk collectives end to end, ranks as threads of one process:
+// all_gather, reduce_scatter and the fused MoE combine over the endpoint's
+// channels (direct on shm, through the proxy and the carrier on tcp), against
+// an independent reference (conversions written here, sums in rank order from
+// the inputs, never from the library's buffers). Also: bulk collectives
+// interleaved with psum on one endpoint, many calls back to back (parity and
+// ring reuse), a producer that publishes triggers out of order (as GPU blocks
+// do), timeouts and mismatches. Runs under ThreadSanitizer with --quick (tcp;
+// see test_core.cc for why not shm).
 //
-// usage: test_prefill [--quick] [carrier ...]   (default: shm tcp)
+// usage: test_bulk [--quick] [carrier ...]   (default: shm tcp)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,10 +20,10 @@
 #include <thread>
 #include <vector>
 
-#include "comm/atomics.h"
+#include "base/atomics.h"
 #include "comm/endpoint.h"
-#include "host/collectives.h"
-#include "host/prefill.h"
+#include "comm/wait.h"
+#include "host/device_side.h"
 #include "rig.h"
 
 using namespace arx;
@@ -99,15 +99,15 @@ void ref_store(DType t, uint8_t* p, float f) {
 
 Config test_config() {
   Config c;
-  c.prefill_slot_bytes = 8 << 20;
+  c.bulk_bytes = 8 << 20;
   c.slot_bytes = 64 << 10;
   c.send_bytes = 64 << 10;
   c.timeout_s = 20;
   return c;
 }
 
-bool prefill_rig(TransportKind kind, int world, Rig& rig, const Config& cfg = test_config()) {
-  return testing::make_rig(kind, world, rig, cfg, "prefill", 11);
+bool bulk_rig(TransportKind kind, int world, Rig& rig, const Config& cfg = test_config()) {
+  return testing::make_rig(kind, world, rig, cfg, "bulk", 11);
 }
 
 
@@ -131,7 +131,7 @@ std::vector<uint8_t> random_values(DType t, uint64_t count, std::mt19937& rng) {
 // [rows][world][block].
 void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<uint64_t, uint64_t>>& sizes) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
+  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
   std::mt19937 rng(world * 31 + (int)kind);
   for (int rep = 0; rep < 2; ++rep)
     for (auto [outer, block] : sizes) {
@@ -163,7 +163,7 @@ void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<
 void test_reduce_scatter(TransportKind kind, int world, DType dtype,
                          const std::vector<std::pair<uint64_t, uint64_t>>& shapes) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
+  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
   std::mt19937 rng(world * 57 + (int)dtype);
   const int es = dtype_size(dtype);
   for (int rep = 0; rep < 2; ++rep)
@@ -184,8 +184,9 @@ void test_reduce_scatter(TransportKind kind, int world, DType dtype,
         std::vector<uint8_t> ref(count * es);
         for (uint64_t o = 0; o < outer; ++o)
           for (uint64_t i = 0; i < inner; ++i) {
-            float acc = 0.0f;
-            for (int s = 0; s < world; ++s)
+            // Rank order from rank 0's element, as every sum of jax_arx.
+            float acc = ref_load(dtype, in[0].data() + ((o * world + r) * inner + i) * es);
+            for (int s = 1; s < world; ++s)
               acc += ref_load(dtype, in[s].data() + ((o * world + r) * inner + i) * es);
             ref_store(dtype, ref.data() + (o * inner + i) * es, acc);
           }
@@ -227,7 +228,7 @@ std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::
 
 void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
+  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
   std::mt19937 rng(world * 91);
   for (const MoeCase& c : cases) {
     const uint64_t padded = (c.tokens + world - 1) / world * world, per = padded / world;
@@ -276,8 +277,8 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
              r, sts[r].message().c_str());
       std::vector<uint16_t> ref(per * c.hidden);
       for (uint64_t i = 0; i < per * c.hidden; ++i) {
-        float acc = 0.0f;
-        for (int s = 0; s < world; ++s) acc += ref_bf16(combined[s][r * per * c.hidden + i]);
+        float acc = ref_bf16(combined[0][r * per * c.hidden + i]);
+        for (int s = 1; s < world; ++s) acc += ref_bf16(combined[s][r * per * c.hidden + i]);
         ref[i] = ref_to_bf16(acc);
       }
       EXPECT(out[r] == ref, "%s moe world %d tokens %llu hidden %llu topk %llu %s: rank %d differs from the reference",
@@ -294,7 +295,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
 // parity reuse of every buffer, and the ring wrapping many times.
 void test_back_to_back(TransportKind kind, int world, int calls) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
   std::vector<int> bad(world, 0);
   std::vector<std::string> why(world);
   on_ranks(world, [&](int r) {
@@ -327,7 +328,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
         }
         case 2: {  // psum, in between
           for (uint64_t i = 0; i < n; ++i) in[i] = value(r, i);
-          const Status s = host::allreduce(ep, DType::kF32, in.data(), out.data(), n, 4);
+          const Status s = host::psum(ep, DType::kF32, in.data(), out.data(), n, 4);
           if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
           for (uint64_t i = 0; i < n; ++i) {
             float want = 0;
@@ -342,89 +343,86 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
   for (int r = 0; r < world; ++r)
     EXPECT(bad[r] == 0, "%s back-to-back world %d: rank %d wrong at call %d: %s", transport_name(kind), world, r, bad[r],
            why[r].c_str());
-  const PrefillControl* pc = rig.eps[0]->prefill_control();
-  EXPECT(load_acquire(&pc->done) == (uint64_t)(calls - calls / 4), "prefill seq %llu after %d prefill calls",
-         (unsigned long long)load_acquire(&pc->done), calls - calls / 4);
-  EXPECT(load_acquire(&rig.eps[0]->control()->done) == (uint64_t)(calls / 4), "psum seq after %d psums", calls / 4);
+  const Control* ctl = rig.eps[0]->control();
+  EXPECT(load_acquire(&ctl->done[(int)Family::kBulk]) == (uint64_t)(calls - calls / 4),
+         "bulk seq %llu after %d bulk calls", (unsigned long long)load_acquire(&ctl->done[(int)Family::kBulk]),
+         calls - calls / 4);
+  EXPECT(load_acquire(&ctl->done[(int)Family::kPsum]) == (uint64_t)(calls / 4), "psum seq after %d psums",
+         calls / 4);
 }
 
-// A producer that publishes kRsPiece entries in any order, as the blocks
-// of a GPU kernel do: the proxy still sends the pieces of each destination
-// in order, so a flag that says "piece k" always finds pieces 0..k in place.
+// A producer that publishes its triggers in any order of time, at fixed
+// ring indices, as the blocks of a GPU kernel do: the proxy takes them in
+// index order, and a piece's word always finds the piece's bytes in place.
+struct NeverStop {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  bool expired() const { return std::chrono::steady_clock::now() - start > std::chrono::seconds(20); }
+  bool aborted(uint32_t) const { return false; }
+  bool stopped(uint32_t) const { return false; }
+  void pause(uint32_t) const { std::this_thread::yield(); }
+};
+
 void test_out_of_order_producer(TransportKind kind, int world) {
   Rig rig;
-  if (!prefill_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
-  const uint64_t per = 29, H = 24, row = H * 2, slice = per * row;  // uneven row pieces
+  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  const uint64_t per = 29, H = 24, row = H * 2;  // uneven row pieces
   const uint64_t seq = 1, desc = 0x123;
   std::vector<int> bad(world, 0);
   on_ranks(world, [&](int r) {
     Endpoint& ep = *rig.eps[r];
-    const Layout& L = ep.layout();
-    uint8_t* send = ep.base() + L.prefill_send_offset((int)(seq & 1), 0, slice);
+    const ProxyChannel ch = ep.proxy_channel(Family::kBulk);
+    const int par = (int)(seq & 1);
     // Row t of destination j holds bytes (r, j, t).
     for (int j = 0; j < world; ++j)
       for (uint64_t t = 0; t < per; ++t)
-        std::memset(send + j * slice + t * row, (int)(1 + r * 64 + j * 8 + t % 8), row);
+        std::memset(ch.put_dst(par, (uint64_t)j, 0, ch.in.lane_bytes) + t * row, (int)(1 + r * 64 + j * 8 + t % 8),
+                    row);
+    // Index of (destination j, piece k): piece-major, as the kernels number them.
     std::vector<std::pair<int, int>> order;
     for (int j = 0; j < world; ++j)
-      for (int k = 0; k < kChunks; ++k) order.push_back({j, k});
+      for (int k = 0; k < kChunks && j != r; ++k) order.push_back({j, k});
     std::shuffle(order.begin(), order.end(), std::mt19937(r * 5 + 1));
-    PrefillControl* pc = ep.prefill_control();
     for (auto [j, k] : order) {
       uint64_t lo, hi;
       row_piece(per, k, lo, hi);
-      const uint64_t idx = load_relaxed(&pc->published);
-      WorkItem& it = pc->ring[idx % kWorkRing];
-      store_relaxed(&it.op, (uint64_t)WorkOp::kRsPiece);
-      store_relaxed(&it.seq, seq);
-      store_relaxed(&it.piece, (uint64_t)j * kChunks + k);
-      store_relaxed(&it.slice, slice);
-      store_relaxed(&it.lo, lo * row);
-      store_relaxed(&it.hi, hi * row);
-      store_relaxed(&it.desc, desc);
-      store_release(&it.tag, idx + 1);
-      store_relaxed(&pc->published, idx + 1);
+      const uint64_t at = (uint64_t)k * (world - 1) + (uint64_t)((j - r + world) % world - 1);
+      ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo * row, hi * row, flag_word(seq, desc), at);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    // Receive: whenever a peer's flag says piece k, pieces 0..k are in place.
-    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ep.base() + L.flags);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    // Receive: once a peer's word for piece k holds the seq, its rows of
+    // piece k are in place.
     for (int s = 0; s < world; ++s) {
       if (s == r) continue;
-      const uint8_t* recv = ep.base() + L.prefill_recv_offset((int)(seq & 1), s, slice);
-      for (;;) {
-        uint64_t prog = ~0ull;
-        for (int root = 0; root < ep.roots(); ++root)
-          prog = std::min(prog, flag_progress(load_acquire(&flags[prefill_flag_index(s, root)])));
-        if (prog >= prefill_progress(seq, 0)) {
-          const int k = (int)((prog - 1) % 16);
-          uint64_t lo, hi;
-          row_piece(per, k, lo, hi);
-          for (uint64_t t = 0; t < hi; ++t)
-            for (uint64_t b = 0; b < row; ++b)
-              if (recv[t * row + b] != (uint8_t)(1 + s * 64 + r * 8 + t % 8)) bad[r] = 1 + s;
-          if (k == kChunks - 1) break;
+      const uint8_t* recv = ch.in.lane(par, s);
+      for (int k = 0; k < kChunks && !bad[r]; ++k) {
+        NeverStop poll;
+        uint64_t seen = 0;
+        if (wait_piece(ch.in, s, k, seq, desc, poll, seen) != WaitEnd::kArrived) {
+          bad[r] = 100 + s;
+          break;
         }
-        if (std::chrono::steady_clock::now() > deadline) { bad[r] = 100 + s; break; }
-        std::this_thread::yield();
+        uint64_t lo, hi;
+        row_piece(per, k, lo, hi);
+        for (uint64_t t = lo; t < hi; ++t)
+          for (uint64_t b = 0; b < row; ++b)
+            if (recv[t * row + b] != (uint8_t)(1 + s * 64 + r * 8 + t % 8)) bad[r] = 1 + s;
       }
     }
-    store_release(&pc->done, seq);
   });
   for (int r = 0; r < world; ++r)
-    EXPECT(bad[r] == 0, "%s out-of-order producer world %d: rank %d saw a piece before an earlier one (code %d)",
+    EXPECT(bad[r] == 0, "%s out-of-order producer world %d: rank %d saw a piece's word before its bytes (code %d)",
            transport_name(kind), world, r, bad[r]);
 }
 
 // ---- failures ---------------------------------------------------------------
 
 // A peer that never arrives: the op fails within the timeout, names it,
-// fills NaN, and later calls (prefill or psum) fail at once.
+// fills NaN, and later calls (bulk or psum) fail at once.
 void test_timeout(TransportKind kind) {
   Config cfg = test_config();
   cfg.timeout_s = 0.5;
   Rig rig;
-  if (!prefill_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
   std::vector<std::vector<uint16_t>> in(2, std::vector<uint16_t>(30, 0x3f80)), out(2, std::vector<uint16_t>(10, 0));
   std::vector<Status> sts(2);
   const auto t0 = std::chrono::steady_clock::now();
@@ -444,17 +442,17 @@ void test_timeout(TransportKind kind) {
          again.message().c_str());
   EXPECT(y[0] == 0xFF && y[47] == 0xFF, "a failed all_gather of a non-float type leaves 0xFF bytes");
   std::vector<float> p(4, 1.0f);
-  const Status psum = host::allreduce(*rig.eps[0], DType::kF32, p.data(), p.data(), 4, 0);
+  const Status psum = host::psum(*rig.eps[0], DType::kF32, p.data(), p.data(), 4, 0);
   EXPECT(!psum.ok() && std::isnan(p[0]), "a later psum fails too");
   EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "later calls fail at once");
 }
 
-// Ranks that issue different prefill ops at the same seq get an error.
+// Ranks that issue different bulk collectives at the same seq get an error.
 void test_mismatch(TransportKind kind) {
   Config cfg = test_config();
   cfg.timeout_s = 5;
   Rig rig;
-  if (!prefill_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
   std::vector<float> a(64, 1.0f), o0(128), o1(32);
   Status s0, s1;
   on_ranks(2, [&](int r) {
@@ -468,10 +466,10 @@ void test_mismatch(TransportKind kind) {
   EXPECT(std::isnan(o0[0]) && std::isnan(o1[0]), "mismatched calls give NaN");
 }
 
-// Sizes beyond the prefill slot are refused before anything is sent.
+// Sizes beyond the bulk lanes are refused before anything is sent.
 void test_too_big(TransportKind kind) {
   Rig rig;
-  if (!prefill_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
   const uint64_t bytes = (8 << 20) / 2 + 16;
   std::vector<uint8_t> x(bytes), y(2 * bytes);
   const Status s = host::all_gather(*rig.eps[0], x.data(), y.data(), bytes, 1, 1, std::nullopt, 0);
@@ -480,46 +478,12 @@ void test_too_big(TransportKind kind) {
   EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
 }
 
-// The layout: prefill areas appended, peer-writable ones inside the inbox,
-// the device side's outside it; psum offsets unchanged.
-void test_layout() {
-  const Layout old = Layout::of(Geometry{4, 1 << 20, 4 << 20, 0});
-  const Layout l = Layout::of(Geometry{4, 1 << 20, 4 << 20, 32 << 20});
-  EXPECT(l.control == old.control && l.flags == old.flags && l.recv == old.recv && l.send == old.send &&
-             l.inbox_lo == old.inbox_lo && l.inbox_hi == old.inbox_hi,
-         "psum offsets do not move");
-  EXPECT(l.prefill_ctl >= l.send + 2 * l.send_bytes && l.prefill_send >= l.prefill_ctl + sizeof(PrefillControl) &&
-             l.prefill_recv >= l.prefill_send + 2 * l.prefill_slot_bytes &&
-             l.total >= l.prefill_recv + 2 * l.prefill_slot_bytes,
-         "prefill areas follow each other");
-  EXPECT(l.inbox_contains(l.prefill_recv_offset(1, 3, (32 << 20) / 4), (32 << 20) / 4), "prefill_recv is in the inbox");
-  EXPECT(!l.inbox_contains(l.prefill_recv_offset(1, 3, (32 << 20) / 4), (32 << 20) / 4 + 1), "but not past it");
-  EXPECT(!l.inbox_contains(l.prefill_send, 1) && !l.inbox_contains(l.prefill_send_offset(1, 3, 16), 16) &&
-             !l.inbox_contains(l.prefill_ctl, 8) && !l.inbox_contains(l.send, 1) && !l.inbox_contains(0, 8),
-         "the device side's areas are not in the inbox");
-  EXPECT(!l.inbox_contains(l.prefill_send + 2 * l.prefill_slot_bytes - 8, 16), "no write straddles into the inbox");
-  EXPECT(l.is_flag(l.flag_offset(prefill_flag_index(7, 1))) && prefill_flag_index(7, 1) < (int)kHandshakeWord,
-         "prefill flags are flag words");
-  for (uint64_t bytes : {0ull, 1ull, 15ull, 100ull, 129ull, 1000003ull}) {
-    uint64_t covered = 0;
-    for (int c = 0; c < kChunks; ++c) {
-      uint64_t lo, hi;
-      piece_range(bytes, c, lo, hi);
-      EXPECT(lo == covered && hi >= lo && (lo % 16 == 0 || lo == bytes), "pieces tile %llu bytes",
-             (unsigned long long)bytes);
-      covered = hi;
-    }
-    EXPECT(covered == bytes, "the last piece ends the chunk of %llu bytes", (unsigned long long)bytes);
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   testing::TestArgs args;
   if (!testing::parse_test_args(argc, argv, args)) return 2;
   const bool quick = args.quick;
-  test_layout();
   using Shapes = std::vector<std::pair<uint64_t, uint64_t>>;
   const Shapes ag_sizes = quick ? Shapes{{1, 0}, {1, 1}, {1, 100}, {3, 7}, {1, 4097}}
                                 : Shapes{{1, 0},   {1, 1},    {1, 7},   {1, 16},    {1, 100},         {1, 129},

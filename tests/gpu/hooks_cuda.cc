@@ -14,7 +14,7 @@
 #include <memory>
 #include <mutex>
 
-#include "comm/atomics.h"
+#include "base/atomics.h"
 #include "comm/endpoint.h"
 #include "cuda/device_side.h"
 

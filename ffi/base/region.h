@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "comm/status.h"
+#include "base/status.h"
 
 namespace arx {
 

@@ -1,0 +1,382 @@
+// The endpoint's memory, as every side sees it: the device side (host or
+// CUDA) that copies, signals, waits and sums; the proxy that drains the
+// trigger ring and moves bytes; and the carriers that write into a peer's
+// region. Offsets, not pointers, cross process boundaries: each side adds its
+// own base. Every rank of a communicator has the same layout (the geometry is
+// checked at rendezvous), so an offset in this rank's region is the same
+// offset in a peer's.
+//
+// One endpoint's region, in order:
+//   control    the Control block: sequence state, failure record, abort,
+//              the trigger ring's counters (this rank's writers only)
+//   flags      kFlagWords words: the flag words peers write (see "Flag words")
+//   recv       psum inbox: [2 parities][world sources][slot_bytes]
+//   send       psum staging: [2 parities][send_bytes]
+//   ring       kRing triggers: the device side -> the proxy (see proxy.h)
+//   bulk_recv  bulk inbox: [2 parities][world sources][bulk_lane]
+//   bulk_send  bulk staging: [2 parities][world destinations][bulk_lane]
+//   ll_recv    LL inbox: [2 parities][world sources][kLLSlotBytes]
+// Peers write only their own parts of the inbox: their flag words, their
+// psum slots recv[*][src] and their bulk lanes bulk_recv[*][src] (a carrier
+// checks every remote write with Layout::src_may_write). ll_recv is written
+// only by the peers' kernels, through a mapping of this region (the direct
+// channel on one host), never by a carrier; control, ring and the staging
+// buffers only by this rank.
+//
+// Two families of collectives use the endpoint, each with its own sequence
+// numbers, buffers and flag words: psum (one-shot, two-shot, LL), and the
+// bulk collectives (all_gather, reduce_scatter, the fused MoE combine), which
+// move tens of MB per call in kChunks pieces.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ARX_HD __host__ __device__ __forceinline__
+#else
+#define ARX_HD inline
+#endif
+
+namespace arx {
+
+constexpr int kMaxWorld = 8;
+// Every put through a carrier is split in half, one half per NIC function
+// ("root"), each followed by its own flag word on that root's ordered
+// channel.
+constexpr int kRoots = 2;
+constexpr uint64_t kPage = 4096;
+
+enum class Family : uint32_t { kPsum = 0, kBulk = 1 };
+constexpr int kFamilies = 2;
+
+// ---- flag words -------------------------------------------------------------
+//
+// A flag word is (seq << kDescBits) | descriptor, stored by the sender after
+// the bytes it announces (a carrier: on the same ordered channel; a kernel or
+// host thread writing a peer's memory directly: with release, after a fence).
+// The seq only grows, so "reached" is a comparison of the high bits. The
+// descriptor (24 bits, `describe`) says what the sender issued at that seq: a
+// peer that issued a different collective shows up as a mismatch when the
+// seqs are equal, and is reported, never summed.
+// 40 bits of seq last 2^40 calls: 127 days at 100k calls per second.
+constexpr int kDescBits = 24;
+constexpr uint64_t kDescMask = (1ull << kDescBits) - 1;
+
+ARX_HD uint64_t flag_word(uint64_t seq, uint64_t desc) { return seq << kDescBits | (desc & kDescMask); }
+ARX_HD uint64_t flag_seq(uint64_t flag) { return flag >> kDescBits; }
+ARX_HD uint64_t flag_desc(uint64_t flag) { return flag & kDescMask; }
+
+// What a collective is, for its descriptor.
+enum class OpCode : uint64_t {
+  kPsum = 1,           // one-shot psum
+  kPsumScatter = 2,    // two-shot psum, first half: chunk j to rank j
+  kPsumGather = 3,     // two-shot psum, second half: the summed chunk to every rank
+  kAllGather = 4,
+  kReduceScatter = 5,
+  kMoeCombine = 6,     // the fused MoE combine + reduce-scatter
+};
+
+// The descriptor of a collective: its op, a type code (DType for the reducing
+// ops; the XLA element type for all_gather, whose bytes are just bytes; the
+// bulk ops add their row count << 8), the element count and the call site's
+// tag (which also carries the algorithm's variant: a peer that cut the same
+// collective differently must not match).
+ARX_HD uint64_t describe(OpCode op, uint64_t type_code, uint64_t count, uint64_t tag) {
+  uint64_t h = count * 0x9E3779B97F4A7C15ull ^ (type_code << 8 | (uint64_t)op) * 0xC2B2AE3D27D4EB4Full;
+  h ^= tag * 0xD6E8FEB86659FD93ull;
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  return h & kDescMask;
+}
+
+// The flag page. Each (source, piece, root) of a family has its own word,
+// written once per seq of that family by that source alone, so a word says
+// "piece p of seq s from src is in place" and nothing about other pieces; no
+// argument about the order in which pieces travel is needed anywhere.
+//   [kPsumWordBase, + kPsumWords)   psum: kPsumWords / world words per source,
+//                                   split into pieces x roots (FlagWords)
+//   [kBulkWordBase, + kBulkWords)   bulk: kChunks pieces x kRoots per source
+//   [kLLWordBase, + kMaxWorld)      the LL one-shot's announcement, per source
+//   [kHeardWordBase, + kMaxWorld)   the last seq heard of each source, for the
+//                                   watchdog only (see "Heard")
+//   kPeerMemory*Word                the GPU inbox exchange (peer_memory.cc)
+//   [kHandshakeWord, + kMaxWorld)   the carriers' set-up handshake
+// Heard: where the flag words that kernels wait on live in GPU memory (psum
+// inboxes in GPU memory), the host cannot read them; the kernels store the
+// seq they finished into the peers' heard words too (relaxed), so the stall
+// report and the failure messages can say what each peer last sent.
+constexpr uint64_t kFlagWords = kPage / 8;
+constexpr int kPsumWordBase = 0;
+constexpr int kPsumWords = 256;
+constexpr int kBulkWordBase = kPsumWordBase + kPsumWords;
+constexpr int kChunks = 8;  // pieces of a bulk collective (per destination)
+constexpr int kBulkWords = kMaxWorld * kChunks * kRoots;
+constexpr int kLLWordBase = kBulkWordBase + kBulkWords;
+constexpr int kHeardWordBase = kLLWordBase + kMaxWorld;
+constexpr int kPeerMemoryOfferWord = kHeardWordBase + 2 * kMaxWorld;  // heard: per family
+constexpr int kPeerMemoryBytesWord = kPeerMemoryOfferWord + 1;
+constexpr int kPeerMemoryResultWord = kPeerMemoryOfferWord + 2;
+constexpr uint64_t kPeerMemoryNone = ~0ull;
+constexpr uint64_t kHandshakeWord = kFlagWords - kMaxWorld;
+static_assert(kPeerMemoryResultWord < (int)kHandshakeWord, "the flag page overflows into the handshake");
+
+ARX_HD int heard_word(Family f, int src) { return kHeardWordBase + (int)f * kMaxWorld + src; }
+
+// The words of one family as one channel uses them: source `src` owns
+// `stride` words from base + src * stride, whatever the channel's roots (so
+// a carrier can tell whose a word is), and its word for `piece` on `root` is
+// the (piece * roots + root)-th of them. Sender and receiver compute the
+// same (same world; the roots of the channel, which every rank agrees on).
+struct FlagWords {
+  int base = 0;
+  int stride = 0;  // words per source
+  int pieces = 0;  // per source: stride / roots
+  int roots = 1;
+  ARX_HD int index(int src, int piece, int root) const { return base + src * stride + piece * roots + root; }
+};
+
+ARX_HD int psum_stride(int world) { return kPsumWords / (world > 0 ? world : 1); }
+ARX_HD FlagWords psum_words(int world, int roots) {
+  return FlagWords{kPsumWordBase, psum_stride(world), psum_stride(world) / roots, roots};
+}
+ARX_HD FlagWords bulk_words(int roots) { return FlagWords{kBulkWordBase, kChunks * kRoots, kChunks, roots}; }
+
+// Whether word `index` of the flag page belongs to source `src` (a carrier
+// lets a peer store only its own words).
+ARX_HD bool src_owns_word(int src, int index, int world) {
+  if (index >= kPsumWordBase && index < kPsumWordBase + psum_stride(world) * world)
+    return (index - kPsumWordBase) / psum_stride(world) == src;
+  if (index >= kBulkWordBase && index < kBulkWordBase + kBulkWords) return (index - kBulkWordBase) / (kChunks * kRoots) == src;
+  return false;
+}
+
+// ---- how a payload is cut --------------------------------------------------
+
+// The split of `bytes` over the roots: root 0 takes the first half rounded
+// up to 16 bytes (so the second half starts 16-aligned), root 1 the rest,
+// possibly nothing. With one root, root 0 takes everything.
+ARX_HD void root_split(uint64_t bytes, int root, int roots, uint64_t& off, uint64_t& len) {
+  if (roots == 1) {
+    off = 0;
+    len = bytes;
+    return;
+  }
+  uint64_t half = (bytes / 2 + 15) & ~15ull;
+  if (half > bytes) half = bytes;
+  off = root ? half : 0;
+  len = root ? bytes - half : half;
+}
+
+// Part j of n of `bytes`: [lo, hi). Parts are 16-byte multiples except the
+// last, which takes the rest and may be short or empty; every element type
+// divides 16. (The two-shot's chunk j for rank j; the pipelined one-shot's
+// pieces.)
+ARX_HD void chunk_range(uint64_t bytes, int n, int j, uint64_t& lo, uint64_t& hi) {
+  const uint64_t step = ((bytes + n - 1) / n + 15) & ~15ull;
+  lo = step * j < bytes ? step * j : bytes;
+  hi = step * (j + 1) < bytes ? step * (j + 1) : bytes;
+}
+
+// Piece c of kChunks of a bulk lane's `bytes`: [lo, hi). Pieces start
+// 16-aligned; the last takes the rest; pieces may be empty and still carry
+// their flag.
+ARX_HD void piece_range(uint64_t bytes, int c, uint64_t& lo, uint64_t& hi) {
+  const uint64_t step = (bytes / kChunks + 15) & ~15ull;
+  lo = step * c < bytes ? step * c : bytes;
+  hi = c == kChunks - 1 ? bytes : (step * (c + 1) < bytes ? step * (c + 1) : bytes);
+}
+
+// Rows [lo, hi) of piece k of a destination's `rows`-row lane (the fused MoE
+// combine). Sender and receiver compute the same split.
+ARX_HD void row_piece(uint64_t rows, int k, uint64_t& lo, uint64_t& hi) {
+  lo = rows * (uint64_t)k / kChunks;
+  hi = rows * (uint64_t)(k + 1) / kChunks;
+}
+
+// ---- the control block ------------------------------------------------------
+
+// Why a wait gave up (Control::failed_kind).
+enum class FailureKind : uint64_t {
+  kNone = 0,
+  kTimeout = 1,   // a peer's flag did not reach the seq within the timeout
+  kMismatch = 2,  // a peer issued a different collective at this seq
+  kAborted = 3,   // the endpoint had already failed (proxy, carrier, a peer's notice, an earlier call)
+};
+
+// The element types the reducing ops take (part of their descriptors).
+enum class DType : uint32_t { kF32 = 1, kBF16 = 2, kF16 = 3 };
+
+ARX_HD int dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Pinned and shared between the device side, the proxy and the host; never
+// written by peers. Each group of words has one writer.
+struct alignas(64) Control {
+  // Device side -> proxy and host, per family: the last seq the device side
+  // began, and the last it finished (the host device side's sequence state;
+  // the watchdog's "a collective is under way"). Relaxed: nothing is read on
+  // their strength but messages.
+  uint64_t begun[kFamilies];
+  uint64_t done[kFamilies];
+  uint64_t pad0[4];
+  // Device side -> host: the first failed wait. failed_seq is stored last,
+  // with release, so a reader that sees it non-zero sees the rest.
+  uint64_t failed_seq;
+  uint64_t failed_kind;     // FailureKind
+  uint64_t failed_missing;  // bit src per source that had not arrived
+  uint64_t failed_flag;     // for a mismatch: the flag word that disagreed
+  uint64_t failed_src;      // for a mismatch: the peer that sent it
+  uint64_t failed_desc;     // what this rank expected
+  uint64_t failed_family;   // Family of the wait
+  uint64_t failed_op;       // OpCode of the collective
+  // Host (proxy, carrier, handler) -> device side: non-zero fails every wait
+  // at once, so nothing spins on a link that is known to be gone.
+  uint64_t abort;
+  uint64_t pad1[7];
+  // The trigger ring (proxy.h): entries published by a host producer (the
+  // next index; CUDA producers keep theirs on the device), and taken by the
+  // proxy (proxy -> producers).
+  uint64_t ring_published;
+  uint64_t ring_consumed;
+  uint64_t pad2[6];
+};
+static_assert(sizeof(Control) == 256, "Control is read by the device side and the proxy: keep its layout fixed");
+static_assert(offsetof(Control, failed_seq) == 64 && offsetof(Control, abort) == 128, "Control layout");
+static_assert(offsetof(Control, ring_published) == 192, "Control layout");
+
+// ---- the trigger ring ---------------------------------------------------------
+//
+// What a device side asks the proxy to send, one put at a time: `len` bytes
+// at `src` of this rank's region into `dst` of a peer's region, then the flag
+// word `value` into the peer's word `flag` (root 0's; root r stores into flag
+// + r), split over the carrier's roots. `dest` is a rank, or kEveryPeer: the
+// same bytes to every peer, in send order (rank + 1, rank + 2, ...). Fixed
+// size: the device side (host or kernel) writes it and the proxy reads it.
+// Every field but tag is written first (relaxed), tag = index + 1 last with
+// release; the proxy acquires tag, then reads. The proxy takes entries
+// strictly in index order. The proxy knows nothing else of the collectives:
+// psum and the bulk ops publish the same kind of entry.
+constexpr int kRing = 256;
+constexpr uint64_t kEveryPeer = ~0ull;
+
+struct alignas(64) Trigger {
+  uint64_t src;    // offset of the bytes in this rank's region
+  uint64_t len;
+  uint64_t dst;    // offset where they land in the peer's region
+  uint64_t flag;   // flag page index of root 0's word
+  uint64_t value;  // the flag word
+  uint64_t dest;   // the peer's rank, or kEveryPeer
+  uint64_t family; // Family (the watchdog follows each family's seq: flag_seq(value))
+  uint64_t tag;    // ring index + 1, written last
+};
+static_assert(sizeof(Trigger) == 64, "Trigger is written by kernels and read by the proxy: keep its layout fixed");
+static_assert(offsetof(Trigger, tag) == 56, "Trigger layout");
+
+// ---- the LL one-shot psum (direct channel on one host) ------------------------
+//
+// A one-shot psum of at most kLLMaxPayload bytes whose flags travel inside
+// the data, as in NCCL's LL protocol (ffi/cuda/ll.cu): the reader needs no
+// separate flag and the writer no fence, so the partial crosses the bus once
+// each way. The partial goes in 16-byte lines of 8 payload bytes, {data0,
+// flag, data1, flag} (32-bit words), each 8-byte half carrying its own copy of
+// the line's flag: a line is written with one 16-byte store whose halves are
+// each one 8-byte single-copy-atomic access, so a reader may see one half new
+// and the other old, but never a half whose data and flag disagree. A partial
+// whose size is not a multiple of 8 pads its last line.
+//
+// Sender `src` writes its lines for seq into each peer's ll_recv[seq & 1][src]
+// straight through the mapping of the peer's memory; no carrier and no proxy
+// is involved, which is why ll_recv is no carrier's to write. The flag,
+// ll_flag(seq, desc), is never 0 (bit 0 is set) and, for one seq, distinct for
+// distinct descriptors (the 24-bit descriptor fills bits 8-31); bits 1-7 hold
+// seq / 2 (the same slot's previous uses). Readers zero every line they
+// consumed (the proof that a polled line holds 0 or the line of this seq is
+// in ll.cu).
+constexpr uint64_t kLLLineBytes = 16;
+constexpr uint64_t kLLLinePayload = 8;
+constexpr uint64_t kLLMaxPayload = 128 << 10;  // the largest LL partial: a slot holds its lines, twice its size
+constexpr uint64_t kLLSlotBytes = kLLMaxPayload / kLLLinePayload * kLLLineBytes;
+static_assert(kLLSlotBytes % kPage == 0, "LL slots are whole pages");
+
+ARX_HD uint32_t ll_flag(uint64_t seq, uint64_t desc) {
+  return (uint32_t)(desc & kDescMask) << 8 | (uint32_t)((seq >> 1) & 0x7f) << 1 | 1u;
+}
+
+// ---- sizes and offsets ----------------------------------------------------------
+
+// Sizes of one endpoint's buffers; every rank of a communicator must agree
+// (checked at rendezvous).
+struct Geometry {
+  uint32_t world = 0;
+  uint64_t slot_bytes = 0;  // psum: per source per parity (a one-shot partial, a two-shot chunk)
+  uint64_t send_bytes = 0;  // psum: per parity (a two-shot partial)
+  uint64_t bulk_bytes = 0;  // bulk: per parity, every lane together (a whole gathered output; 0: none)
+};
+
+struct Layout {
+  int world = 0;
+  uint64_t slot_bytes = 0, send_bytes = 0;
+  uint64_t bulk_lane = 0;  // bulk: one source's (or destination's) part, the largest slice a bulk op takes
+  uint64_t control = 0, flags = 0, recv = 0, send = 0, ring = 0, bulk_recv = 0, bulk_send = 0, ll_recv = 0, total = 0;
+
+  static uint64_t page_up(uint64_t x) { return (x + kPage - 1) / kPage * kPage; }
+
+  static Layout of(const Geometry& g) {
+    Layout l;
+    l.world = (int)g.world;
+    l.slot_bytes = g.slot_bytes;
+    l.send_bytes = g.send_bytes;
+    // A lane holds a world-th of bulk_bytes, rounded up to 16 bytes so that
+    // every lane starts 16-aligned: a slice of up to bulk_bytes / world fits.
+    l.bulk_lane = g.world ? (g.bulk_bytes / g.world + 15) / 16 * 16 : 0;
+    l.control = 0;
+    l.flags = kPage;
+    l.recv = 2 * kPage;
+    l.send = l.recv + 2 * (uint64_t)g.world * g.slot_bytes;
+    l.ring = page_up(l.send + 2 * g.send_bytes);
+    l.bulk_recv = page_up(l.ring + kRing * sizeof(Trigger));
+    l.bulk_send = page_up(l.bulk_recv + 2 * (uint64_t)g.world * l.bulk_lane);
+    l.ll_recv = page_up(l.bulk_send + 2 * (uint64_t)g.world * l.bulk_lane);
+    l.total = page_up(l.ll_recv + 2 * (uint64_t)g.world * kLLSlotBytes);
+    return l;
+  }
+  ARX_HD uint64_t flag_offset(int index) const { return flags + 8 * (uint64_t)index; }
+  ARX_HD uint64_t handshake_offset(int src) const { return flags + 8 * (kHandshakeWord + (uint64_t)src); }
+  ARX_HD uint64_t recv_offset(int parity, int src) const {
+    return recv + ((uint64_t)parity * world + src) * slot_bytes;
+  }
+  ARX_HD uint64_t send_offset(int parity) const { return send + (uint64_t)parity * send_bytes; }
+  ARX_HD uint64_t bulk_recv_offset(int parity, int src) const {
+    return bulk_recv + ((uint64_t)parity * world + src) * bulk_lane;
+  }
+  ARX_HD uint64_t bulk_send_offset(int parity, int dest) const {
+    return bulk_send + ((uint64_t)parity * world + dest) * bulk_lane;
+  }
+  ARX_HD uint64_t ll_recv_offset(int parity, int src) const {
+    return ll_recv + ((uint64_t)parity * world + src) * kLLSlotBytes;
+  }
+  // Whether `src` may write [offset, offset + len) of a peer's region: inside
+  // one of its own inbox slots (recv[p][src], bulk_recv[p][src]).
+  ARX_HD bool src_may_write(int src, uint64_t offset, uint64_t len) const {
+    for (int p = 0; p < 2; ++p) {
+      const uint64_t a = recv_offset(p, src), b = bulk_recv_offset(p, src);
+      if (offset >= a && offset <= a + slot_bytes && len <= a + slot_bytes - offset) return true;
+      if (bulk_lane && offset >= b && offset <= b + bulk_lane && len <= b + bulk_lane - offset) return true;
+    }
+    return false;
+  }
+  // Whether `src` may store the flag word at `offset`: an aligned word of its own.
+  ARX_HD bool src_may_flag(int src, uint64_t offset) const {
+    if (offset < flags || offset >= flags + 8 * kFlagWords || (offset - flags) % 8) return false;
+    return src_owns_word(src, (int)((offset - flags) / 8), world);
+  }
+  // The whole inbox, [flags, end of recv) and bulk_recv: what any peer may
+  // write at all (the verbs carrier registers these for remote writes).
+  uint64_t inbox_lo() const { return flags; }
+  uint64_t inbox_hi() const { return send; }
+  uint64_t bulk_inbox_lo() const { return bulk_recv; }
+  uint64_t bulk_inbox_hi() const { return bulk_send; }
+};
+
+}  // namespace arx

@@ -1,0 +1,179 @@
+// Channels: how a device side reaches its peers. The endpoint builds them
+// (comm/endpoint.h; the CUDA side from the endpoint's resources, cuda/
+// attach.cc); a device side -- kernels, or the CPU handler's thread -- reaches
+// a peer only through one. They are plain data with ARX_HD methods, the same
+// code on both device sides (base/atomics.h gives each its accesses), as
+// MSCCL++'s device handles are.
+//
+// A collective is written once over "a channel": for each piece, where to
+// write the bytes meant for a peer (put_dst), how to announce them (signal),
+// how to wait for a peer's (wait_piece, comm/wait.h) and where they are then
+// read (Inbox::lane). Two media carry the same protocol:
+//   DirectChannel  store into each peer's inbox through a mapping of its
+//                  memory (peers on one host: the pinned host region, or GPU
+//                  memory mapped over NVLink / PCIe), then store the piece's
+//                  flag word into the peer's flag page with release;
+//   ProxyChannel   store into this rank's staging buffer, then publish a
+//                  trigger; the proxy thread puts the bytes and the flag word
+//                  through the carrier (shm, tcp, verbs), in that order on
+//                  one ordered channel per root.
+// The LL one-shot, whose flags travel inside the data, is the third medium
+// (cuda/ll.cu).
+//
+// The protocol both carry, per family (psum; the bulk collectives):
+//   1. seq s of the family, parity s & 1; every rank issues the family's
+//      collectives in the same order, so s names the same collective on every
+//      rank (the descriptor in every flag word checks it);
+//   2. the producer writes the bytes of piece p meant for peer j where
+//      put_dst says, then signals (p, s): the flag word flag_word(s, desc)
+//      lands in j's word (this rank, p, root) after the bytes it covers;
+//   3. the consumer waits until every peer's word (peer, p, root), on every
+//      root, reaches s, then reads lane(s & 1, peer);
+//   4. the seq is finished when every piece is consumed.
+//
+// Buffer reuse: two buffers by parity are enough, on both media.
+//  (*) A rank finishes seq s of a family only after every peer signalled s;
+//      a peer signals s only after it began s, which it does only after it
+//      finished every earlier collective of the endpoint (one after another:
+//      under Endpoint::host_call_mu on the host, in stream order on a GPU),
+//      s - 1 of the family included. So when a rank m begins s + 2, it has
+//      finished s + 1, and every peer has finished s.
+//  - Inbox: a peer writes m's lane [s & 1][peer] for s + 2 only once it began
+//    s + 2, hence (by (*) with the roles swapped) after m finished s, whose
+//    reads of that lane are over: collectives copy their results into XLA's
+//    output buffer and never hand out a view of an inbox.
+//  - Staging (ProxyChannel): m overwrites its staging for s + 2 only after
+//    every peer finished s (*), which needed m's flag words for s on every
+//    root; the carrier stores each after the bytes that the proxy read out of
+//    the staging buffer for it, on the same channel, so those reads are over.
+//  - Flag words: each (source, piece, root) word is written once per seq of
+//    its family, by its source alone, with growing seqs. A word past s is from
+//    a peer that finished s (it began s + 1), which needed this rank's flags
+//    for s: it counts as arrived, and its bytes for s + 1 went to the other
+//    parity, so lane [s & 1] still holds s's. It cannot be past s + 1: the
+//    peer's s + 1 needs this rank's s + 1.
+//  - The ring: see the proxy (comm/proxy.h).
+// The argument needs an endpoint's collectives not to overlap. After a
+// failure it no longer holds, so a failed endpoint writes nothing more to
+// its peers (the failure is sticky; device sides check it first).
+#pragma once
+
+#include <cstdint>
+
+#include "base/atomics.h"
+#include "base/layout.h"
+
+namespace arx {
+
+// The receiving half, the same for both media: where this rank's inbox of
+// one family is, and the flag words its peers store into.
+struct Inbox {
+  uint8_t* data = nullptr;    // lane (parity 0, source 0)
+  uint64_t parity_bytes = 0;  // lane (0, j) -> lane (1, j)
+  uint64_t lane_bytes = 0;    // lane (p, j) -> lane (p, j + 1)
+  uint64_t* flags = nullptr;  // the flag page
+  FlagWords words;
+
+  ARX_HD uint8_t* lane(int parity, int src) const {
+    return data + (uint64_t)parity * parity_bytes + (uint64_t)src * lane_bytes;
+  }
+  ARX_HD const uint64_t* word(int src, int piece, int root) const { return flags + words.index(src, piece, root); }
+};
+
+// The producer's destinations: `dest` is a peer's rank, or kEveryPeer (the
+// same bytes to every peer, in send order rank + 1, rank + 2, ..., so no
+// receiver takes every sender at once).
+ARX_HD int peer_in_send_order(int rank, int world, uint64_t dest, int i) {
+  return dest == kEveryPeer ? (rank + 1 + i) % world : (int)dest;
+}
+
+// Peers on one host, whose memory is mapped here. A put is a store into the
+// peer's lane for this rank; the signal, one release store per peer into its
+// word (this rank, piece, 0): the bytes of the piece must have reached system
+// scope before it (the signalling thread fences after the producers'
+// barrier; release and fences are cumulative). One root: no NIC to split
+// over.
+struct DirectChannel {
+  Inbox in;
+  int rank = 0, world = 0;
+  uint8_t* peer_data[kMaxWorld] = {};    // each peer's inbox of this family: its lane (0, 0), mapped here
+  uint64_t* peer_flags[kMaxWorld] = {};  // each peer's flag page, mapped here
+  uint64_t* peer_heard[kMaxWorld] = {};  // this rank's heard word of the family in each peer's region (layout.h)
+
+  // How many places the bytes for `dest` are written to, and the i-th: the
+  // peer's lane for this rank. `lane` (the staging lane) is the proxy's.
+  ARX_HD int fanout(uint64_t dest) const { return dest == kEveryPeer ? world - 1 : 1; }
+  ARX_HD uint8_t* put_dst(int parity, uint64_t dest, int i, uint64_t lane) const {
+    const int p = peer_in_send_order(rank, world, dest, i);
+    return peer_data[p] + (uint64_t)parity * in.parity_bytes + (uint64_t)rank * in.lane_bytes;
+  }
+  // Announces piece `piece` (flag word `value`) to `dest`. [lo, hi) and `at`
+  // (the ring position) are the proxy's.
+  ARX_HD void signal(int parity, uint64_t dest, int piece, uint64_t lane, uint64_t lo, uint64_t hi, uint64_t value,
+                     uint64_t at) const {
+    for (int i = 0; i < fanout(dest); ++i)
+      store_release(peer_flags[peer_in_send_order(rank, world, dest, i)] + in.words.index(rank, piece, 0), value);
+  }
+  // Trigger ring entries a signal takes.
+  ARX_HD int entries(uint64_t dest) const { return 0; }
+  // Tells each peer's watchdog the last seq finished (relaxed: read by
+  // messages only), where its flag page may be out of the host's reach.
+  ARX_HD void heard(uint64_t value) const {
+    for (int i = 0; i < world - 1; ++i) store_relaxed(peer_heard[(rank + 1 + i) % world], value);
+  }
+};
+
+// Any carrier: the bytes are staged in this rank's region, and the signal
+// publishes a trigger (layout.h) for the proxy, which puts them, split over
+// the carrier's roots, each part followed by its own flag word (this rank,
+// piece, root) on that root's ordered channel. Staging: the bytes for every
+// peer (kEveryPeer) at lane 0, the bytes for peer j at lane j, `lane` bytes
+// apart (the collective's choice: it must keep a lane inside the staging
+// buffer). The bytes must have reached system scope before the signal (the
+// tag's release orders them for the proxy, which acquires it).
+struct ProxyChannel {
+  Inbox in;
+  int rank = 0, world = 0;
+  Family family = Family::kPsum;
+  uint8_t* stage = nullptr;        // staging lane 0 of parity 0
+  uint64_t stage_parity_bytes = 0;
+  uint64_t stage_offset = 0;       // region offset of `stage`
+  uint64_t inbox_offset = 0;       // region offset of in.data, here and in every peer's region
+  Trigger* ring = nullptr;
+
+  ARX_HD int fanout(uint64_t dest) const { return 1; }
+  ARX_HD uint64_t stage_at(int parity, uint64_t dest, uint64_t lane) const {
+    return (uint64_t)parity * stage_parity_bytes + (dest == kEveryPeer ? 0 : dest * lane);
+  }
+  ARX_HD uint8_t* put_dst(int parity, uint64_t dest, int i, uint64_t lane) const {
+    return stage + stage_at(parity, dest, lane);
+  }
+  // Publishes the trigger at ring index `at`: bytes [lo, hi) of the lane for
+  // `dest`, into the peers' lane for this rank at lo, then `value` into their
+  // word (this rank, piece, root). The caller picks `at` so that every index
+  // is published once, in the order the proxy should send (it takes them in
+  // index order).
+  ARX_HD void signal(int parity, uint64_t dest, int piece, uint64_t lane, uint64_t lo, uint64_t hi, uint64_t value,
+                     uint64_t at) const {
+    Trigger* t = ring + at % kRing;
+    store_relaxed(&t->src, stage_offset + stage_at(parity, dest, lane) + lo);
+    store_relaxed(&t->len, hi - lo);
+    store_relaxed(&t->dst, inbox_offset + (uint64_t)parity * in.parity_bytes + (uint64_t)rank * in.lane_bytes + lo);
+    store_relaxed(&t->flag, (uint64_t)in.words.index(rank, piece, 0));
+    store_relaxed(&t->value, value);
+    store_relaxed(&t->dest, dest);
+    store_relaxed(&t->family, (uint64_t)family);
+    store_release(&t->tag, at + 1);
+  }
+  ARX_HD int entries(uint64_t dest) const { return 1; }
+  // The carrier's flag words are in the peers' host regions already.
+  ARX_HD void heard(uint64_t) const {}
+};
+
+// The channels of one family, built from a region as a device side sees it
+// (`base`: its address there; `peers[j]`: peer j's region mapped there, for
+// the direct medium). `roots`: the carrier's.
+ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, uint8_t* base);
+DirectChannel make_direct_channel(const Layout& L, Family f, int rank, uint8_t* base, uint8_t* const* peers);
+
+}  // namespace arx

@@ -1,0 +1,97 @@
+#include "comm/plan.h"
+
+#include <algorithm>
+
+namespace arx {
+namespace {
+
+// The pieces of a one-shot psum on the CUDA side: about this many bytes
+// each, by where the inboxes are (examples/bench_psum.py chose each; see
+// docs/performance.md).
+constexpr uint64_t kPieceBytesGpuInboxes = 32 << 10;
+constexpr uint64_t kPieceBytesHostInboxes = 16 << 10;
+// Through the proxy a piece is a put (an RDMA write and its flag per root):
+// fewer, larger ones. Not measured yet on RoCE; on the GPU machine only
+// through the tcp carrier.
+constexpr uint64_t kPieceBytesProxy = 64 << 10;
+
+uint64_t ll_limit(const Endpoint& ep) {
+  const int64_t cfg = ep.spec().config.cuda_ll_max_bytes;
+  if (cfg == 0) return 0;
+  // Up to its cap by default, with either kind of inbox (bench_psum.py).
+  return cfg < 0 ? kLLMaxPayload : std::min<uint64_t>((uint64_t)cfg, kLLMaxPayload);
+}
+
+int psum_pieces(const Endpoint& ep, uint64_t bytes) {
+  if (ep.spec().platform == Platform::kHost) return 1;  // one thread copies, then waits: pieces buy nothing
+  const Endpoint::Route& r = ep.route();
+  const uint64_t target = ep.spec().config.cuda_chunk_bytes ? ep.spec().config.cuda_chunk_bytes
+                          : !r.direct                       ? kPieceBytesProxy
+                          : r.gpu_inboxes                   ? kPieceBytesGpuInboxes
+                                                            : kPieceBytesHostInboxes;
+  // Each piece has a flag word per source and root (layout.h); through the
+  // proxy each is a trigger too, and a collective's triggers must fit the
+  // ring's bound (proxy.h).
+  const int words = psum_words(ep.spec().world, r.direct ? 1 : ep.roots()).pieces;
+  const int cap = r.direct ? words : std::min(words, kChunks);
+  return (int)std::clamp<uint64_t>((bytes + target - 1) / target, 1, (uint64_t)cap);
+}
+
+}  // namespace
+
+Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
+  const Layout& L = ep.layout();
+  const Config& cfg = ep.spec().config;
+  const bool cuda = ep.spec().platform == Platform::kCuda;
+  Plan p;
+  const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes) : L.slot_bytes;
+  // The two-shot partial is staged whole (send_bytes), and each rank's chunk
+  // fills at most a slot.
+  const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;
+  if (bytes <= oneshot_max) {
+    if (cuda && ep.route().direct && bytes <= ll_limit(ep)) {
+      p.algorithm = Algorithm::kLL;
+      return p;
+    }
+    p.algorithm = Algorithm::kOneShot;
+    p.pieces = psum_pieces(ep, bytes);
+    return p;
+  }
+  if (bytes <= twoshot_max) {
+    p.algorithm = Algorithm::kTwoShot;
+    return p;
+  }
+  // The fix: a slot (per peer per parity) as large as the partial, and the
+  // send buffer, which stages a partial whole, at least as large as a slot.
+  const uint64_t need = (bytes + 15) / 16 * 16;
+  p.why_not = strf("a partial of %llu bytes exceeds the largest psum jax_arx takes on %s (%llu bytes%s); to run it "
+                   "with jax_arx set JAX_ARX_SLOT_BYTES to at least %llu and JAX_ARX_SEND_BYTES to at least that "
+                   "too, on every process (each takes 2 x world x slot + 2 x send bytes of pinned memory per "
+                   "endpoint)",
+                   (unsigned long long)bytes, ep.label().c_str(), (unsigned long long)std::max(oneshot_max, twoshot_max),
+                   cuda ? ": the one-shot up to a slot, the two-shot above" : ": the one-shot, up to a slot",
+                   (unsigned long long)need);
+  return p;
+}
+
+Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
+  const Layout& L = ep.layout();
+  Plan p;
+  // The envelope users set: every rank's lane together within
+  // JAX_ARX_PREFILL_SLOT_BYTES (the lanes themselves hold a little more,
+  // rounded up to 16 bytes).
+  if (lane_bytes * (uint64_t)L.world <= ep.spec().config.bulk_bytes) {
+    p.algorithm = Algorithm::kBulk;
+    p.pieces = kChunks;
+    return p;
+  }
+  const uint64_t need = (lane_bytes * (uint64_t)L.world + 15) / 16 * 16;
+  p.why_not = strf("%s moves %llu bytes per rank on %s, %llu for all %d ranks, more than its bulk buffers hold "
+                   "(JAX_ARX_PREFILL_SLOT_BYTES=%llu); set JAX_ARX_PREFILL_SLOT_BYTES to at least %llu on every "
+                   "process (it takes 4 x that of pinned memory per endpoint)",
+                   op, (unsigned long long)lane_bytes, ep.label().c_str(), (unsigned long long)(lane_bytes * L.world),
+                   L.world, (unsigned long long)ep.spec().config.bulk_bytes, (unsigned long long)need);
+  return p;
+}
+
+}  // namespace arx

@@ -1,0 +1,39 @@
+// The one place that decides what runs a collective of a given size on an
+// endpoint: the size envelope (what jax_arx takes at all; Python asks it at
+// trace time to fall back to jax.lax, through jax_arx._core.plan) and the
+// algorithm and its pieces (the handlers ask it at each call). Every rank
+// decides the same from the same size and what the ranks agreed on at set-up
+// (config, world, route); the choice also goes into the descriptors, so a
+// rank that chose otherwise is a mismatch, never a wrong sum.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "comm/endpoint.h"
+
+namespace arx {
+
+enum class Algorithm : int64_t {
+  kNone = 0,     // jax_arx does not take it (why_not says why)
+  kOneShot = 1,  // every rank puts its partial to every peer, in `pieces` pieces, then sums
+  kTwoShot = 2,  // a reduce-scatter then an all-gather, a seq each
+  kLL = 3,       // the one-shot with its flags inside the data (CUDA, direct channel)
+  kBulk = 4,     // a bulk collective, in kChunks pieces
+};
+
+struct Plan {
+  Algorithm algorithm = Algorithm::kNone;
+  int pieces = 1;       // kOneShot: pieces of the partial
+  std::string why_not;  // kNone: the reason and the fix, for the fallback message
+};
+
+// A psum of a `bytes`-byte partial.
+Plan plan_psum(const Endpoint& ep, uint64_t bytes);
+
+// A bulk collective whose lane (one rank's slice of an all_gather, one
+// destination's part of a psum_scatter or of the MoE combine's output) is
+// `lane_bytes`; `total_bytes` is world times that, for the message.
+Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes);
+
+}  // namespace arx

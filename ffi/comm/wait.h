@@ -1,0 +1,99 @@
+// The one wait of the piece channels (comm/channel.h), on both device sides,
+// and the one failure record.
+//
+// A wait polls a flag word until its seq reaches the awaited one. At exactly
+// that seq the word must carry the awaited descriptor, or the peer issued a
+// different collective (kMismatch). Past it, the peer finished the seq, which
+// it could only do after agreeing with ours: arrived (channel.h, "Flag
+// words"). Every wait is bounded in time (the Poll's clock, never a count of
+// polls, which does not measure time) and by the endpoint's abort word; the
+// Poll says how to spend the time between looks (the host yields the core,
+// a GPU thread spins) and whether another waiter already gave up.
+//
+// A Poll has:
+//   bool expired()             the timeout has passed since the wait began
+//   bool aborted(uint32_t t)   the endpoint failed (looked at every few turns)
+//   bool stopped(uint32_t t)   another waiter of the same collective gave up
+//   void pause(uint32_t t)     between two looks
+#pragma once
+
+#include <cstdint>
+
+#include "base/atomics.h"
+#include "base/layout.h"
+#include "comm/channel.h"
+
+namespace arx {
+
+enum class WaitEnd : uint32_t { kArrived = 0, kMismatch, kTimeout, kAborted, kStopped };
+
+// `seen`: the last value read (the disagreeing word, for a mismatch).
+template <typename Poll>
+ARX_HD WaitEnd wait_word(const uint64_t* word, uint64_t seq, uint64_t desc, Poll& poll, uint64_t& seen) {
+  for (uint32_t turn = 0;; ++turn) {
+    seen = load_acquire(word);
+    if (flag_seq(seen) >= seq) {
+      if (flag_seq(seen) == seq && flag_desc(seen) != (desc & kDescMask)) return WaitEnd::kMismatch;
+      return WaitEnd::kArrived;
+    }
+    if (poll.aborted(turn)) return WaitEnd::kAborted;
+    if (poll.stopped(turn)) return WaitEnd::kStopped;
+    if (poll.expired()) return WaitEnd::kTimeout;
+    poll.pause(turn);
+  }
+}
+
+// Piece `piece` of seq from `src`: its word on every root of the channel.
+// The bytes it announces happen-before the return (acquire), in
+// in.lane(seq & 1, src).
+template <typename Poll>
+ARX_HD WaitEnd wait_piece(const Inbox& in, int src, int piece, uint64_t seq, uint64_t desc, Poll& poll,
+                          uint64_t& seen) {
+  for (int r = 0; r < in.words.roots; ++r) {
+    const WaitEnd e = wait_word(in.word(src, piece, r), seq, desc, poll, seen);
+    if (e != WaitEnd::kArrived) return e;
+  }
+  return WaitEnd::kArrived;
+}
+
+// The first failure of an endpoint, kept in its Control block for the host
+// (jax_arx.check(), the proxy, the next handler) to turn into a message.
+struct FailureRecord {
+  uint64_t seq = 0;
+  FailureKind kind = FailureKind::kNone;
+  uint64_t missing = 0;  // bit src per source that had not arrived (timeout, abort)
+  uint64_t flag = 0;     // mismatch: the word that disagreed
+  uint64_t src = 0;      // mismatch: its source
+  uint64_t desc = 0;     // what this rank expected
+  Family family = Family::kPsum;
+  OpCode op = OpCode::kPsum;
+};
+
+ARX_HD FailureKind failure_kind(WaitEnd e) {
+  switch (e) {
+    case WaitEnd::kMismatch: return FailureKind::kMismatch;
+    case WaitEnd::kAborted: return FailureKind::kAborted;
+    case WaitEnd::kTimeout:
+    case WaitEnd::kStopped: return FailureKind::kTimeout;
+    case WaitEnd::kArrived: break;
+  }
+  return FailureKind::kNone;
+}
+
+// The details first, failed_seq last with release, so a reader that sees
+// failed_seq sees the rest. The first failure is the one kept; a later
+// writer that races the first may overwrite details before failed_seq is
+// set, which only mixes two true failures' details.
+ARX_HD void record_failure(Control* ctl, const FailureRecord& r) {
+  if (load_acquire(&ctl->failed_seq) != 0) return;
+  store_relaxed(&ctl->failed_kind, (uint64_t)r.kind);
+  store_relaxed(&ctl->failed_missing, r.kind == FailureKind::kMismatch ? 0 : r.missing);
+  store_relaxed(&ctl->failed_flag, r.kind == FailureKind::kMismatch ? r.flag : 0);
+  store_relaxed(&ctl->failed_src, r.kind == FailureKind::kMismatch ? r.src : 0);
+  store_relaxed(&ctl->failed_desc, r.desc);
+  store_relaxed(&ctl->failed_family, (uint64_t)r.family);
+  store_relaxed(&ctl->failed_op, (uint64_t)r.op);
+  store_release(&ctl->failed_seq, r.seq);
+}
+
+}  // namespace arx

@@ -1,0 +1,304 @@
+// The LL one-shot psum: the third medium (layout.h, "The LL one-shot";
+// NCCL's LL protocol), on the direct channel only. The pipelined one-shot's
+// reader makes two bus round trips per piece, one for the flag and one for
+// the data after it, and its writer fences between data and flag. Here the
+// partial goes in 16-byte lines, {data0, f, data1, f}, f = ll_flag(seq,
+// desc): the reader's poll of a line is its read of the data, and the writer
+// needs no fence, since each 8-byte half is one single-copy-atomic access
+// (the lines are stored and loaded as .v2.u64: the PTX memory model treats a
+// vector access as one access per element, so a half never tears; the halves
+// may arrive apart, which is why each has its own copy of f).
+//
+// One seq, one grid: B blocks of lines (ll_grid) and one service block. Thread
+// g of the B blocks' N threads owns lines g, g + N, ... (kLLLinesPerThread at
+// most) of the partial, 8 payload bytes each, and for each of them
+//   1. reads its 8 bytes of `in` (device memory), before anything is written
+//      to `out` (in may alias out: no other thread touches these bytes);
+//   2. stores the line into every peer's ll_recv[seq & 1][rank] (send order
+//      rank + 1, rank + 2, ...), one relaxed system-scope 16-byte store each,
+//      no fence;
+//   3. polls the same line of its own ll_recv[seq & 1][src], for every peer
+//      src, until both flag words equal f (ll_wait), bounded as every wait is
+//      (grid.cuh, DevicePoll);
+//   4. zeroes the lines it consumed (see "Stale lines");
+//   5. sums in rank order from rank 0's element, rounded once (the bits of
+//      every other algorithm), and writes its 8 bytes of out (NaN if it gave
+//      up).
+// The service block announces the seq to every peer (flag_word(seq, desc),
+// with release, into the peer's psum word (this rank, piece 0) -- the word
+// the other psum algorithms signal their first piece in), announces it to the
+// watchdog and asks L2 for the prefetch ranges, then waits for every peer's
+// announcement of seq. The last block out settles the seq (grid.cuh). After
+// an earlier failure (prior), no thread writes or waits for anything.
+//
+// Stale lines. Invariant: while an endpoint has not failed, every line of its
+// ll_recv holds 0 except lines that a peer wrote for a seq this rank has not
+// finished. It holds at the start (the memory is created zeroed). An LL seq
+// that succeeds has consumed every line each peer wrote for it (both cut the
+// partial alike: the element count and dtype are in the descriptor, which f
+// carries and compares) and zeroed them, and by "Buffer reuse" the zeroing
+// precedes, in coherence order, the peer's next store to those lines (it
+// also follows the value it overwrites: this rank read that value first). A
+// failed seq may leave lines behind, but the failure is sticky
+// (DeviceWords::failed): no later kernel of this endpoint polls a line. A seq
+// of another algorithm leaves no line: if the peer ran LL at it, this rank's
+// wait failed (see "Mismatch"). So a line polled for seq holds 0 or what the
+// peer wrote for seq, and if the peer issued another collective at seq its f
+// differs (ll_flag is injective in the 24-bit descriptor for a given seq), so
+// the line is never taken. Without the zeroing, a line left 128 uses of the
+// slot earlier (bits 1-7 of f wrap) by the same collective, a loop's
+// every-step psum, would be summed as this seq's: never acceptable.
+//
+// Buffer reuse: parity is enough. This rank writes its lines of seq + 2 into
+// a peer's ll_recv[seq & 1][rank] only in its kernel for seq + 2, which starts
+// after its kernel for seq + 1 completed. That kernel did not fail (after a
+// failure nothing more is written), so it acquired a word the peer released
+// in its kernel for seq + 1: the announcement (LL), or a piece's flag word
+// (the other algorithms, whose writers fence before it). That kernel of the
+// peer's started after its kernel for seq completed, so every read of its
+// ll_recv[seq & 1] for seq, and every zeroing store, happens before that
+// release (the kernel boundary orders them before the releasing thread, and
+// the release is cumulative), hence before this rank's seq + 2 lines: the
+// peer finds 0 or seq + 2's lines there. The same holds for this rank's own
+// ll_recv, with the roles swapped. No fence is needed at the end of the
+// kernel. The argument needs an endpoint's kernels not to overlap (stream
+// order).
+//
+// Mismatch. A peer that issued another collective at this seq must show up
+// as an error, never as a sum. Its lines never match f (above). The
+// announcement goes into the word where the other psum algorithms signal
+// their first piece, with the LL descriptor (ll_tag in it): whichever
+// algorithm a peer ran at this seq, the wait for its word finds that seq
+// with another descriptor, a mismatch, and the give-up ends the line waits
+// too (DeviceWords::fail_any); the peer's own wait on this rank's word finds
+// the same. A word past seq: the peer announced seq + 1 at the start of its
+// next kernel, so it finished seq -- it read all of this rank's lines, which
+// each thread stores before it polls -- and its own lines for seq were
+// stored before that kernel started: the next polls take them. It cannot be
+// past seq + 1: the peer's seq + 1 needs this rank's seq + 1 lines.
+#include "cuda/device_side.h"
+#include "cuda/grid.cuh"
+#include "cuda/kernels.h"
+
+namespace arx::cuda {
+namespace {
+
+// Lines a thread owns at most: every line's polls of all the peers in flight
+// at once, before the first check.
+constexpr int kLLLinesPerThread = 2;
+static_assert(kLLMaxPayload / kLLLinePayload / kLLLinesPerThread / kThreads + 1 <= kMaxGridBlocks,
+              "settle counts the blocks out in 8 bits");
+
+// The LL tag keeps an LL one-shot apart from the other psum algorithms in
+// the descriptor (see "Mismatch").
+__host__ __device__ inline uint64_t ll_tag(uint64_t tag) { return tag ^ 0x9E3779B97F4A7C15ull; }
+
+// One line: two 8-byte halves, each a single-copy-atomic element (see the
+// top), relaxed at system scope: the peers (and this rank's zeroing) write
+// them, and the reader must see their stores, not a cached copy.
+__device__ __forceinline__ void st_line(uint8_t* p, uint64_t lo, uint64_t hi) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
+}
+
+__device__ __forceinline__ void ld_line(const uint8_t* p, uint64_t& lo, uint64_t& hi) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+}
+
+__device__ __forceinline__ bool aligned8(const void* p) { return ((uintptr_t)p & 7) == 0; }
+
+// Payload bytes [8 * line, 8 * line + 8) of a partial of `bytes` bytes, zero
+// past its end (the padding of the last line). Elements are 2 or 4 bytes, so
+// 2-byte units cover any tail and any alignment.
+__device__ __forceinline__ uint2 ll_payload(const uint8_t* p, uint64_t line, uint64_t bytes, bool aligned) {
+  const uint64_t at = kLLLinePayload * line;
+  if (aligned && at + kLLLinePayload <= bytes) return *reinterpret_cast<const uint2*>(p + at);
+  uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    if (at + 2 * h >= bytes) break;
+    const uint32_t u = (uint32_t)*reinterpret_cast<const uint16_t*>(p + at + 2 * h) << (16 * (h & 1));
+    if (h < 2) w0 |= u;
+    else w1 |= u;
+  }
+  return make_uint2(w0, w1);
+}
+
+// The inverse: the line's payload into out, without the padding.
+__device__ __forceinline__ void ll_put(uint8_t* p, uint64_t line, uint64_t bytes, bool aligned, uint2 d) {
+  const uint64_t at = kLLLinePayload * line;
+  if (aligned && at + kLLLinePayload <= bytes) {
+    *reinterpret_cast<uint2*>(p + at) = d;
+    return;
+  }
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    if (at + 2 * h >= bytes) break;
+    *reinterpret_cast<uint16_t*>(p + at + 2 * h) = (uint16_t)((h < 2 ? d.x : d.y) >> (16 * (h & 1)));
+  }
+}
+
+// The sum of one line: the rank-order sum of every algorithm, so the bits are
+// those of every other. lo / hi: the lines as loaded, by source (data in
+// their low halves).
+template <DType D>
+__device__ __forceinline__ uint2 ll_sum(int rank, int world, uint2 mine, const uint64_t (&lo)[kMaxWorld],
+                                        const uint64_t (&hi)[kMaxWorld]) {
+  uint4 part[kMaxWorld];
+#pragma unroll
+  for (int src = 0; src < kMaxWorld; ++src)
+    part[src] = src == rank ? make_uint4(mine.x, mine.y, 0, 0) : make_uint4((uint32_t)lo[src], (uint32_t)hi[src], 0, 0);
+  const uint4 o = sum_rank_order<D>(part, world);  // the upper halves of the vectors are ignored
+  return make_uint2(o.x, o.y);
+}
+
+// Step 3 for thread g's lines (g, g + nthr, ... below `lines`): polls them in
+// every peer's slot of `slots` (this rank's ll_recv[seq & 1]) until each
+// holds f in both halves, leaving them in lo / hi. false: the thread gave up
+// on the seq (what it found is in DeviceWords::fail_*).
+__device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, uint32_t f, const uint8_t* slots,
+                        uint64_t gt, uint64_t nthr, uint64_t lines, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
+                        uint64_t (&hi)[kLLLinesPerThread][kMaxWorld]) {
+  uint32_t pending = 0;  // bit src * kLLLinesPerThread + k: line k from src not taken yet
+#pragma unroll
+  for (int src = 0; src < kMaxWorld; ++src)
+#pragma unroll
+    for (int k = 0; k < kLLLinesPerThread; ++k)
+      if (src < world && src != rank && gt + k * nthr < lines) pending |= 1u << (src * kLLLinesPerThread + k);
+  const DevicePoll poll{g, s.start};
+  for (uint32_t turn = 0; pending; ++turn) {
+    // Every pending line's load in flight before the first check: each is a
+    // bus round trip. A line taken keeps its registers.
+#pragma unroll
+    for (int src = 0; src < kMaxWorld; ++src)
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k)
+        if (pending >> (src * kLLLinesPerThread + k) & 1)
+          ld_line(slots + src * kLLSlotBytes + kLLLineBytes * (gt + k * nthr), lo[k][src], hi[k][src]);
+#pragma unroll
+    for (int src = 0; src < kMaxWorld; ++src)
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k) {
+        const uint32_t bit = 1u << (src * kLLLinesPerThread + k);
+        // Both halves: each carries its own flag, and they may arrive apart.
+        if ((pending & bit) && (uint32_t)(lo[k][src] >> 32) == f && (uint32_t)(hi[k][src] >> 32) == f)
+          pending &= ~bit;
+      }
+    if (!pending) break;
+    // A peer that issued another collective at this seq never writes our
+    // lines; the service block finds it out and gives up for the grid, which
+    // ends this wait too (poll.stopped).
+    const WaitEnd e = poll.aborted(turn) ? WaitEnd::kAborted
+                      : poll.stopped(turn) ? WaitEnd::kStopped
+                      : poll.expired()     ? WaitEnd::kTimeout
+                                           : WaitEnd::kArrived;
+    if (e != WaitEnd::kArrived) {
+      for (int src = 0; src < world; ++src)
+        if (pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1)) give_up(g.words, e, 0, src);
+      return false;
+    }
+  }
+  return true;
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, const uint8_t* in, uint8_t* out,
+                                                         uint64_t count, uint64_t tag, Prefetch pf) {
+  using E = Elem<D>;
+  const uint64_t bytes = count * E::kSize;
+  const SeqStart s = begin(g, Family::kPsum, describe(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
+  const int rank = ch.psum.rank, world = ch.psum.world, blocks = (int)gridDim.x - 1;
+  auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
+  if ((int)blockIdx.x == blocks) {
+    // The announcement: release, so that it orders everything this rank did
+    // before it, its earlier kernels' zeroing of their lines included (the
+    // kernel boundary orders those before this thread).
+    if (threadIdx.x == 0 && !s.prior) ch.psum.signal(s.par, kEveryPeer, 0, 0, 0, 0, flag_word(s.seq, s.desc), 0);
+    note_begun(g, Family::kPsum, s);
+    prefetch(pf, threadIdx.x, blockDim.x);
+    // Every peer's announcement: thread t waits for peer t's.
+    const int t = (int)threadIdx.x;
+    const bool ok = s.prior || t >= world || t == rank || wait_for(g, ch.psum, s, t, 0);
+    settle(g, ch.psum, Family::kPsum, OpCode::kPsum, s, !ok, 0, nan);
+    return;
+  }
+  const uint64_t nthr = (uint64_t)blocks * blockDim.x, gt = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
+  const bool aligned = aligned8(in) && aligned8(out);
+  uint2 mine[kLLLinesPerThread];
+#pragma unroll
+  for (int k = 0; k < kLLLinesPerThread; ++k)
+    mine[k] = gt + k * nthr < lines ? ll_payload(in, gt + k * nthr, bytes, aligned) : make_uint2(0, 0);
+  const uint32_t f = ll_flag(s.seq, s.desc);
+  if (!s.prior) {
+    for (int step = 1; step < world; ++step) {  // send order: rank + 1, rank + 2, ...
+      const int peer = (rank + step) % world;
+      uint8_t* slot = ch.peer_lines[peer] + ((uint64_t)s.par * world + rank) * kLLSlotBytes;
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k)
+        if (gt + k * nthr < lines)
+          st_line(slot + kLLLineBytes * (gt + k * nthr), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
+    }
+  }
+  uint8_t* slots = ch.lines + (uint64_t)s.par * world * kLLSlotBytes;
+  uint64_t lo[kLLLinesPerThread][kMaxWorld] = {}, hi[kLLLinesPerThread][kMaxWorld] = {};
+  const bool ok = !s.prior && ll_wait(g, s, rank, world, f, slots, gt, nthr, lines, lo, hi);
+  if (ok) {
+    // Zero the lines consumed (see "Stale lines"). After a give-up the
+    // endpoint is failed for good and no line is polled again.
+    for (int src = 0; src < world; ++src) {
+      if (src == rank) continue;
+#pragma unroll
+      for (int k = 0; k < kLLLinesPerThread; ++k)
+        if (gt + k * nthr < lines) st_line(slots + src * kLLSlotBytes + kLLLineBytes * (gt + k * nthr), 0, 0);
+    }
+  }
+  // A thread that gave up writes NaN over its lines: the last block out
+  // fills the whole output with NaN anyway; this keeps them from a wrong sum
+  // meanwhile.
+  const uint2 nan2 = E::kSize == 4 ? make_uint2(E::kNan, E::kNan)
+                                   : make_uint2(E::kNan | E::kNan << 16, E::kNan | E::kNan << 16);
+#pragma unroll
+  for (int k = 0; k < kLLLinesPerThread; ++k)
+    if (gt + k * nthr < lines)
+      ll_put(out, gt + k * nthr, bytes, aligned, ok ? ll_sum<D>(rank, world, mine[k], lo[k], hi[k]) : nan2);
+  settle(g, ch.psum, Family::kPsum, OpCode::kPsum, s, !ok && !s.prior, 0, nan);
+}
+
+// The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at
+// most kThreads) such that each thread owns kLLLinesPerThread lines or fewer;
+// the kernel gets one more block, the service block.
+void ll_grid(uint64_t bytes, int& blocks, int& threads) {
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
+  const uint64_t need = std::max<uint64_t>(1, (lines + kLLLinesPerThread - 1) / kLLLinesPerThread);
+  if (need <= (uint64_t)kThreads) {
+    blocks = 1;
+    threads = (int)((need + 31) / 32 * 32);
+  } else {
+    blocks = (int)((need + kThreads - 1) / kThreads);
+    threads = kThreads;
+  }
+}
+
+template <DType D>
+cudaError_t launch_typed(const Grid& g, const LLChannel& ch, const void* in, void* out, uint64_t count, uint64_t tag,
+                         const Prefetch& pf, cudaStream_t stream) {
+  int blocks = 0, threads = 0;
+  ll_grid(count * Elem<D>::kSize, blocks, threads);
+  ll_kernel<D><<<blocks + 1, threads, 0, stream>>>(g, ch, static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out),
+                                                   count, tag, pf);
+  return cudaGetLastError();  // may be an earlier kernel's error
+}
+
+}  // namespace
+
+cudaError_t launch_ll(const Grid& g, const LLChannel& ch, DType dtype, const void* in, void* out, uint64_t count,
+                      uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return launch_typed<DType::kF32>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kBF16: return launch_typed<DType::kBF16>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kF16: return launch_typed<DType::kF16>(g, ch, in, out, count, tag, pf, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace arx::cuda

@@ -1,0 +1,67 @@
+// The device side on the CPU: the collectives of the CUDA kernels, with the
+// same steps over the same channels (comm/channel.h) and the same bits, run
+// by the XLA CPU handler's thread.
+//
+// Each call is one collective with the next seq of its family. The result is
+// written into `out` (XLA's buffer), never left in a buffer of the endpoint.
+// On failure (a peer that does not arrive within the timeout, a peer that
+// issued a different collective, an endpoint that had failed already) out is
+// filled with NaN and the error names the peers. `tag` identifies the call
+// site (every rank passes the same); it travels in the descriptor. Callers
+// serialize calls on one endpoint (Endpoint::host_call_mu).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "base/layout.h"
+#include "base/status.h"
+#include "comm/endpoint.h"
+
+namespace arx::host {
+
+// out[count] = sum over the communicator's ranks of in[count], fp32 in rank
+// order, rounded once: every rank gets the same bits. in and out may alias.
+// The partial must be within the plan's envelope (comm/plan.h).
+Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag);
+
+// The bulk collectives. The gathered / scattered dimension: a rank's part is
+// `outer` rows of `block` bytes (outer: the product of the sizes before the
+// dimension), so the gathered output, and the scattered input, are
+// [outer][world][block]. On the wire a rank's part is contiguous; the device
+// side does the strided copies. outer = 1 is the leading axis.
+
+// out[outer][world][block] = every rank's in[outer][block] (this rank's at
+// index rank): bytes, any element type. `type_code` tells element types
+// apart in the descriptor. On failure out gets nan_type's NaN, or every byte
+// 0xFF (a NaN in every floating type) when nan_type is empty.
+Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint64_t outer, uint64_t type_code,
+                  std::optional<DType> nan_type, uint64_t tag);
+
+// out[outer][count / outer] = the sum over ranks of their in[outer][rank][.]
+// (in is [outer][world][count / outer]), fp32 in rank order, rounded once.
+Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t outer,
+                      uint64_t tag);
+
+// The fused MoE combine (see jax_arx.moe_combine_psum_scatter): row t of
+// the combined output, for t < tokens,
+//   shared[t] + sum_k w[t, k] * y[pos[t, k]]
+// in fp32: acc = shared[t], then for k in order acc = fma(w[t, k], y, acc)
+// (one rounding per term; for e4m3 y, fma(w[t, k] * scale, y, acc) with the
+// weight-times-scale product rounded first), rounded once to bf16; rows
+// tokens <= t < padded are zero. Each destination's rows are computed
+// straight into what the channel sends, piece by piece; then out[padded /
+// world, hidden] = the rank-order sum of every rank's rows for this rank. pos
+// entries outside [0, rows) are clamped into it. y_scale given: y is e4m3
+// with one fp32 scale per (row, 128 columns); else y is bf16.
+struct MoeCombine {
+  const void* y = nullptr;         // [rows, hidden] bf16 or e4m3
+  const float* y_scale = nullptr;  // [rows, hidden / 128] when y is e4m3, else null
+  const int32_t* pos = nullptr;    // [tokens, topk]
+  const float* w = nullptr;        // [tokens, topk]
+  const uint16_t* shared = nullptr;  // [tokens, hidden] bf16
+  uint64_t rows = 0, tokens = 0, padded = 0, hidden = 0, topk = 0;
+};
+Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* out, uint64_t tag);
+
+}  // namespace arx::host

@@ -1,0 +1,45 @@
+// psum on the host: the one-shot over a channel (comm/channel.h). One piece:
+// a single thread copies and then waits, so cutting the partial would only
+// add flags (comm/plan.cc).
+#include <cstring>
+
+#include "comm/plan.h"
+#include "host/convert.h"
+#include "host/device_side.h"
+#include "host/steps.h"
+
+namespace arx::host {
+
+Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag) {
+  const uint64_t bytes = count * dtype_size(dtype);
+  if (ep.failed()) {
+    fill_nan(dtype, out, count);
+    return Status::Error(ep.failure());
+  }
+  const Plan plan = plan_psum(ep, bytes);
+  if (plan.algorithm != Algorithm::kOneShot)
+    return Status::Error(strf("jax_arx.psum on %s: %s", ep.label().c_str(),
+                              plan.why_not.empty() ? "the host runs the one-shot only" : plan.why_not.c_str()));
+  const int rank = ep.spec().rank, world = ep.spec().world;
+  Collective c(ep, Family::kPsum, OpCode::kPsum, describe(OpCode::kPsum, (uint64_t)dtype, count, tag));
+  auto nan = [&] { fill_nan(dtype, out, count); };
+  return with_channel(ep, Family::kPsum, [&](const auto& ch) {
+    const int par = c.parity();
+    // The whole partial to every peer; `in` may be `out`, which is written
+    // only after every copy of it.
+    for (int i = 0; i < ch.fanout(kEveryPeer); ++i) std::memcpy(ch.put_dst(par, kEveryPeer, i, 0), in, bytes);
+    uint64_t at = 0;
+    const Status s = c.ring_at(ch, kEveryPeer, at);
+    if (!s.ok()) return c.fail(nan, s);
+    // The copies happen-before the signal's release store (one thread).
+    ch.signal(par, kEveryPeer, 0, 0, 0, bytes, c.flag(), at);
+    if (!c.wait_peers(ch.in, 0)) return c.fail(nan);
+    const uint8_t* parts[kMaxWorld];
+    for (int src = 0; src < world; ++src)
+      parts[src] = src == rank ? static_cast<const uint8_t*>(in) : ch.in.lane(par, src);
+    sum_rank_order(dtype, parts, world, count, out);
+    return c.finish();
+  });
+}
+
+}  // namespace arx::host

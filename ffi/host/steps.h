@@ -1,0 +1,118 @@
+// What every collective of the host device side does besides copying and
+// summing: take the next seq of its family, publish on the channel's ring,
+// wait for the peers (comm/wait.h, with the host's way of waiting), record a
+// failure and finish the seq. Written once; host/psum.cc and host/bulk.cc say
+// only what to copy and sum per piece.
+#pragma once
+
+#include <sched.h>
+
+#include <chrono>
+#include <thread>
+
+#include "base/atomics.h"
+#include "comm/channel.h"
+#include "comm/endpoint.h"
+#include "comm/wait.h"
+
+namespace arx::host {
+
+// The host's way of waiting (comm/wait.h's Poll). It yields the core on
+// every turn: on a machine with fewer cores than waiting threads, a spin
+// that does not yield starves the very peer (or proxy) it waits for. After a
+// few milliseconds it naps instead, so a long wait (a peer still compiling)
+// costs no CPU.
+struct HostPoll {
+  using Clock = std::chrono::steady_clock;
+  const Control* ctl;
+  Clock::time_point start;
+  Clock::duration timeout;
+
+  bool expired() const { return Clock::now() - start > timeout; }
+  bool aborted(uint32_t turn) const { return (turn & 15) == 15 && load_acquire(&ctl->abort) != 0; }
+  bool stopped(uint32_t) const { return false; }
+  void pause(uint32_t turn) const {
+    if ((turn & 15) == 15 && Clock::now() - start > std::chrono::milliseconds(5)) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      return;
+    }
+    sched_yield();
+  }
+};
+
+// One collective of family `f`, from its seq to its finish.
+class Collective {
+ public:
+  Collective(Endpoint& ep, Family f, OpCode op, uint64_t desc);
+
+  uint64_t seq() const { return seq_; }
+  int parity() const { return (int)(seq_ & 1); }
+  uint64_t desc() const { return desc_; }
+  uint64_t flag() const { return flag_word(seq_, desc_); }
+
+  // The ring position of the next signal on `ch` (a DirectChannel takes
+  // none). An error if the ring is full, which (*) of comm/proxy.h rules out:
+  // a bug, reported instead of overwriting an entry not yet sent.
+  template <typename Ch>
+  Status ring_at(const Ch& ch, uint64_t dest, uint64_t& at) {
+    const int n = ch.entries(dest);
+    at = next_;
+    if (n == 0) return Status::Ok();
+    if (next_ + n - load_acquire(&ctl_->ring_consumed) > (uint64_t)kRing)
+      return Status::Error(strf("jax_arx: %s: the trigger ring is full (%llu published, %llu taken); this is a "
+                                "bug in jax_arx",
+                                ep_.label().c_str(), (unsigned long long)next_,
+                                (unsigned long long)load_acquire(&ctl_->ring_consumed)));
+    next_ += n;
+    store_relaxed(&ctl_->ring_published, next_);
+    return Status::Ok();
+  }
+
+  // Waits for piece `piece` of this seq from every peer. False: a wait gave
+  // up; the failure is recorded (the first one of the endpoint is kept).
+  bool wait_peers(const Inbox& in, int piece);
+
+  // Every path ends in one of these: the seq finished (the sequence state
+  // stays consistent either way), and on failure `fill` writes NaN over the
+  // output and the endpoint's sticky failure is returned. `why`: a failure
+  // that no wait recorded (a ring error).
+  Status finish();
+  template <typename Fill>
+  Status fail(Fill fill, const Status& why = Status::Ok()) {
+    fill();
+    if (!why.ok() && !ep_.failed()) ep_.fail(why.message());
+    finish();
+    ep_.failed();  // turns a recorded wait failure into the endpoint's sticky message
+    return Status::Error(ep_.failure());
+  }
+
+ private:
+  Endpoint& ep_;
+  Control* ctl_;
+  Family family_;
+  OpCode op_;
+  uint64_t seq_, desc_, next_;
+  HostPoll poll_;
+};
+
+// Runs body(channel) over the endpoint's channel of family `f`: the direct
+// one where the peers' regions are mapped here, else the proxy's.
+template <typename Body>
+Status with_channel(Endpoint& ep, Family f, Body body) {
+  if (ep.route().direct) return body(ep.direct_channel(f));
+  return body(ep.proxy_channel(f));
+}
+
+// Copies bytes [lo, hi) of a part laid out as rows of `block` bytes,
+// `stride` bytes apart in `strided` (row o at o * stride), to the same bytes
+// of the contiguous `contig`; and back.
+void gather_rows(uint8_t* contig, const uint8_t* strided, uint64_t lo, uint64_t hi, uint64_t block, uint64_t stride);
+void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t hi, uint64_t block,
+                  uint64_t stride);
+
+// out[count] = sum over src of parts[src][count], fp32 in rank order
+// starting from rank 0's element, rounded once to dtype: every rank gets the
+// same bits. `out` may alias parts[i].
+void sum_rank_order(DType dtype, const uint8_t* const* parts, int world, uint64_t count, void* out);
+
+}  // namespace arx::host

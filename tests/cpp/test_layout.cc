@@ -1,0 +1,77 @@
+// The layout's promises (base/layout.h): the buffers do not overlap, each
+// peer may write only its own slots and flag words, this rank's own areas
+// are nobody else's, and the pieces of a payload tile it.
+#include <cstdio>
+
+#include "base/layout.h"
+#include "rig.h"
+
+using namespace arx;
+
+int main() {
+  for (uint32_t world : {2u, 3u, 8u}) {
+    const Layout l = Layout::of(Geometry{world, 1 << 20, 4 << 20, 32 << 20});
+    EXPECT(l.flags >= l.control + sizeof(Control) && l.recv >= l.flags + 8 * kFlagWords &&
+               l.send >= l.recv + 2 * world * l.slot_bytes && l.ring >= l.send + 2 * l.send_bytes &&
+               l.bulk_recv >= l.ring + kRing * sizeof(Trigger) && l.bulk_send >= l.bulk_recv + 2 * world * l.bulk_lane &&
+               l.ll_recv >= l.bulk_send + 2 * world * l.bulk_lane && l.total >= l.ll_recv + 2 * world * kLLSlotBytes,
+           "world %u: the areas follow each other without overlap", world);
+    EXPECT(l.bulk_lane * world >= (32u << 20) && l.bulk_lane % 16 == 0 && l.bulk_lane * world < (32u << 20) + 16 * world,
+           "world %u: bulk lanes hold a world-th of the bulk bytes each, 16-aligned", world);
+    for (int src = 0; src < (int)world; ++src) {
+      const int other = (src + 1) % world;
+      for (int p = 0; p < 2; ++p) {
+        EXPECT(l.src_may_write(src, l.recv_offset(p, src), l.slot_bytes), "its psum slot");
+        EXPECT(!l.src_may_write(src, l.recv_offset(p, src), l.slot_bytes + 1), "but not past it");
+        EXPECT(!l.src_may_write(src, l.recv_offset(p, other), 1), "not another's psum slot");
+        EXPECT(l.src_may_write(src, l.bulk_recv_offset(p, src), l.bulk_lane), "its bulk lane");
+        EXPECT(!l.src_may_write(src, l.bulk_recv_offset(p, other), 16), "not another's bulk lane");
+        EXPECT(!l.src_may_write(src, l.bulk_recv_offset(p, src) + l.bulk_lane - 8, 16), "no write straddles lanes");
+      }
+      EXPECT(!l.src_may_write(src, l.control, 8) && !l.src_may_write(src, l.send, 1) &&
+                 !l.src_may_write(src, l.ring, 8) && !l.src_may_write(src, l.bulk_send, 16) &&
+                 !l.src_may_write(src, l.ll_recv, 16) && !l.src_may_write(src, l.flags, 8),
+             "this rank's own areas are not a peer's to write");
+      for (int roots : {1, 2}) {
+        const FlagWords pw = psum_words((int)world, roots), bw = bulk_words(roots);
+        EXPECT(pw.pieces >= 1, "psum pieces per source");
+        for (int piece : {0, pw.pieces - 1})
+          for (int r = 0; r < roots; ++r) {
+            EXPECT(l.src_may_flag(src, l.flag_offset(pw.index(src, piece, r))), "its psum words");
+            EXPECT(!l.src_may_flag(other, l.flag_offset(pw.index(src, piece, r))), "not another's psum words");
+          }
+        for (int r = 0; r < roots; ++r) {
+          EXPECT(l.src_may_flag(src, l.flag_offset(bw.index(src, kChunks - 1, r))), "its bulk words");
+          EXPECT(!l.src_may_flag(other, l.flag_offset(bw.index(src, 0, r))), "not another's bulk words");
+        }
+      }
+      EXPECT(!l.src_may_flag(src, l.handshake_offset(src)) && !l.src_may_flag(src, l.flag_offset(kLLWordBase + src)) &&
+                 !l.src_may_flag(src, l.flag_offset(heard_word(Family::kPsum, src))) &&
+                 !l.src_may_flag(src, l.flag_offset(0) + 4),
+             "the handshake, LL and heard words, and unaligned offsets, are no carrier's to write");
+    }
+  }
+  for (uint64_t bytes : {0ull, 1ull, 15ull, 100ull, 129ull, 1000003ull}) {
+    uint64_t covered = 0;
+    for (int c = 0; c < kChunks; ++c) {
+      uint64_t lo, hi;
+      piece_range(bytes, c, lo, hi);
+      EXPECT(lo == covered && hi >= lo && (lo % 16 == 0 || lo == bytes), "pieces tile %llu bytes",
+             (unsigned long long)bytes);
+      covered = hi;
+    }
+    EXPECT(covered == bytes, "the last piece ends the lane of %llu bytes", (unsigned long long)bytes);
+    for (int n : {1, 3, 8, 64}) {
+      covered = 0;
+      for (int j = 0; j < n; ++j) {
+        uint64_t lo, hi;
+        chunk_range(bytes, n, j, lo, hi);
+        EXPECT(lo == covered && hi >= lo, "chunks tile %llu bytes in %d", (unsigned long long)bytes, n);
+        covered = hi;
+      }
+      EXPECT(covered == bytes, "the last chunk ends %llu bytes in %d", (unsigned long long)bytes, n);
+    }
+  }
+  printf("%s\n", testing::g_failures ? "FAILED" : "layout: ok");
+  return testing::g_failures ? 1 : 0;
+}
