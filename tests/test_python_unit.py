@@ -61,8 +61,9 @@ failed = {}             # (comm_id, device_ordinal) -> failure message
 fail_create_rank = None  # make Endpoint(rank=this) raise
 _cv = threading.Condition()
 _connecting = {}
-OPTION_KEYS = {"slot_bytes", "send_bytes", "prefill_slot_bytes", "timeout_s", "idle_spin_ms", "idle_nap_us",
-               "stall_report_s",
+OPTION_KEYS = {"slot_bytes", "send_bytes", "bulk_bytes", "oneshot_max_bytes", "timeout_s", "idle_spin_ms",
+               "idle_nap_us", "stall_report_s", "cuda_direct", "cuda_peer_memory", "cuda_chunk_bytes",
+               "cuda_ll_max_bytes", "ib_chunk_bytes", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ibverbs_lib",
                "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index", "verbose"}
 
 def version(): return "fake"
@@ -121,6 +122,18 @@ class Endpoint:
 
     def failure(self):
         return failed.get((self.comm_id, self.device_ordinal))
+
+    def plan(self, op, nbytes):
+        # The real core's envelope on the CPU (ffi/comm/plan.cc): the one-shot
+        # up to a slot; the bulk ops up to the bulk bytes for every rank.
+        if op == "psum":
+            limit = int(self.options["slot_bytes"])
+            if nbytes <= limit: return (1, 1, "")
+            return (0, 0, f"a partial of {nbytes} bytes exceeds the largest psum jax_arx takes ({limit} bytes); "
+                          f"set JAX_ARX_SLOT_BYTES")
+        limit = int(self.options["bulk_bytes"])
+        if nbytes * self.world <= limit: return (4, 8, "")
+        return (0, 0, f"{nbytes * self.world} bytes exceed JAX_ARX_PREFILL_SLOT_BYTES={limit}")
 '''
 
 
@@ -223,13 +236,21 @@ def test_config_parses_every_variable():
 
 
 def test_config_endpoint_options_are_strings_the_core_accepts():
-    cfg = config.load({"JAX_ARX_ON_FAILURE": "abort", "JAX_ARX_IB_GID_INDEX": "1", "JAX_ARX_IB_HCA": "mlx5_0"})
-    options = cfg.endpoint_options("10.0.0.1")
-    assert set(options) <= {"slot_bytes", "send_bytes", "prefill_slot_bytes", "timeout_s", "idle_spin_ms", "idle_nap_us",
-                            "stall_report_s", "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index",
-                            "verbose"}
+    env = {"JAX_ARX_ON_FAILURE": "abort", "JAX_ARX_IB_GID_INDEX": "1", "JAX_ARX_IB_HCA": "mlx5_0",
+           "JAX_ARX_ONESHOT_MAX_BYTES": "64K", "JAX_ARX_CUDA_DIRECT": "0", "JAX_ARX_CUDA_PEER_MEMORY": "1",
+           "JAX_ARX_IB_TIMEOUT": "20", "JAX_ARX_PREFILL_SLOT_BYTES": "0"}
+    cfg = config.load(env)
+    options = cfg.endpoint_options("127.0.0.1", {"cuda_ll_max_bytes": 0, "cuda_chunk_bytes": 4096})
     assert all(isinstance(v, str) for v in options.values())
-    assert options["abort_on_failure"] == "1" and options["tcp_addr"] == "10.0.0.1"
+    # The real core's parser takes every one (it rejects unknown keys and bad values).
+    core = pytest.importorskip("jax_arx._core", reason="needs the built C++ module")
+    ep = core.Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, options)
+    ep.close()
+    with pytest.raises(RuntimeError, match="unknown endpoint option 'cuda_pipeline'"):
+        core.Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, dict(options, cuda_pipeline="1"))
+    with pytest.raises(ValueError, match="_tuning key 'chunk' is not one of"):
+        cfg.endpoint_options(None, {"chunk": 1})
+    assert options["abort_on_failure"] == "1" and options["tcp_addr"] == "127.0.0.1"
     assert options["slot_bytes"] == "1048576" and float(options["timeout_s"]) == 30.0
     assert "tcp_addr" not in config.Config().endpoint_options(None)
 
@@ -557,10 +578,10 @@ def test_size_limit_is_the_slot(fake_core, monkeypatch, caplog):
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 65))
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 100))
     assert len(caplog.records) == 1
-    assert "a partial of 260 bytes (float32[65]" in caplog.text
-    assert "exceeds the one-shot limit of 256 bytes (raise JAX_ARX_SLOT_BYTES" in caplog.text
-    assert _psum.choose_algorithm(256, _comm.communicator("tp")) == _psum.ONE_SHOT
-    assert _psum.choose_algorithm(257, _comm.communicator("tp")) is None
+    assert "float32[65]{V:tp}: a partial of 260 bytes exceeds the largest psum" in caplog.text
+    assert "JAX_ARX_SLOT_BYTES" in caplog.text
+    assert _comm.communicator("tp").plan("psum", 256)[0] == 1
+    assert _comm.communicator("tp").plan("psum", 257)[0] == 0
 
 
 @needs_4_devices
@@ -635,7 +656,7 @@ def test_lowers_to_one_side_effecting_ffi_call_per_psum(mesh4, check_vma):
     comm_id = _comm.communicator("tp").comm_id
     for _, _, line in calls:
         assert "has_side_effect = true" in line
-        assert f"comm_id = {comm_id} : i64" in line and "algorithm = 1 : i64" in line
+        assert f"comm_id = {comm_id} : i64" in line and "algorithm" not in line
     assert "(tensor<2xbf16>) -> tensor<2xbf16>" in calls[0][2]
     # The second reads the first's result (a dependency operand, after its input).
     assert calls[1][1] == ["%arg1", calls[0][0]]
@@ -827,7 +848,7 @@ def _cuda_text(f, *args):
 
 @needs_4_devices
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_prefetch_lowers_to_operands_only_on_cuda(mesh4, check_vma):
+def test_prefetch_lowers_to_the_same_operands_on_every_platform(mesh4, check_vma):
     def body(x, w, b):
         y = jax_arx.psum(x, "tp")
         return jax_arx.psum(x * 2, "tp", prefetch=(w, b)) + y
@@ -835,30 +856,23 @@ def test_prefetch_lowers_to_operands_only_on_cuda(mesh4, check_vma):
     f = jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=(P("tp"), P("tp"), P()),
                               out_specs=P() if check_vma else P("tp"), check_vma=check_vma))
     args = (jnp.ones(8, jnp.bfloat16), jnp.ones((8, 16), jnp.bfloat16), jnp.ones(5, jnp.float32))
-
-    # CPU: the handler binds exactly comm_id, algorithm and site; the weights are no operands.
-    cpu = _ffi_calls(f.lower(*args).as_text())
-    assert len(cpu) == 2 and not any("prefetch" in line for _, _, line in cpu)
-    assert len(cpu[1][1]) == 2  # x * 2 and the dependency on the first call
-    assert "(tensor<2xbf16>, tensor<2xbf16>) -> tensor<2xbf16>" in cpu[1][2]
-
-    # CUDA: the leaves, the dependency operands, then the prefetch operands, counted by the attribute.
-    cuda = _ffi_calls(_cuda_text(f, *args))
-    assert len(cuda) == 2
-    assert "prefetch" not in cuda[0][2]
-    first, (_, ops, line) = cuda[0][0], cuda[1]
-    assert "prefetch = 2 : i64" in line and "has_side_effect = true" in line
-    assert len(ops) == 4 and ops[1] == first
-    assert "(tensor<2xbf16>, tensor<2xbf16>, tensor<2x16xbf16>, tensor<5xf32>) -> tensor<2xbf16>" in line
     comm_id = _comm.communicator("tp").comm_id
-    assert f"comm_id = {comm_id} : i64" in line and "algorithm = 1 : i64" in line
-    assert _site(line) == _site(cpu[1][2])  # the same call site on either platform
-
-    # Both at once (one module, one call for both): no prefetch operands, and no switch on the platform.
-    both = f.trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text()
-    calls = _ffi_calls(both)
-    assert len(calls) == 2 and not any("prefetch" in line for _, _, line in calls)
-    assert [len(ops) for _, ops, _ in calls] == [1, 2] and "stablehlo.case" not in both
+    # The leaves, the dependency operands, then the prefetch operands, counted
+    # by the attribute; the CPU handler takes the same call and ignores them.
+    texts = {"cpu": f.lower(*args).as_text(), "cuda": _cuda_text(f, *args),
+             "both": f.trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text()}
+    for platform, text in texts.items():
+        calls = _ffi_calls(text)
+        assert len(calls) == 2, platform
+        assert "prefetch" not in calls[0][2]
+        first, (_, ops, line) = calls[0][0], calls[1]
+        assert "prefetch = 2 : i64" in line and "has_side_effect = true" in line
+        assert len(ops) == 4 and ops[1] == first
+        assert "(tensor<2xbf16>, tensor<2xbf16>, tensor<2x16xbf16>, tensor<5xf32>) -> tensor<2xbf16>" in line
+        assert f"comm_id = {comm_id} : i64" in line
+        assert "stablehlo.case" not in text  # no switch on the platform
+    sites = {_site(_ffi_calls(t)[1][2]) for t in texts.values()}
+    assert len(sites) == 1  # the same call site on every platform
 
 
 @needs_4_devices

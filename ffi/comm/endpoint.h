@@ -32,6 +32,24 @@ namespace arx {
 
 enum class Platform : uint32_t { kHost = 1, kCuda = 2 };
 
+// What an endpoint has run, for jax_arx.stats(): per kind of collective the
+// calls whose handler ran on the host (a replay of a captured CUDA graph runs
+// no host code and is not counted) and their bytes (a psum's partial, a bulk
+// collective's lane); per algorithm the calls it ran (comm/plan.h's numbers);
+// and the stalls the watchdog reported. Relaxed counters: read by messages.
+struct Stats {
+  enum Kind { kPsum = 0, kAllGather, kPsumScatter, kMoeCombine, kKinds };
+  std::atomic<uint64_t> calls[kKinds] = {};
+  std::atomic<uint64_t> bytes[kKinds] = {};
+  std::atomic<uint64_t> by_algorithm[5] = {};
+  std::atomic<uint64_t> stalls{0};
+  void count(Kind k, uint64_t n, int algorithm) {
+    calls[k].fetch_add(1, std::memory_order_relaxed);
+    bytes[k].fetch_add(n, std::memory_order_relaxed);
+    if (algorithm >= 0 && algorithm < 5) by_algorithm[algorithm].fetch_add(1, std::memory_order_relaxed);
+  }
+};
+
 struct EndpointSpec {
   int64_t comm_id = 0;
   int device_ordinal = 0;  // local device index of this endpoint's device
@@ -103,6 +121,8 @@ class Endpoint {
   std::string describe_recorded_failure() const;
   // What each peer last sent, per family: " r1=psum #5, bulk #2 ...".
   std::string heard_from_peers() const;
+
+  Stats stats;
 
   // Held by a host-side handler for a whole collective. XLA's CPU runtime
   // may run independent custom calls concurrently; the sequence state and

@@ -115,6 +115,7 @@ class Watchdog {
     }
     if (reported_ || now - last_move_ < after_) return;
     reported_ = true;
+    ep_.stats.stalls.fetch_add(1, std::memory_order_relaxed);
     fprintf(stderr,
             "jax_arx: %s: no progress for %.0f s: psum #%llu and bulk collective #%llu began, #%llu and #%llu "
             "finished. Last heard from each peer:%s. Waiting for the peers (one may be slow to start, stopped, "

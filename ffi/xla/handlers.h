@@ -8,8 +8,9 @@
 #include <utility>
 #include <vector>
 
-#include "comm/endpoint.h"
 #include "base/layout.h"
+#include "comm/endpoint.h"
+#include "comm/plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace arx::xla {
@@ -35,6 +36,12 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
         "jax.distributed.initialize) with the mesh the collective runs over, before running it",
         (long long)comm_id, (int)device_ordinal));
   return ffi::Error::Success();
+}
+
+// Counts a call whose handler runs (Endpoint::stats), with the algorithm
+// the plan chose for it.
+inline void count_call(Endpoint& ep, Stats::Kind kind, uint64_t bytes, const Plan& plan) {
+  ep.stats.count(kind, bytes, (int)plan.algorithm);
 }
 
 // The attributes of a psum call, the same on both platforms: comm_id, site

@@ -75,6 +75,7 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
     if (ffi::Error e = psum_pair(args, rets, i, p); e.failure()) return e;
     const Plan plan = plan_psum(*ep, p.bytes);
     if (plan.algorithm == Algorithm::kNone) return refused("psum", plan);
+    count_call(*ep, Stats::kPsum, p.bytes, plan);
     // Leaves of one call are told apart by their position, as on the host.
     const cudaError_t e = cuda::launch_psum(*ep, plan, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i,
                                             i == 0 ? pf : cuda::Prefetch{}, stream);
@@ -97,6 +98,7 @@ ffi::Error all_gather_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Rem
     if (ffi::Error e = bulk_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
     const Plan plan = plan_bulk(*ep, "all_gather", p.in_bytes);
     if (plan.algorithm == Algorithm::kNone) return refused("all_gather", plan);
+    count_call(*ep, Stats::kAllGather, p.in_bytes, plan);
     const cudaError_t e = cuda::launch_all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type,
                                                   p.dtype ? (int)*p.dtype : -1, (uint64_t)site * 64 + i, stream);
     if (ffi::Error err = launched("all_gather", device_ordinal, e); err.failure()) return err;
@@ -116,6 +118,7 @@ ffi::Error psum_scatter_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::R
     if (ffi::Error e = bulk_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
     const Plan plan = plan_bulk(*ep, "psum_scatter", p.in_bytes / world);
     if (plan.algorithm == Algorithm::kNone) return refused("psum_scatter", plan);
+    count_call(*ep, Stats::kPsumScatter, p.in_bytes / world, plan);
     const cudaError_t e = cuda::launch_reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer,
                                                       (uint64_t)site * 64 + i, stream);
     if (ffi::Error err = launched("psum_scatter", device_ordinal, e); err.failure()) return err;
@@ -132,6 +135,7 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   const Plan plan = plan_bulk(*ep, "moe_combine_psum_scatter", m.padded / ep->spec().world * m.hidden * 2);
   if (plan.algorithm == Algorithm::kNone) return refused("moe_combine_psum_scatter", plan);
+  count_call(*ep, Stats::kMoeCombine, m.padded / ep->spec().world * m.hidden * 2, plan);
   const cuda::MoeCombineArgs a{m.y, m.y_scale, m.pos, m.w, m.shared, m.rows, m.tokens, m.padded, m.hidden, m.topk};
   return launched("moe_combine_psum_scatter", device_ordinal,
                   cuda::launch_moe_combine(*ep, a, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64,

@@ -41,6 +41,7 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     PsumPair p;
     if (ffi::Error e = psum_pair(args, rets, i, p); e.failure()) return e;
     // Leaves of one call are told apart by their position.
+    count_call(*ep, Stats::kPsum, p.bytes, plan_psum(*ep, p.bytes));
     const Status s = host::psum(*ep, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);  // the rest of the call too, never stale memory
@@ -64,6 +65,7 @@ ffi::Error all_gather_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi:
   for (size_t i = 0; i < rets.size(); ++i) {
     BulkPair p;
     if (ffi::Error e = bulk_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
+    count_call(*ep, Stats::kAllGather, p.in_bytes, plan_bulk(*ep, "all_gather", p.in_bytes));
     const Status s = host::all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype,
                                       (uint64_t)site * 64 + i);
     if (!s.ok()) {
@@ -88,6 +90,7 @@ ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ff
   for (size_t i = 0; i < rets.size(); ++i) {
     BulkPair p;
     if (ffi::Error e = bulk_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
+    count_call(*ep, Stats::kPsumScatter, p.in_bytes / world, plan_bulk(*ep, "psum_scatter", p.in_bytes / world));
     const Status s = host::reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, (uint64_t)site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
@@ -117,6 +120,8 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
   a.padded = m.padded;
   a.hidden = m.hidden;
   a.topk = m.topk;
+  const uint64_t lane = m.padded / ep->spec().world * m.hidden * 2;
+  count_call(*ep, Stats::kMoeCombine, lane, plan_bulk(*ep, "moe_combine_psum_scatter", lane));
   std::lock_guard<std::mutex> lock(ep->host_call_mu);
   const Status s = host::moe_combine_reduce_scatter(*ep, a, static_cast<uint16_t*>(out->untyped_data()),
                                                     (uint64_t)site * 64);

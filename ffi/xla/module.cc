@@ -131,6 +131,24 @@ class PyEndpoint {
     return {(int)p.algorithm, p.pieces, p.why_not};
   }
 
+  // Endpoint::stats, as a dict.
+  nb::dict stats() const {
+    static const char* kinds[] = {"psum", "all_gather", "psum_scatter", "moe_combine_psum_scatter"};
+    static const char* algorithms[] = {"none", "one_shot", "two_shot", "ll", "bulk"};
+    const Stats& st = ep_->stats;
+    nb::dict calls, bytes, by_algorithm, d;
+    for (int k = 0; k < Stats::kKinds; ++k) {
+      calls[kinds[k]] = st.calls[k].load(std::memory_order_relaxed);
+      bytes[kinds[k]] = st.bytes[k].load(std::memory_order_relaxed);
+    }
+    for (int a = 1; a < 5; ++a) by_algorithm[algorithms[a]] = st.by_algorithm[a].load(std::memory_order_relaxed);
+    d["calls"] = calls;
+    d["bytes"] = bytes;
+    d["algorithms"] = by_algorithm;
+    d["stalls"] = st.stalls.load(std::memory_order_relaxed);
+    return d;
+  }
+
   const std::shared_ptr<Endpoint>& endpoint() const { return ep_; }
 
  private:
@@ -200,6 +218,10 @@ NB_MODULE(_core, m) {
       .def("plan", &PyEndpoint::plan, nb::arg("op"), nb::arg("bytes"),
            "What runs a collective of `op` with `bytes` per rank here: (algorithm, pieces, why_not). algorithm 0: "
            "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk.")
+      .def("stats", &PyEndpoint::stats,
+           "What this endpoint ran: {'calls': {kind: n}, 'bytes': {kind: n}, 'algorithms': {name: n}, 'stalls': "
+           "n}. Calls are counted when their handler runs on the host: a replay of a captured CUDA graph runs no "
+           "host code and is not counted.")
       .def_prop_ro("route", [](const PyEndpoint& p) {
         const arx::Endpoint::Route& r = p.endpoint()->route();
         return std::string(!r.direct ? "proxy" : r.gpu_inboxes ? "direct, GPU inboxes" : "direct");
