@@ -39,7 +39,7 @@ PSUM_WORKER = ROOT / "tests" / "workers" / "verbs_psum.py"
 SOURCES = (
     ["tests/cpp/test_verbs_transport.cc"]
     + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ffi" / "transport").glob("verbs*.cc"))
-    + ["ffi/comm/region.cc", "ffi/comm/config.cc"]
+    + ["ffi/base/region.cc", "ffi/base/config.cc"]
 )
 CANNOT_START = 77  # rxe_vm.sh: the VM cannot start on this machine
 
@@ -270,8 +270,9 @@ def test_ib_settings_travel_as_endpoint_options():
     from jax_arx import config
 
     cfg = config.load({"JAX_ARX_IB_TIMEOUT": "16", "NCCL_IB_RETRY_CNT": "6", "JAX_ARX_IB_TC": "106",
-                       "NCCL_IB_SL": "3", "JAX_ARX_IB_CHUNK_BYTES": "64KiB", "JAX_ARX_IBVERBS_LIB": "libx.so.1"})
-    options = cfg.endpoint_options(None)
+                       "NCCL_IB_SL": "3", "JAX_ARX_IBVERBS_LIB": "libx.so.1"})
+    # ib_chunk_bytes is tuning (a test's, through jax_arx.initialize(_tuning=...)), no user setting.
+    options = cfg.endpoint_options(None, {"ib_chunk_bytes": 65536})
     assert {k: options[k] for k in ("ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ib_chunk_bytes",
                                     "ibverbs_lib")} == {
         "ib_timeout": "16", "ib_retry_cnt": "6", "ib_tc": "106", "ib_sl": "3", "ib_chunk_bytes": "65536",
@@ -280,7 +281,7 @@ def test_ib_settings_travel_as_endpoint_options():
     # Unset: the carrier's defaults (14, 7, 0, 0, whole), and no keys at all.
     assert not {k for k in config.Config().endpoint_options(None) if k.startswith("ib")}
     for name, value in (("JAX_ARX_IB_TIMEOUT", "0"), ("JAX_ARX_IB_TIMEOUT", "32"), ("NCCL_IB_RETRY_CNT", "8"),
-                        ("JAX_ARX_IB_TC", "256"), ("JAX_ARX_IB_SL", "x"), ("JAX_ARX_IB_CHUNK_BYTES", "32")):
+                        ("JAX_ARX_IB_TC", "256"), ("JAX_ARX_IB_SL", "x")):
         with pytest.raises(Exception, match=f"{name}='{value}' is not accepted"):
             config.load({name: value})
 

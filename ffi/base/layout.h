@@ -77,50 +77,82 @@ enum class OpCode : uint64_t {
   kMoeCombine = 6,     // the fused MoE combine + reduce-scatter
 };
 
-// The descriptor of a collective: its op, a type code (DType for the reducing
+// What a collective is, exactly: its op, a type code (DType for the reducing
 // ops; the XLA element type for all_gather, whose bytes are just bytes; the
 // bulk ops add their row count << 8), the element count and the call site's
 // tag (which also carries the algorithm's variant: a peer that cut the same
-// collective differently must not match).
-ARX_HD uint64_t describe(OpCode op, uint64_t type_code, uint64_t count, uint64_t tag) {
-  uint64_t h = count * 0x9E3779B97F4A7C15ull ^ (type_code << 8 | (uint64_t)op) * 0xC2B2AE3D27D4EB4Full;
-  h ^= tag * 0xD6E8FEB86659FD93ull;
+// collective differently must not match). It travels whole in the headers
+// (below); its 24-bit hash, describe(), in every flag word.
+struct Descriptor {
+  uint64_t op = 0, type = 0, count = 0, tag = 0;
+};
+
+ARX_HD Descriptor descriptor(OpCode op, uint64_t type_code, uint64_t count, uint64_t tag) {
+  Descriptor d;
+  d.op = (uint64_t)op;
+  d.type = type_code;
+  d.count = count;
+  d.tag = tag;
+  return d;
+}
+
+ARX_HD uint64_t describe(const Descriptor& d) {
+  uint64_t h = d.count * 0x9E3779B97F4A7C15ull ^ (d.type << 8 | d.op) * 0xC2B2AE3D27D4EB4Full;
+  h ^= d.tag * 0xD6E8FEB86659FD93ull;
   h ^= h >> 29;
   h *= 0xBF58476D1CE4E5B9ull;
   h ^= h >> 32;
   return h & kDescMask;
 }
 
-// The flag page. Each (source, piece, root) of a family has its own word,
-// written once per seq of that family by that source alone, so a word says
-// "piece p of seq s from src is in place" and nothing about other pieces; no
-// argument about the order in which pieces travel is needed anywhere.
+// The flag page (two pages of words). Each (source, piece, root) of a family
+// has its own word, written once per seq of that family by that source
+// alone, so a word says "piece p of seq s from src is in place" and nothing
+// about other pieces; no argument about the order in which pieces travel is
+// needed anywhere.
 //   [kPsumWordBase, + kPsumWords)   psum: kPsumWords / world words per source,
 //                                   split into pieces x roots (FlagWords)
 //   [kBulkWordBase, + kBulkWords)   bulk: kChunks pieces x kRoots per source
-//   [kLLWordBase, + kMaxWorld)      the LL one-shot's announcement, per source
-//   [kHeardWordBase, + kMaxWorld)   the last seq heard of each source, for the
-//                                   watchdog only (see "Heard")
+//   [kHeardWordBase, + 2 x kMaxWorld)  the last seq heard of each source, per
+//                                   family, for the watchdog only (see "Heard")
+//   [kHeaderWordBase, + kHeaderWords)  the exact descriptors ("Headers")
+//   [kNoticeWordBase, + kMaxWorld)  a source's notice that it gave up
+//                                   (comm/proxy.cc, "Notices")
 //   kPeerMemory*Word                the GPU inbox exchange (peer_memory.cc)
 //   [kHandshakeWord, + kMaxWorld)   the carriers' set-up handshake
 // Heard: where the flag words that kernels wait on live in GPU memory (psum
 // inboxes in GPU memory), the host cannot read them; the kernels store the
 // seq they finished into the peers' heard words too (relaxed), so the stall
 // report and the failure messages can say what each peer last sent.
-constexpr uint64_t kFlagWords = kPage / 8;
+// Headers: the flag word's 24-bit descriptor is a hash, so two different
+// collectives could pass for one. Every signal also puts the sender's exact
+// Descriptor into the receiver's header slot (family, parity, sender), before
+// the flag word on the same ordered channel; a wait compares it once the
+// flag word arrived (comm/wait.h). The slot is reused by parity, as the
+// inbox is (comm/channel.h).
+constexpr uint64_t kFlagWords = 2 * kPage / 8;
 constexpr int kPsumWordBase = 0;
 constexpr int kPsumWords = 256;
 constexpr int kBulkWordBase = kPsumWordBase + kPsumWords;
 constexpr int kChunks = 8;  // pieces of a bulk collective (per destination)
 constexpr int kBulkWords = kMaxWorld * kChunks * kRoots;
-constexpr int kLLWordBase = kBulkWordBase + kBulkWords;
-constexpr int kHeardWordBase = kLLWordBase + kMaxWorld;
-constexpr int kPeerMemoryOfferWord = kHeardWordBase + 2 * kMaxWorld;  // heard: per family
+constexpr int kHeardWordBase = kBulkWordBase + kBulkWords;
+constexpr int kDescriptorWords = 4;
+constexpr int kHeaderWordBase = kHeardWordBase + kFamilies * kMaxWorld;
+constexpr int kHeaderWords = kFamilies * 2 * kMaxWorld * kDescriptorWords;
+constexpr int kNoticeWordBase = kHeaderWordBase + kHeaderWords;
+constexpr int kPeerMemoryOfferWord = kNoticeWordBase + kMaxWorld;
 constexpr int kPeerMemoryBytesWord = kPeerMemoryOfferWord + 1;
 constexpr int kPeerMemoryResultWord = kPeerMemoryOfferWord + 2;
 constexpr uint64_t kPeerMemoryNone = ~0ull;
 constexpr uint64_t kHandshakeWord = kFlagWords - kMaxWorld;
 static_assert(kPeerMemoryResultWord < (int)kHandshakeWord, "the flag page overflows into the handshake");
+
+// The header slot of (family, parity, source): kDescriptorWords words.
+ARX_HD int header_word(Family f, int parity, int src) {
+  return kHeaderWordBase + (((int)f * 2 + parity) * kMaxWorld + src) * kDescriptorWords;
+}
+ARX_HD int notice_word(int src) { return kNoticeWordBase + src; }
 
 ARX_HD int heard_word(Family f, int src) { return kHeardWordBase + (int)f * kMaxWorld + src; }
 
@@ -149,7 +181,7 @@ ARX_HD bool src_owns_word(int src, int index, int world) {
   if (index >= kPsumWordBase && index < kPsumWordBase + psum_stride(world) * world)
     return (index - kPsumWordBase) / psum_stride(world) == src;
   if (index >= kBulkWordBase && index < kBulkWordBase + kBulkWords) return (index - kBulkWordBase) / (kChunks * kRoots) == src;
-  return false;
+  return index == notice_word(src);
 }
 
 // ---- how a payload is cut --------------------------------------------------
@@ -233,7 +265,8 @@ struct alignas(64) Control {
   // Host (proxy, carrier, handler) -> device side: non-zero fails every wait
   // at once, so nothing spins on a link that is known to be gone.
   uint64_t abort;
-  uint64_t pad1[7];
+  uint64_t failed_theirs[kDescriptorWords];  // for a mismatch: the peer's exact Descriptor (header)
+  uint64_t failed_type, failed_count, failed_tag;  // what this rank expected: the rest of its Descriptor
   // The trigger ring (proxy.h): entries published by a host producer (the
   // next index; CUDA producers keep theirs on the device), and taken by the
   // proxy (proxy -> producers).
@@ -244,6 +277,8 @@ struct alignas(64) Control {
 static_assert(sizeof(Control) == 256, "Control is read by the device side and the proxy: keep its layout fixed");
 static_assert(offsetof(Control, failed_seq) == 64 && offsetof(Control, abort) == 128, "Control layout");
 static_assert(offsetof(Control, ring_published) == 192, "Control layout");
+static_assert(sizeof(Control) <= 512 && 512 + 2 * (2 * kFamilies * kDescriptorWords * 8) <= kPage,
+              "the staged headers and the proxy's copies fit page 0 after the Control block");
 
 // ---- the trigger ring ---------------------------------------------------------
 //
@@ -259,6 +294,7 @@ static_assert(offsetof(Control, ring_published) == 192, "Control layout");
 // psum and the bulk ops publish the same kind of entry.
 constexpr int kRing = 256;
 constexpr uint64_t kEveryPeer = ~0ull;
+constexpr uint64_t kTriggerHeader = 1ull << 8;
 
 struct alignas(64) Trigger {
   uint64_t src;    // offset of the bytes in this rank's region
@@ -267,7 +303,7 @@ struct alignas(64) Trigger {
   uint64_t flag;   // flag page index of root 0's word
   uint64_t value;  // the flag word
   uint64_t dest;   // the peer's rank, or kEveryPeer
-  uint64_t family; // Family (the watchdog follows each family's seq: flag_seq(value))
+  uint64_t family; // Family, | kTriggerHeader: put the staged header (family, parity) first
   uint64_t tag;    // ring index + 1, written last
 };
 static_assert(sizeof(Trigger) == 64, "Trigger is written by kernels and read by the proxy: keep its layout fixed");
@@ -332,7 +368,7 @@ struct Layout {
     l.bulk_lane = g.world ? (g.bulk_bytes / g.world + 15) / 16 * 16 : 0;
     l.control = 0;
     l.flags = kPage;
-    l.recv = 2 * kPage;
+    l.recv = kPage + 8 * kFlagWords;
     l.send = l.recv + 2 * (uint64_t)g.world * g.slot_bytes;
     l.ring = page_up(l.send + 2 * g.send_bytes);
     l.bulk_recv = page_up(l.ring + kRing * sizeof(Trigger));
@@ -342,6 +378,17 @@ struct Layout {
     return l;
   }
   ARX_HD uint64_t flag_offset(int index) const { return flags + 8 * (uint64_t)index; }
+  // This rank's staged header of (family, parity), which its device side
+  // writes (page 0, after the Control block); and the proxy's own copy of
+  // it, which the proxy writes (atomically, from the staged one) and puts
+  // into the peers' header slots: the device side may store the same words
+  // again for the collective's next piece while the proxy sends them.
+  ARX_HD uint64_t staged_header_offset(Family f, int parity) const {
+    return control + 512 + ((uint64_t)f * 2 + parity) * kDescriptorWords * 8;
+  }
+  ARX_HD uint64_t proxy_header_offset(Family f, int parity) const {
+    return staged_header_offset(f, parity) + 2 * kFamilies * kDescriptorWords * 8;
+  }
   ARX_HD uint64_t handshake_offset(int src) const { return flags + 8 * (kHandshakeWord + (uint64_t)src); }
   ARX_HD uint64_t recv_offset(int parity, int src) const {
     return recv + ((uint64_t)parity * world + src) * slot_bytes;
@@ -363,6 +410,10 @@ struct Layout {
       const uint64_t a = recv_offset(p, src), b = bulk_recv_offset(p, src);
       if (offset >= a && offset <= a + slot_bytes && len <= a + slot_bytes - offset) return true;
       if (bulk_lane && offset >= b && offset <= b + bulk_lane && len <= b + bulk_lane - offset) return true;
+      for (int f = 0; f < kFamilies; ++f) {
+        const uint64_t h = flag_offset(header_word((Family)f, p, src)), n = 8 * kDescriptorWords;
+        if (offset >= h && offset <= h + n && len <= h + n - offset) return true;
+      }
     }
     return false;
   }

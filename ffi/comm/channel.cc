@@ -34,6 +34,7 @@ Inbox inbox_of(const Layout& L, Family f, int roots, uint8_t* base) {
   in.lane_bytes = p.lane;
   in.flags = reinterpret_cast<uint64_t*>(base + L.flags);
   in.words = words_of(L, f, roots);
+  in.family = f;
   return in;
 }
 
@@ -51,6 +52,7 @@ ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, 
   c.stage_offset = p.stage;
   c.inbox_offset = p.inbox;
   c.ring = reinterpret_cast<Trigger*>(base + L.ring);
+  c.staged = reinterpret_cast<uint64_t*>(base + L.staged_header_offset(f, 0));
   return c;
 }
 

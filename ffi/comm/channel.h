@@ -73,11 +73,14 @@ struct Inbox {
   uint64_t lane_bytes = 0;    // lane (p, j) -> lane (p, j + 1)
   uint64_t* flags = nullptr;  // the flag page
   FlagWords words;
+  Family family = Family::kPsum;
 
   ARX_HD uint8_t* lane(int parity, int src) const {
     return data + (uint64_t)parity * parity_bytes + (uint64_t)src * lane_bytes;
   }
   ARX_HD const uint64_t* word(int src, int piece, int root) const { return flags + words.index(src, piece, root); }
+  // The exact Descriptor `src` issued at a seq of this parity (layout.h, "Headers").
+  ARX_HD const uint64_t* header(int parity, int src) const { return flags + header_word(family, parity, src); }
 };
 
 // The producer's destinations: `dest` is a peer's rank, or kEveryPeer (the
@@ -91,8 +94,9 @@ ARX_HD int peer_in_send_order(int rank, int world, uint64_t dest, int i) {
 // peer's lane for this rank; the signal, one release store per peer into its
 // word (this rank, piece, 0): the bytes of the piece must have reached system
 // scope before it (the signalling thread fences after the producers'
-// barrier; release and fences are cumulative). One root: no NIC to split
-// over.
+// barrier; release and fences are cumulative). Before the flag word, the
+// exact Descriptor into the peer's header slot, relaxed: the release orders
+// it too. One root: no NIC to split over.
 struct DirectChannel {
   Inbox in;
   int rank = 0, world = 0;
@@ -107,12 +111,19 @@ struct DirectChannel {
     const int p = peer_in_send_order(rank, world, dest, i);
     return peer_data[p] + (uint64_t)parity * in.parity_bytes + (uint64_t)rank * in.lane_bytes;
   }
-  // Announces piece `piece` (flag word `value`) to `dest`. [lo, hi) and `at`
-  // (the ring position) are the proxy's.
+  // Announces piece `piece` of the collective `d` (flag word `value`) to
+  // `dest`. [lo, hi) and `at` (the ring position) are the proxy's.
   ARX_HD void signal(int parity, uint64_t dest, int piece, uint64_t lane, uint64_t lo, uint64_t hi, uint64_t value,
-                     uint64_t at) const {
-    for (int i = 0; i < fanout(dest); ++i)
-      store_release(peer_flags[peer_in_send_order(rank, world, dest, i)] + in.words.index(rank, piece, 0), value);
+                     uint64_t at, const Descriptor& d) const {
+    for (int i = 0; i < fanout(dest); ++i) {
+      uint64_t* page = peer_flags[peer_in_send_order(rank, world, dest, i)];
+      uint64_t* h = page + header_word(in.family, parity, rank);
+      store_relaxed(h + 0, d.op);
+      store_relaxed(h + 1, d.type);
+      store_relaxed(h + 2, d.count);
+      store_relaxed(h + 3, d.tag);
+      store_release(page + in.words.index(rank, piece, 0), value);
+    }
   }
   // Trigger ring entries a signal takes.
   ARX_HD int entries(uint64_t dest) const { return 0; }
@@ -130,7 +141,12 @@ struct DirectChannel {
 // peer (kEveryPeer) at lane 0, the bytes for peer j at lane j, `lane` bytes
 // apart (the collective's choice: it must keep a lane inside the staging
 // buffer). The bytes must have reached system scope before the signal (the
-// tag's release orders them for the proxy, which acquires it).
+// tag's release orders them for the proxy, which acquires it). With piece
+// 0 the exact Descriptor is staged too, and the proxy puts it into each
+// peer's header slot before that piece, on root 0: every later piece's flag
+// word on root 0 comes after it on the same ordered channel (the proxy takes
+// piece 0's entry first: the collectives number their entries piece-major),
+// so a wait on any piece finds the header in place, written once per seq.
 struct ProxyChannel {
   Inbox in;
   int rank = 0, world = 0;
@@ -140,6 +156,7 @@ struct ProxyChannel {
   uint64_t stage_offset = 0;       // region offset of `stage`
   uint64_t inbox_offset = 0;       // region offset of in.data, here and in every peer's region
   Trigger* ring = nullptr;
+  uint64_t* staged = nullptr;      // this family's staged headers, by parity (Layout::staged_header_offset)
 
   ARX_HD int fanout(uint64_t dest) const { return 1; }
   ARX_HD uint64_t stage_at(int parity, uint64_t dest, uint64_t lane) const {
@@ -154,7 +171,14 @@ struct ProxyChannel {
   // is published once, in the order the proxy should send (it takes them in
   // index order).
   ARX_HD void signal(int parity, uint64_t dest, int piece, uint64_t lane, uint64_t lo, uint64_t hi, uint64_t value,
-                     uint64_t at) const {
+                     uint64_t at, const Descriptor& d) const {
+    if (piece == 0) {
+      uint64_t* h = staged + parity * kDescriptorWords;
+      store_relaxed(h + 0, d.op);
+      store_relaxed(h + 1, d.type);
+      store_relaxed(h + 2, d.count);
+      store_relaxed(h + 3, d.tag);
+    }
     Trigger* t = ring + at % kRing;
     store_relaxed(&t->src, stage_offset + stage_at(parity, dest, lane) + lo);
     store_relaxed(&t->len, hi - lo);
@@ -162,7 +186,7 @@ struct ProxyChannel {
     store_relaxed(&t->flag, (uint64_t)in.words.index(rank, piece, 0));
     store_relaxed(&t->value, value);
     store_relaxed(&t->dest, dest);
-    store_relaxed(&t->family, (uint64_t)family);
+    store_relaxed(&t->family, (uint64_t)family | (piece == 0 ? kTriggerHeader : 0));
     store_release(&t->tag, at + 1);
   }
   ARX_HD int entries(uint64_t dest) const { return 1; }

@@ -20,6 +20,18 @@ const char* op_name(uint64_t op) {
   return "collective";
 }
 
+// "psum of 5881 bf16 elements at call site 0x1f2e" for a Descriptor.
+std::string describe_exactly(uint64_t op, uint64_t type, uint64_t count, uint64_t tag) {
+  const char* dtypes[] = {"?", "f32", "bf16", "f16"};
+  const uint64_t t = type & 0xff, rows = type >> 8;
+  const bool reducing = (OpCode)op != OpCode::kAllGather;
+  std::string what = strf("%s of %llu %s%s", op_name(op), (unsigned long long)count,
+                          reducing && t <= 3 ? dtypes[t] : strf("type-%llu", (unsigned long long)t).c_str(),
+                          reducing ? " elements" : " bytes");
+  if (rows > 1) what += strf(" in %llu rows", (unsigned long long)rows);
+  return what + strf(" at call site %llx (leaf %llu)", (unsigned long long)(tag >> 6), (unsigned long long)(tag & 63));
+}
+
 const char* family_name(Family f) {
   switch (f) {
     case Family::kPsum: return "psum";
@@ -81,13 +93,21 @@ std::string Endpoint::describe_recorded_failure() const {
                   "JAX_ARX_TIMEOUT_S if it is only slow",
                   label_.c_str(), what.c_str(), spec_.config.timeout_s, who.c_str(), heard_from_peers().c_str());
     }
-    case FailureKind::kMismatch:
-      return strf("jax_arx: %s: at %s rank %llu issued a different collective (op, dtype, element count or call "
-                  "site differ: descriptor %06llx, this rank %06llx). Every rank must issue the same collectives in "
-                  "the same order with the same shapes",
-                  label_.c_str(), what.c_str(), (unsigned long long)load_relaxed(&ctl->failed_src),
-                  (unsigned long long)flag_desc(load_relaxed(&ctl->failed_flag)),
-                  (unsigned long long)(load_relaxed(&ctl->failed_desc) & kDescMask));
+    case FailureKind::kMismatch: {
+      uint64_t theirs[kDescriptorWords];
+      for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = load_relaxed(&ctl->failed_theirs[i]);
+      const std::string mine = describe_exactly(load_relaxed(&ctl->failed_op), load_relaxed(&ctl->failed_type),
+                                                load_relaxed(&ctl->failed_count), load_relaxed(&ctl->failed_tag));
+      const std::string peer =
+          theirs[0] ? describe_exactly(theirs[0], theirs[1], theirs[2], theirs[3])
+                    : strf("another collective (descriptor %06llx, this rank's %06llx)",
+                           (unsigned long long)flag_desc(load_relaxed(&ctl->failed_flag)),
+                           (unsigned long long)(load_relaxed(&ctl->failed_desc) & kDescMask));
+      return strf("jax_arx: %s: at %s rank %llu issued a different collective: %s, where this rank issued %s. "
+                  "Every rank must issue the same collectives in the same order with the same shapes",
+                  label_.c_str(), what.c_str(), (unsigned long long)load_relaxed(&ctl->failed_src), peer.c_str(),
+                  mine.c_str());
+    }
     case FailureKind::kAborted:
       return strf("jax_arx: %s: %s was abandoned because the endpoint had already failed", label_.c_str(),
                   what.c_str());

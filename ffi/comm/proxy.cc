@@ -64,13 +64,30 @@ Status post(Endpoint& ep, const Trigger& t) {
   const uint64_t bulk_end = L.bulk_send + 2 * (uint64_t)world * L.bulk_lane;
   const bool in_bulk = t.src >= L.bulk_send && t.src <= bulk_end && t.len <= bulk_end - t.src;
   if (!(in_send || in_bulk) || (t.dest != kEveryPeer && (t.dest >= (uint64_t)world || t.dest == (uint64_t)rank)) ||
-      t.family >= (uint64_t)kFamilies)
+      (t.family & ~kTriggerHeader) >= (uint64_t)kFamilies)
     return Status::Error(strf("jax_arx: %s: trigger %llu is malformed (%llu bytes at %llu to rank %lld, family %llu)",
                               ep.label().c_str(), (unsigned long long)t.tag - 1, (unsigned long long)t.len,
                               (unsigned long long)t.src, (long long)t.dest, (unsigned long long)t.family));
   const int n = t.dest == kEveryPeer ? world - 1 : 1;
+  const Family family = (Family)(t.family & 0xff);
+  const int par = (int)(flag_seq(t.value) & 1);
+  // The staged header, copied into the proxy's own slot (layout.h,
+  // proxy_header_offset) with atomic loads and stores. Its last put is read
+  // out (a NIC's read may come later) before the same slot is written for
+  // seq + 2, by the staging buffer's argument (comm/channel.h).
+  uint8_t* header = ep.base() + L.proxy_header_offset(family, par);
+  if (t.family & kTriggerHeader) {
+    const uint64_t* staged = reinterpret_cast<const uint64_t*>(ep.base() + L.staged_header_offset(family, par));
+    for (int i = 0; i < kDescriptorWords; ++i)
+      store_relaxed(reinterpret_cast<uint64_t*>(header) + i, load_relaxed(staged + i));
+  }
   for (int i = 0; i < n; ++i) {
     const int peer = peer_in_send_order(rank, world, t.dest, i);
+    // The exact Descriptor first, on root 0: the piece's flag on that root
+    // comes after it on the same ordered channel (layout.h, "Headers").
+    if (t.family & kTriggerHeader)
+      ARX_RETURN_IF_ERROR(carrier->put(peer, 0, header, L.flag_offset(header_word(family, par, rank)),
+                                       8 * kDescriptorWords, kNoFlag, 0));
     for (int root = 0; root < roots; ++root) {
       uint64_t off, len;
       root_split(t.len, root, roots, off, len);
@@ -95,9 +112,11 @@ class Watchdog {
     read(begun_, done_);
   }
 
-  void look() {
+  // Looks at most every few milliseconds (words of peers, over the bus:
+  // not every turn); true when it looked.
+  bool look() {
     const auto now = Clock::now();
-    if (now - last_look_ < std::chrono::milliseconds(50)) return;  // words of peers: not every turn
+    if (now - last_look_ < std::chrono::milliseconds(5)) return false;
     last_look_ = now;
     uint64_t begun[kFamilies], done[kFamilies];
     read(begun, done);
@@ -111,9 +130,9 @@ class Watchdog {
     if (moved || idle) {
       last_move_ = now;
       reported_ = false;
-      return;
+      return true;
     }
-    if (reported_ || now - last_move_ < after_) return;
+    if (reported_ || now - last_move_ < after_) return true;
     reported_ = true;
     ep_.stats.stalls.fetch_add(1, std::memory_order_relaxed);
     fprintf(stderr,
@@ -123,6 +142,7 @@ class Watchdog {
             ep_.label().c_str(), std::chrono::duration<double>(now - last_move_).count(),
             (unsigned long long)begun[0], (unsigned long long)begun[1], (unsigned long long)done[0],
             (unsigned long long)done[1], ep_.heard_from_peers().c_str(), ep_.spec().config.timeout_s);
+    return true;
   }
 
  private:
@@ -139,6 +159,44 @@ class Watchdog {
   Clock::time_point last_move_ = Clock::now(), last_look_ = Clock::now();
   bool reported_ = false;
 };
+
+// Notices. A collective must complete everywhere or fail everywhere: a
+// rank whose wait gave up (a peer stopped past the timeout, say) tells every
+// peer, and a peer that has not finished that collective yet fails it too
+// instead of completing it later with the data it got. The notice is a flag
+// word of the failing rank's own (layout.h, notice_word), put through the
+// carrier, best effort (a broken link takes none); each proxy looks at its
+// peers' notice words and turns one into its endpoint's failure, which
+// aborts every wait. A peer that had finished the collective before the
+// notice arrived fails at its next one: agreement on the outcome of the
+// very collective would need one more round trip on every call.
+void send_notices(Endpoint& ep) {
+  const Control* ctl = ep.control();
+  const uint64_t seq = load_acquire(&ctl->failed_seq);
+  const uint64_t value = flag_word(seq ? seq : 1, seq ? load_relaxed(&ctl->failed_family) + 1 : 0);
+  const Layout& L = ep.layout();
+  const int rank = ep.spec().rank;
+  for (int j = 0; j < ep.spec().world; ++j)
+    if (j != rank)
+      ep.transport()->put(j, 0, ep.base() + L.recv_offset(0, rank), L.recv_offset(0, rank), 0,
+                          L.flag_offset(notice_word(rank)), value);
+}
+
+// A peer's notice, as a failure message; "" when no peer sent one.
+std::string notice_from_peers(const Endpoint& ep) {
+  for (int j = 0; j < ep.spec().world; ++j) {
+    if (j == ep.spec().rank) continue;
+    const uint64_t v = load_acquire(ep.flags() + notice_word(j));
+    if (v == 0) continue;
+    const uint64_t family = flag_desc(v);
+    return strf("jax_arx: %s: rank %d gave up on %s #%llu and said so; this rank fails it too (or, if it had "
+                "finished it, the collective after it), as every rank does. The first failure, on rank %d, says "
+                "why: see its log",
+                ep.label().c_str(), j, family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
+                (unsigned long long)flag_seq(v), j);
+  }
+  return "";
+}
 
 }  // namespace
 
@@ -172,17 +230,21 @@ void Proxy::loop(uint64_t consumed) {
     }
     if (!s.ok()) {
       ep_.fail(s.message());
+      send_notices(ep_);
       return;
     }
     if (t.tag) continue;
     // A failure the device side recorded (a kernel that gave up) becomes
     // the endpoint's sticky failure here, so JAX_ARX_ON_FAILURE=abort acts
     // even when no host code of ours runs (replayed CUDA graphs).
-    if (!failure_seen && load_acquire(&ctl->failed_seq) != 0) {
+    if (!failure_seen && ep_.failed()) {
       failure_seen = true;
-      ep_.failed();
+      send_notices(ep_);
     }
-    watchdog.look();
+    if (!failure_seen && watchdog.look()) {
+      const std::string notice = notice_from_peers(ep_);
+      if (!notice.empty()) ep_.fail(notice);
+    }
     nap.idle();
   }
 }

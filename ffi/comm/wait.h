@@ -2,10 +2,12 @@
 // and the one failure record.
 //
 // A wait polls a flag word until its seq reaches the awaited one. At exactly
-// that seq the word must carry the awaited descriptor, or the peer issued a
-// different collective (kMismatch). Past it, the peer finished the seq, which
-// it could only do after agreeing with ours: arrived (channel.h, "Flag
-// words"). Every wait is bounded in time (the Poll's clock, never a count of
+// that seq the word must carry the awaited descriptor's hash, or the peer
+// issued a different collective (kMismatch). Past it, the peer finished the
+// seq, which it could only do after agreeing with ours: arrived (channel.h,
+// "Flag words"). Once a piece's words arrived, the peer's exact Descriptor
+// in its header slot must be ours too (layout.h, "Headers"): the hash alone
+// lets one collective in 2^24 pass for another. Every wait is bounded in time (the Poll's clock, never a count of
 // polls, which does not measure time) and by the endpoint's abort word; the
 // Poll says how to spend the time between looks (the host yields the core,
 // a GPU thread spins) and whether another waiter already gave up.
@@ -43,16 +45,25 @@ ARX_HD WaitEnd wait_word(const uint64_t* word, uint64_t seq, uint64_t desc, Poll
   }
 }
 
-// Piece `piece` of seq from `src`: its word on every root of the channel.
-// The bytes it announces happen-before the return (acquire), in
-// in.lane(seq & 1, src).
+// Piece `piece` of seq from `src`, of the collective `d`: its word on every
+// root of the channel, then its header. The bytes it announces happen-before
+// the return (acquire), in in.lane(seq & 1, src). The header slot of this
+// parity still holds seq's header when the word is past seq: the peer writes
+// it again only at seq + 2 (channel.h, "Buffer reuse"), and it wrote seq's
+// before the word that was acquired. On a mismatch, `theirs` gets the peer's
+// header (all zero when the hash already differed).
 template <typename Poll>
-ARX_HD WaitEnd wait_piece(const Inbox& in, int src, int piece, uint64_t seq, uint64_t desc, Poll& poll,
-                          uint64_t& seen) {
+ARX_HD WaitEnd wait_piece(const Inbox& in, int src, int piece, uint64_t seq, const Descriptor& d, Poll& poll,
+                          uint64_t& seen, uint64_t (&theirs)[kDescriptorWords]) {
+  for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = 0;
+  const uint64_t desc = describe(d);
   for (int r = 0; r < in.words.roots; ++r) {
     const WaitEnd e = wait_word(in.word(src, piece, r), seq, desc, poll, seen);
     if (e != WaitEnd::kArrived) return e;
   }
+  const uint64_t* h = in.header((int)(seq & 1), src);
+  for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = load_relaxed(h + i);
+  if (theirs[0] != d.op || theirs[1] != d.type || theirs[2] != d.count || theirs[3] != d.tag) return WaitEnd::kMismatch;
   return WaitEnd::kArrived;
 }
 
@@ -64,9 +75,9 @@ struct FailureRecord {
   uint64_t missing = 0;  // bit src per source that had not arrived (timeout, abort)
   uint64_t flag = 0;     // mismatch: the word that disagreed
   uint64_t src = 0;      // mismatch: its source
-  uint64_t desc = 0;     // what this rank expected
+  Descriptor mine;       // what this rank expected
+  uint64_t theirs[kDescriptorWords] = {};  // mismatch: the peer's exact Descriptor, if it got that far
   Family family = Family::kPsum;
-  OpCode op = OpCode::kPsum;
 };
 
 ARX_HD FailureKind failure_kind(WaitEnd e) {
@@ -90,9 +101,13 @@ ARX_HD void record_failure(Control* ctl, const FailureRecord& r) {
   store_relaxed(&ctl->failed_missing, r.kind == FailureKind::kMismatch ? 0 : r.missing);
   store_relaxed(&ctl->failed_flag, r.kind == FailureKind::kMismatch ? r.flag : 0);
   store_relaxed(&ctl->failed_src, r.kind == FailureKind::kMismatch ? r.src : 0);
-  store_relaxed(&ctl->failed_desc, r.desc);
+  store_relaxed(&ctl->failed_desc, describe(r.mine));
   store_relaxed(&ctl->failed_family, (uint64_t)r.family);
-  store_relaxed(&ctl->failed_op, (uint64_t)r.op);
+  store_relaxed(&ctl->failed_op, r.mine.op);
+  store_relaxed(&ctl->failed_type, r.mine.type);
+  store_relaxed(&ctl->failed_count, r.mine.count);
+  store_relaxed(&ctl->failed_tag, r.mine.tag);
+  for (int i = 0; i < kDescriptorWords; ++i) store_relaxed(&ctl->failed_theirs[i], r.theirs[i]);
   store_release(&ctl->failed_seq, r.seq);
 }
 

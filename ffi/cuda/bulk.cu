@@ -251,7 +251,7 @@ template <typename Ch, BulkKind K, DType D>
 __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp op, int groups) {
   __shared__ int s_failed;
   DeviceWords* w = g.words;
-  const SeqStart s = begin(g, Family::kBulk, op.desc);
+  const SeqStart s = begin(g, Family::kBulk, op.d);
   const int G = groups, rank = ch.rank, world = ch.world;
   const bool producer = (int)blockIdx.x < G;
   const int gi = producer ? (int)blockIdx.x : (int)blockIdx.x - G;
@@ -297,11 +297,11 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
           uint64_t plo, phi;
           piece_of<K>(op, c, plo, phi);
           if (fan_out<K>()) {
-            ch.signal(s.par, kEveryPeer, c, lane, plo, phi, flag, s.ring + (uint64_t)c * per_piece);
+            ch.signal(s.par, kEveryPeer, c, lane, plo, phi, flag, s.ring + (uint64_t)c * per_piece, s.d);
           } else {
             for (int step = 1; step < world; ++step)
               ch.signal(s.par, (uint64_t)((rank + step) % world), c, lane, plo, phi, flag,
-                        s.ring + (uint64_t)c * per_piece + (uint64_t)(step - 1) * ch.entries(0));
+                        s.ring + (uint64_t)c * per_piece + (uint64_t)(step - 1) * ch.entries(0), s.d);
           }
         }
       }
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       __syncthreads();  // s_failed is read by every thread at the next piece
     }
   }
-  settle(g, ch, Family::kBulk, op_code(K), s, s_failed && !s.prior, (uint64_t)kChunks * per_piece,
+  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, (uint64_t)kChunks * per_piece,
          [&](int t, int n) {
            if (op.nan_type < 0) {
              for (uint64_t p = t; p < op.out_bytes; p += n) op.out[p] = 0xFF;

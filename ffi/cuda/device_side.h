@@ -45,11 +45,13 @@ struct DeviceWords {
   unsigned long long fail_flag;     // for a mismatch: the flag word that disagreed
   unsigned long long fail_src;      // for a mismatch: the peer that sent it
   unsigned long long pad;
+  unsigned long long fail_theirs[kDescriptorWords];  // for a mismatch: the peer's exact Descriptor
+  unsigned long long pad1[4];
   // The bulk collectives: per piece, the producer blocks done with their
   // share of it: seq << 16 | count (the last one signals the piece).
   unsigned long long piece_arrived[kChunks];
 };
-static_assert(sizeof(DeviceWords) == 3 * 64, "DeviceWords: three lines");
+static_assert(sizeof(DeviceWords) == 4 * 64, "DeviceWords: four lines");
 
 // What every kernel gets besides its channel.
 struct Grid {

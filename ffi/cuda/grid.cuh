@@ -55,19 +55,20 @@ __device__ __forceinline__ unsigned long long tagged_arrive(unsigned long long* 
 struct SeqStart {
   uint64_t seq;
   int par;
-  uint64_t desc;
+  Descriptor d;
+  uint64_t desc;  // describe(d): what the flag words carry
   uint64_t start;
   bool prior;
   uint64_t ring;
 };
 
-__device__ __forceinline__ SeqStart begin(const Grid& g, Family f, uint64_t desc) {
+__device__ __forceinline__ SeqStart begin(const Grid& g, Family f, const Descriptor& d) {
   DeviceWords* w = g.words;
   // Written by the previous kernel's last block; kernels on one stream are
   // ordered, so plain loads see them.
   const uint64_t seq = w->family[(int)f].seq + 1;
   if (threadIdx.x == 0) tag_arrivals(&w->family[(int)f].finished, seq);
-  return SeqStart{seq, (int)(seq & 1), desc, globaltimer(), w->failed != 0, w->ring};
+  return SeqStart{seq, (int)(seq & 1), d, describe(d), globaltimer(), w->failed != 0, w->ring};
 }
 
 // The block that announces the seq to the host's watchdog (Control::begun:
@@ -94,12 +95,14 @@ struct DevicePoll {
 // found goes into the grid's DeviceWords::fail_* (the first mismatch or abort
 // kind, missing bits, fail_any) for the last block out to record. kStopped:
 // another waiter gave up first and said so.
-__device__ inline void give_up(DeviceWords* w, WaitEnd e, uint64_t seen, int src) {
+__device__ inline void give_up(DeviceWords* w, WaitEnd e, uint64_t seen, int src,
+                               const uint64_t (&theirs)[kDescriptorWords]) {
   switch (e) {
     case WaitEnd::kMismatch:
       if (atomicCAS(&w->fail_kind, 0ull, (unsigned long long)FailureKind::kMismatch) == 0ull) {
         w->fail_flag = seen;
         w->fail_src = (unsigned long long)src;
+        for (int i = 0; i < kDescriptorWords; ++i) w->fail_theirs[i] = theirs[i];
       }
       break;
     case WaitEnd::kAborted:
@@ -121,10 +124,10 @@ __device__ inline void give_up(DeviceWords* w, WaitEnd e, uint64_t seen, int src
 template <typename Ch>
 __device__ __forceinline__ bool wait_for(const Grid& g, const Ch& ch, const SeqStart& s, int src, int piece) {
   DevicePoll poll{g, s.start};
-  uint64_t seen = 0;
-  const WaitEnd e = wait_piece(ch.in, src, piece, s.seq, s.desc, poll, seen);
+  uint64_t seen = 0, theirs[kDescriptorWords];
+  const WaitEnd e = wait_piece(ch.in, src, piece, s.seq, s.d, poll, seen, theirs);
   if (e == WaitEnd::kArrived) return true;
-  give_up(g.words, e, seen, src);
+  give_up(g.words, e, seen, src, theirs);
   return false;
 }
 
@@ -146,8 +149,8 @@ constexpr int kMaxGridBlocks = 255;
 // usable), and so does the ring by the `entries` this collective published.
 // `gave_up`: this thread's wait gave up.
 template <typename Ch, typename Fill>
-__device__ void settle(const Grid& g, const Ch& ch, Family f, OpCode op, const SeqStart& s, bool gave_up,
-                       uint64_t entries, Fill fill) {
+__device__ void settle(const Grid& g, const Ch& ch, Family f, const SeqStart& s, bool gave_up, uint64_t entries,
+                       Fill fill) {
   __shared__ int s_last, s_any;
   DeviceWords* w = g.words;
   const int block_gave_up = __syncthreads_or(gave_up || s.prior);
@@ -170,14 +173,15 @@ __device__ void settle(const Grid& g, const Ch& ch, Family f, OpCode op, const S
       r.missing = ld_acquire_gpu(&w->fail_missing);
       r.flag = w->fail_flag;
       r.src = w->fail_src;
-      r.desc = s.desc;
+      for (int i = 0; i < kDescriptorWords; ++i) r.theirs[i] = w->fail_theirs[i];
+      r.mine = s.d;
       r.family = f;
-      r.op = op;
       record_failure(g.ctl, r);
     }
     w->failed = 1;
     // Cleared for the next grid, which starts after this one completed.
     w->fail_any = w->fail_kind = w->fail_missing = w->fail_flag = w->fail_src = 0;
+    for (int i = 0; i < kDescriptorWords; ++i) w->fail_theirs[i] = 0;
   } else {
     ch.heard(flag_word(s.seq, s.desc));
   }

@@ -34,7 +34,7 @@ struct BulkOp {
   const uint8_t* in;
   uint8_t* out;
   uint64_t slice, block, stride;  // a lane's bytes; the rows of the strided side (see bulk.cu)
-  uint64_t desc;
+  Descriptor d;
   int nan_type;                   // DType of the NaN a failed op leaves, or -1: every byte 0xFF
   uint64_t out_bytes;
   DType dtype;                    // the reducing type (kScatter, kMoe)

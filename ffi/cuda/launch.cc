@@ -49,7 +49,7 @@ cudaError_t launch_all_gather(const Endpoint& ep, const void* in, void* out, uin
   op.slice = bytes;
   op.block = outer ? bytes / outer : bytes;
   op.stride = op.block * world;
-  op.desc = describe(OpCode::kAllGather, type_code | outer << 8, bytes, tag);
+  op.d = descriptor(OpCode::kAllGather, type_code | outer << 8, bytes, tag);
   op.nan_type = nan_type;
   // The element type only matters for the NaN fill.
   op.dtype = nan_type == (int)DType::kF32 ? DType::kF32 : nan_type == (int)DType::kF16 ? DType::kF16 : DType::kBF16;
@@ -69,7 +69,7 @@ cudaError_t launch_reduce_scatter(const Endpoint& ep, DType dtype, const void* i
   op.slice = count * dtype_size(dtype);
   op.block = outer ? op.slice / outer : op.slice;
   op.stride = op.block * world;
-  op.desc = describe(OpCode::kReduceScatter, (uint64_t)dtype | outer << 8, count * world, tag);
+  op.d = descriptor(OpCode::kReduceScatter, (uint64_t)dtype | outer << 8, count * world, tag);
   op.nan_type = (int)dtype;
   op.dtype = dtype;
   op.out_bytes = op.slice;
@@ -90,7 +90,7 @@ cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombineArgs& a, uint
   op.row_bytes = a.hidden * 2;
   op.slice = op.rows_per_rank * op.row_bytes;
   op.block = op.stride = op.slice;
-  op.desc = describe(OpCode::kMoeCombine, (uint64_t)DType::kBF16, a.padded * a.hidden, tag);
+  op.d = descriptor(OpCode::kMoeCombine, (uint64_t)DType::kBF16, a.padded * a.hidden, tag);
   op.nan_type = (int)DType::kBF16;
   op.dtype = DType::kBF16;
   op.out_bytes = op.slice;

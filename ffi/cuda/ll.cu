@@ -192,8 +192,9 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
                       : poll.expired()     ? WaitEnd::kTimeout
                                            : WaitEnd::kArrived;
     if (e != WaitEnd::kArrived) {
+      const uint64_t none[kDescriptorWords] = {};
       for (int src = 0; src < world; ++src)
-        if (pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1)) give_up(g.words, e, 0, src);
+        if (pending >> (src * kLLLinesPerThread) & ((1u << kLLLinesPerThread) - 1)) give_up(g.words, e, 0, src, none);
       return false;
     }
   }
@@ -205,20 +206,20 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
                                                          uint64_t count, uint64_t tag, Prefetch pf) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
-  const SeqStart s = begin(g, Family::kPsum, describe(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
+  const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
   const int rank = ch.psum.rank, world = ch.psum.world, blocks = (int)gridDim.x - 1;
   auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
   if ((int)blockIdx.x == blocks) {
     // The announcement: release, so that it orders everything this rank did
     // before it, its earlier kernels' zeroing of their lines included (the
     // kernel boundary orders those before this thread).
-    if (threadIdx.x == 0 && !s.prior) ch.psum.signal(s.par, kEveryPeer, 0, 0, 0, 0, flag_word(s.seq, s.desc), 0);
+    if (threadIdx.x == 0 && !s.prior) ch.psum.signal(s.par, kEveryPeer, 0, 0, 0, 0, flag_word(s.seq, s.desc), 0, s.d);
     note_begun(g, Family::kPsum, s);
     prefetch(pf, threadIdx.x, blockDim.x);
     // Every peer's announcement: thread t waits for peer t's.
     const int t = (int)threadIdx.x;
     const bool ok = s.prior || t >= world || t == rank || wait_for(g, ch.psum, s, t, 0);
-    settle(g, ch.psum, Family::kPsum, OpCode::kPsum, s, !ok, 0, nan);
+    settle(g, ch.psum, Family::kPsum, s, !ok, 0, nan);
     return;
   }
   const uint64_t nthr = (uint64_t)blocks * blockDim.x, gt = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
   for (int k = 0; k < kLLLinesPerThread; ++k)
     if (gt + k * nthr < lines)
       ll_put(out, gt + k * nthr, bytes, aligned, ok ? ll_sum<D>(rank, world, mine[k], lo[k], hi[k]) : nan2);
-  settle(g, ch.psum, Family::kPsum, OpCode::kPsum, s, !ok && !s.prior, 0, nan);
+  settle(g, ch.psum, Family::kPsum, s, !ok && !s.prior, 0, nan);
 }
 
 // The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at

@@ -106,14 +106,14 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
                                                               uint64_t count, uint64_t tag, Prefetch pf, int pieces) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
-  const SeqStart s = begin(g, Family::kPsum, describe(OpCode::kPsum, (uint64_t)D, count, pieces_tag(tag, pieces)));
+  const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, pieces_tag(tag, pieces)));
   const int blocks = (int)gridDim.x - 1;
   const uint64_t entries = (uint64_t)pieces * ch.entries(kEveryPeer);
   auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
   if ((int)blockIdx.x == blocks) {
     note_begun(g, Family::kPsum, s);
     prefetch(pf, threadIdx.x, blockDim.x);
-    settle(g, ch, Family::kPsum, OpCode::kPsum, s, false, entries, nan);
+    settle(g, ch, Family::kPsum, s, false, entries, nan);
     return;
   }
   __shared__ unsigned s_sent;        // pieces of this block whose copy has read `in`
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
           // The producers' copies (before the barrier) reach system scope
           // before the signal that announces them: the fence is cumulative.
           fence_acq_rel();
-          ch.signal(s.par, kEveryPeer, c, 0, lo, hi, flag, s.ring + (uint64_t)c * ch.entries(kEveryPeer));
+          ch.signal(s.par, kEveryPeer, c, 0, lo, hi, flag, s.ring + (uint64_t)c * ch.entries(kEveryPeer), s.d);
         }
       }
     }
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
       else reduce_range<D>(ch.rank, ch.world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in, out, lo, hi, ct, ncons);
     }
   }
-  settle(g, ch, Family::kPsum, OpCode::kPsum, s, s_failed && !s.prior, entries, nan);
+  settle(g, ch, Family::kPsum, s, s_failed && !s.prior, entries, nan);
 }
 
 template <typename Ch, DType D>

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, con
                                                               uint64_t count, uint64_t tag, Prefetch pf) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize, lane = chunk_step(bytes, ch.world);
-  const SeqStart s = begin(g, Family::kPsum, describe(OpCode::kPsumScatter, (uint64_t)D, count, tag));
+  const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsumScatter, (uint64_t)D, count, tag));
   const int rank = ch.rank, world = ch.world;
   if (blockIdx.x == 0) note_begun(g, Family::kPsum, s);
   if (!s.prior) {
@@ -157,14 +157,14 @@ __global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, con
       const int j = (rank + step) % world;
       uint64_t lo, hi;
       chunk_range(bytes, world, j, lo, hi);
-      ch.signal(s.par, (uint64_t)j, 0, lane, 0, hi - lo, flag, s.ring + (uint64_t)(step - 1) * ch.entries(j));
+      ch.signal(s.par, (uint64_t)j, 0, lane, 0, hi - lo, flag, s.ring + (uint64_t)(step - 1) * ch.entries(j), s.d);
     }
   }, &pf, gave_up);
   uint64_t lo, hi;
   chunk_range(bytes, world, rank, lo, hi);
   if (failed) fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
   else reduce<D>(rank, world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in + lo, out + lo, (hi - lo) / E::kSize);
-  settle(g, ch, Family::kPsum, OpCode::kPsumScatter, s, gave_up, (uint64_t)(world - 1) * ch.entries(0),
+  settle(g, ch, Family::kPsum, s, gave_up, (uint64_t)(world - 1) * ch.entries(0),
          [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); });
 }
 
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
                                                              uint64_t tag) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
-  const SeqStart s = begin(g, Family::kPsum, describe(OpCode::kPsumGather, (uint64_t)D, count, tag));
+  const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsumGather, (uint64_t)D, count, tag));
   const int rank = ch.rank, world = ch.world;
   if (blockIdx.x == 0) note_begun(g, Family::kPsum, s);
   uint64_t lo, hi;
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
     copy_bytes<false>(ch.put_dst(s.par, kEveryPeer, i, 0), out + lo, hi - lo);
   bool gave_up = false;
   const bool failed = signal_and_wait(g, ch, s, [&] {
-    ch.signal(s.par, kEveryPeer, 0, 0, 0, hi - lo, flag_word(s.seq, s.desc), s.ring);
+    ch.signal(s.par, kEveryPeer, 0, 0, 0, hi - lo, flag_word(s.seq, s.desc), s.ring, s.d);
   }, nullptr, gave_up);
   if (failed) {
     fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
       copy_bytes<true>(out + a, ch.in.lane(s.par, src), b - a);
     }
   }
-  settle(g, ch, Family::kPsum, OpCode::kPsumGather, s, gave_up, ch.entries(kEveryPeer),
+  settle(g, ch, Family::kPsum, s, gave_up, ch.entries(kEveryPeer),
          [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); });
 }
 

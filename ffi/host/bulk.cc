@@ -100,8 +100,7 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
     return Status::Error(strf("jax_arx: all_gather on %s: %llu bytes do not make %llu rows", ep.label().c_str(),
                               (unsigned long long)bytes, (unsigned long long)outer));
   const uint64_t block = bytes / outer, stride = block * world;
-  Collective c(ep, Family::kBulk, OpCode::kAllGather,
-               describe(OpCode::kAllGather, type_code | outer << 8, bytes, tag));
+  Collective c(ep, Family::kBulk, descriptor(OpCode::kAllGather, type_code | outer << 8, bytes, tag));
   const uint8_t* src = static_cast<const uint8_t*>(in);
   uint8_t* dst = static_cast<uint8_t*>(out);
   return with_channel(ep, Family::kBulk, [&](const auto& ch) {
@@ -114,7 +113,7 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
       uint64_t at = 0;
       const Status s = c.ring_at(ch, kEveryPeer, at);
       if (!s.ok()) return c.fail(nan, s);
-      ch.signal(par, kEveryPeer, k, ch.in.lane_bytes, lo, hi, c.flag(), at);
+      ch.signal(par, kEveryPeer, k, ch.in.lane_bytes, lo, hi, c.flag(), at, c.descriptor());
     }
     scatter_rows(dst + rank * block, src, 0, bytes, block, stride);
     for (int k = 0; k < kChunks; ++k) {
@@ -142,8 +141,7 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
     return Status::Error(strf("jax_arx: psum_scatter on %s: %llu elements do not make %llu rows",
                               ep.label().c_str(), (unsigned long long)count, (unsigned long long)outer));
   const uint64_t block = slice / outer, stride = block * world;
-  Collective c(ep, Family::kBulk, OpCode::kReduceScatter,
-               describe(OpCode::kReduceScatter, (uint64_t)dtype | outer << 8, count * world, tag));
+  Collective c(ep, Family::kBulk, descriptor(OpCode::kReduceScatter, (uint64_t)dtype | outer << 8, count * world, tag));
   const uint8_t* src = static_cast<const uint8_t*>(in);
   return with_channel(ep, Family::kBulk, [&](const auto& ch) {
     const int par = c.parity();
@@ -159,7 +157,7 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
         uint64_t at = 0;
         const Status s = c.ring_at(ch, (uint64_t)j, at);
         if (!s.ok()) return c.fail(nan, s);
-        ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo, hi, c.flag(), at);
+        ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo, hi, c.flag(), at, c.descriptor());
       }
     }
     for (int k = 0; k < kChunks; ++k) {
@@ -188,8 +186,7 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
                               (unsigned long long)H, (unsigned long long)a.rows));
   if (plan_bulk(ep, "moe_combine_psum_scatter", slice).algorithm != Algorithm::kBulk)
     return refused(ep, "moe_combine_psum_scatter", slice);
-  Collective c(ep, Family::kBulk, OpCode::kMoeCombine,
-               describe(OpCode::kMoeCombine, (uint64_t)DType::kBF16, a.padded * H, tag));
+  Collective c(ep, Family::kBulk, descriptor(OpCode::kMoeCombine, (uint64_t)DType::kBF16, a.padded * H, tag));
   std::vector<float> acc(H);
   auto combine = [&](int j, uint64_t r0, uint64_t r1, uint8_t* dst) {
     for (uint64_t r = r0; r < r1; ++r)
@@ -209,7 +206,7 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
         uint64_t at = 0;
         const Status s = c.ring_at(ch, (uint64_t)j, at);
         if (!s.ok()) return c.fail(nan, s);
-        ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, r0 * row, r1 * row, c.flag(), at);
+        ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, r0 * row, r1 * row, c.flag(), at, c.descriptor());
       }
     }
     // This rank's own rows into out, where the sum below takes them, in place.

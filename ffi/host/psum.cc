@@ -21,7 +21,7 @@ Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count
     return Status::Error(strf("jax_arx.psum on %s: %s", ep.label().c_str(),
                               plan.why_not.empty() ? "the host runs the one-shot only" : plan.why_not.c_str()));
   const int rank = ep.spec().rank, world = ep.spec().world;
-  Collective c(ep, Family::kPsum, OpCode::kPsum, describe(OpCode::kPsum, (uint64_t)dtype, count, tag));
+  Collective c(ep, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)dtype, count, tag));
   auto nan = [&] { fill_nan(dtype, out, count); };
   return with_channel(ep, Family::kPsum, [&](const auto& ch) {
     const int par = c.parity();
@@ -32,7 +32,7 @@ Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count
     const Status s = c.ring_at(ch, kEveryPeer, at);
     if (!s.ok()) return c.fail(nan, s);
     // The copies happen-before the signal's release store (one thread).
-    ch.signal(par, kEveryPeer, 0, 0, 0, bytes, c.flag(), at);
+    ch.signal(par, kEveryPeer, 0, 0, 0, bytes, c.flag(), at, c.descriptor());
     if (!c.wait_peers(ch.in, 0)) return c.fail(nan);
     const uint8_t* parts[kMaxWorld];
     for (int src = 0; src < world; ++src)

@@ -7,8 +7,8 @@
 
 namespace arx::host {
 
-Collective::Collective(Endpoint& ep, Family f, OpCode op, uint64_t desc)
-    : ep_(ep), ctl_(ep.control()), family_(f), op_(op), desc_(desc) {
+Collective::Collective(Endpoint& ep, Family f, const Descriptor& d)
+    : ep_(ep), ctl_(ep.control()), family_(f), d_(d) {
   // The sequence state lives with the endpoint (Control::done), not in the
   // handler: the next collective is the one after the last finished.
   seq_ = load_relaxed(&ctl_->done[(int)f]) + 1;
@@ -24,16 +24,15 @@ bool Collective::wait_peers(const Inbox& in, int piece) {
   for (int src = 0; src < world; ++src) {
     if (src == rank) continue;
     uint64_t seen = 0;
-    const WaitEnd e = wait_piece(in, src, piece, seq_, desc_, poll_, seen);
-    if (e == WaitEnd::kArrived) continue;
     FailureRecord r;
+    const WaitEnd e = wait_piece(in, src, piece, seq_, d_, poll_, seen, r.theirs);
+    if (e == WaitEnd::kArrived) continue;
     r.seq = seq_;
     r.kind = failure_kind(e);
     r.flag = seen;
     r.src = (uint64_t)src;
-    r.desc = desc_;
+    r.mine = d_;
     r.family = family_;
-    r.op = op_;
     // Which peers had not sent this piece: this one, and any other whose
     // words are short of the seq right now.
     for (int j = 0; j < world; ++j)

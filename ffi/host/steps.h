@@ -43,12 +43,12 @@ struct HostPoll {
 // One collective of family `f`, from its seq to its finish.
 class Collective {
  public:
-  Collective(Endpoint& ep, Family f, OpCode op, uint64_t desc);
+  Collective(Endpoint& ep, Family f, const Descriptor& d);
 
   uint64_t seq() const { return seq_; }
   int parity() const { return (int)(seq_ & 1); }
-  uint64_t desc() const { return desc_; }
-  uint64_t flag() const { return flag_word(seq_, desc_); }
+  const Descriptor& descriptor() const { return d_; }
+  uint64_t flag() const { return flag_word(seq_, describe(d_)); }
 
   // The ring position of the next signal on `ch` (a DirectChannel takes
   // none). An error if the ring is full, which (*) of comm/proxy.h rules out:
@@ -90,8 +90,8 @@ class Collective {
   Endpoint& ep_;
   Control* ctl_;
   Family family_;
-  OpCode op_;
-  uint64_t seq_, desc_, next_;
+  Descriptor d_;
+  uint64_t seq_, next_;
   HostPoll poll_;
 };
 

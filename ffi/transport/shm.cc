@@ -35,13 +35,14 @@ class ShmTransport final : public Transport {
     // A peer's slots hold for every carrier, this one included: a protocol
     // bug must not scribble over a peer's staging buffers or control block.
     uint8_t* base = ctx_.windows ? ctx_.windows->base(peer) : nullptr;
-    if (!base || !ctx_.layout.src_may_write(ctx_.rank, offset, len) || !ctx_.layout.src_may_flag(ctx_.rank, flag_offset))
+    if (!base || !ctx_.layout.src_may_write(ctx_.rank, offset, len) ||
+        (flag_offset != kNoFlag && !ctx_.layout.src_may_flag(ctx_.rank, flag_offset)))
       return Status::Error(strf("jax_arx: %s: refused a put to rank %d at [%llu, +%llu) flag %llu: outside this "
                                 "rank's slots in its inbox",
                                 ctx_.label.c_str(), peer, (unsigned long long)offset, (unsigned long long)len,
                                 (unsigned long long)flag_offset));
     if (len) std::memcpy(base + offset, src, len);
-    store_release(reinterpret_cast<uint64_t*>(base + flag_offset), flag_value);
+    if (flag_offset != kNoFlag) store_release(reinterpret_cast<uint64_t*>(base + flag_offset), flag_value);
     return Status::Ok();
   }
 

@@ -787,7 +787,7 @@ bool TcpTransport::on_header(InLink& c) {
     why = strf("sent a write of %llu bytes at offset %llu, outside its own slots in this endpoint's inbox: the "
                "ranks disagree on the buffer geometry, or the peer is faulty",
                (unsigned long long)h.len, (unsigned long long)h.offset);
-  } else if (!L.src_may_flag(c.peer, h.flag_offset)) {
+  } else if (h.flag_offset != kNoFlag && !L.src_may_flag(c.peer, h.flag_offset)) {
     why = strf("sent a flag for offset %llu, which is not one of its own words of this endpoint's flag page",
                (unsigned long long)h.flag_offset);
   }
@@ -808,7 +808,8 @@ bool TcpTransport::on_header(InLink& c) {
 // The payload is in place (recv() wrote it on this thread): the release
 // store publishes it with the flag.
 void TcpTransport::finish_frame(InLink& c) {
-  store_release(reinterpret_cast<uint64_t*>(ctx_.region->base() + c.hdr.flag_offset), c.hdr.flag_value);
+  if (c.hdr.flag_offset != kNoFlag)
+    store_release(reinterpret_cast<uint64_t*>(ctx_.region->base() + c.hdr.flag_offset), c.hdr.flag_value);
   c.stage = InLink::Stage::kHeader;
 }
 

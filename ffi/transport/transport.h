@@ -24,6 +24,9 @@
 namespace arx {
 
 enum class TransportKind : uint32_t { kShm = 1, kTcp = 2, kVerbs = 3 };
+
+// Transport::put's flag_offset for a put with no flag word after its bytes.
+constexpr uint64_t kNoFlag = ~0ull;
 const char* transport_name(TransportKind kind);
 
 // What a carrier is given by its endpoint. Everything here outlives it.
@@ -58,10 +61,11 @@ class Transport {
   // an error naming the peer that did not answer within timeout_s.
   virtual Status connect(const std::vector<std::string>& details, double timeout_s) = 0;
   // Writes [src, src + len) into `peer`'s region at `offset` (len may be 0),
-  // then stores `flag_value` into its word at `flag_offset`, over `root`.
-  // The peer observes the flag (with acquire) only after the data is in
-  // place. Puts on one (peer, root) take effect in the order they are made.
-  // `src` lies inside this endpoint's region.
+  // then stores `flag_value` into its word at `flag_offset` (none when
+  // flag_offset is kNoFlag), over `root`. The peer observes the flag (with
+  // acquire) only after the data is in place. Puts on one (peer, root) take
+  // effect in the order they are made, so a later put's flag covers an
+  // earlier put's data too. `src` lies inside this endpoint's region.
   virtual Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
                      uint64_t flag_value) = 0;
   // Reaps completions; returns the first error, which is sticky.

@@ -489,9 +489,11 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
   // Only into this rank's own slots of the peer's inbox (every rank has the
   // same layout), and through the window (MR) that holds them.
   const bool bulk = offset >= l.bulk_lo && offset < l.bulk_hi;
-  if (!ctx_.layout.src_may_write(ctx_.rank, offset, len) || !ctx_.layout.src_may_flag(ctx_.rank, flag_offset) ||
-      (bulk ? len > l.bulk_hi - offset : (offset < l.inbox_lo || len > l.inbox_hi - offset)) ||
-      flag_offset < l.inbox_lo || flag_offset + 8 > l.inbox_hi)
+  const bool with_flag = flag_offset != kNoFlag;
+  if (!ctx_.layout.src_may_write(ctx_.rank, offset, len) ||
+      (with_flag && (!ctx_.layout.src_may_flag(ctx_.rank, flag_offset) || flag_offset < l.inbox_lo ||
+                     flag_offset + 8 > l.inbox_hi)) ||
+      (bulk ? len > l.bulk_hi - offset : (offset < l.inbox_lo || len > l.inbox_hi - offset)))
     return labelled(strf("jax_arx: verbs put() to %s: %llu bytes at offset %llu and a flag at %llu do not lie inside "
                          "this rank's slots of its inbox",
                          l.remote.c_str(), (unsigned long long)len, (unsigned long long)offset,
@@ -516,7 +518,7 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
       ++k;
     }
     const bool last = sent == len;
-    if (last) {
+    if (last && with_flag) {
       sge[k] = ibv_sge{(uint64_t)(uintptr_t)&flag, 8, 0};
       wr[k] = ibv_send_wr{};
       wr[k].opcode = IBV_WR_RDMA_WRITE;
@@ -525,13 +527,14 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
       wr[k].wr.rdma.rkey = l.rkey;
       ++k;
     }
+    if (k == 0) return Status::Ok();  // nothing to write, and no flag
     ARX_RETURN_IF_ERROR(make_room(l, peer, root, (uint64_t)k));
     for (int i = 0; i < k; ++i) {
       wr[i].sg_list = &sge[i];
       wr[i].num_sge = 1;
       wr[i].next = i + 1 < k ? &wr[i + 1] : nullptr;
       // wr_id: the WR's number on this QP, and whether it is the flag.
-      wr[i].wr_id = ++l.posted << 1 | (last && i == k - 1);
+      wr[i].wr_id = ++l.posted << 1 | (last && with_flag && i == k - 1);
       if (++l.unsignalled >= signal_every_) {
         wr[i].send_flags |= IBV_SEND_SIGNALED;
         l.unsignalled = 0;

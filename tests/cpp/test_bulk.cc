@@ -366,7 +366,8 @@ void test_out_of_order_producer(TransportKind kind, int world) {
   Rig rig;
   if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
   const uint64_t per = 29, H = 24, row = H * 2;  // uneven row pieces
-  const uint64_t seq = 1, desc = 0x123;
+  const uint64_t seq = 1;
+  const Descriptor d = descriptor(OpCode::kMoeCombine, 2, 29 * 24, 7);
   std::vector<int> bad(world, 0);
   on_ranks(world, [&](int r) {
     Endpoint& ep = *rig.eps[r];
@@ -386,7 +387,7 @@ void test_out_of_order_producer(TransportKind kind, int world) {
       uint64_t lo, hi;
       row_piece(per, k, lo, hi);
       const uint64_t at = (uint64_t)k * (world - 1) + (uint64_t)((j - r + world) % world - 1);
-      ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo * row, hi * row, flag_word(seq, desc), at);
+      ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo * row, hi * row, flag_word(seq, describe(d)), at, d);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     // Receive: once a peer's word for piece k holds the seq, its rows of
@@ -396,8 +397,8 @@ void test_out_of_order_producer(TransportKind kind, int world) {
       const uint8_t* recv = ch.in.lane(par, s);
       for (int k = 0; k < kChunks && !bad[r]; ++k) {
         NeverStop poll;
-        uint64_t seen = 0;
-        if (wait_piece(ch.in, s, k, seq, desc, poll, seen) != WaitEnd::kArrived) {
+        uint64_t seen = 0, theirs[kDescriptorWords];
+        if (wait_piece(ch.in, s, k, seq, d, poll, seen, theirs) != WaitEnd::kArrived) {
           bad[r] = 100 + s;
           break;
         }

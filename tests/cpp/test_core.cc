@@ -234,6 +234,63 @@ void test_mismatch(TransportKind kind) {
   for (auto& ep : rig.eps) ep->close();
 }
 
+// A rank that gave up on a collective tells its peers (a notice), so a
+// peer that comes late (stopped past the timeout, say) fails that
+// collective too instead of completing it with the data it was sent.
+void test_fail_everywhere(TransportKind kind) {
+  Config cfg;
+  cfg.timeout_s = 0.5;
+  Rig rig;
+  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  std::vector<float> x(64, 1.0f), o0(64), o1(64);
+  const Status s0 = host::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), 64, 0);  // rank 1 is late
+  EXPECT(!s0.ok() && s0.message().find("timed out") != std::string::npos, "rank 0 times out: %s",
+         s0.message().c_str());
+  // Rank 1 learns of it without calling anything.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const std::string why = rig.eps[1]->failure();
+  EXPECT(why.find("rank 0 gave up on psum #1") != std::string::npos, "%s: rank 1 was told: '%s'",
+         transport_name(kind), why.c_str());
+  const Status s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
+  EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: the late rank's call fails with NaN instead of completing: %s",
+         transport_name(kind), s1.message().c_str());
+  for (auto& ep : rig.eps) ep->close();
+}
+
+// Two collectives whose 24-bit descriptors collide (found by search): the
+// flag words alone would let them pass for one; the exact headers must not.
+void test_descriptor_collision(TransportKind kind) {
+  std::vector<uint64_t> first(1 << 24, 0);
+  uint64_t a = 0, b = 0;
+  for (uint64_t n = 1; n < (1u << 18) && !b; ++n) {
+    uint64_t& seen = first[describe(descriptor(OpCode::kPsum, (uint64_t)DType::kF32, n, 0))];
+    if (seen) a = seen, b = n;
+    else seen = n;
+  }
+  EXPECT(b != 0, "no colliding pair of f32 counts below 2^18");
+  if (!b) return;
+  Config cfg;
+  cfg.timeout_s = 5;
+  Rig rig;
+  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  std::vector<float> x(b, 1.0f), o0(a, 0.0f), o1(b, 0.0f);
+  Status s0, s1;
+  on_ranks(2, [&](int r) {
+    if (r == 0) s0 = host::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), a, 0);
+    else s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), b, 0);
+  });
+  for (const Status* s : {&s0, &s1})
+    EXPECT(!s->ok() && s->message().find("different collective") != std::string::npos &&
+               s->message().find(strf("%llu f32", (unsigned long long)a)) != std::string::npos &&
+               s->message().find(strf("%llu f32", (unsigned long long)b)) != std::string::npos,
+           "%s: psum of %llu and of %llu floats (same 24-bit descriptor) must be a mismatch naming both: %s",
+           transport_name(kind), (unsigned long long)a, (unsigned long long)b, s->message().c_str());
+  EXPECT(std::isnan(o0[0]) && std::isnan(o1[b - 1]), "colliding calls give NaN, never a sum");
+  for (auto& ep : rig.eps) ep->close();
+}
+
 // JAX_ARX_ON_FAILURE=abort: the failure ends the process with its message
 // and exit status 1 (in a forked child, so the test goes on).
 void test_abort_on_failure(TransportKind kind) {
@@ -306,6 +363,8 @@ int main(int argc, char** argv) {
     test_signed_zero(k);
     test_timeout(k);
     test_mismatch(k);
+    test_descriptor_collision(k);
+    test_fail_everywhere(k);
     test_fingerprint(k);
     test_abort_on_failure(k);
   });

@@ -45,10 +45,19 @@ int main() {
           EXPECT(!l.src_may_flag(other, l.flag_offset(bw.index(src, 0, r))), "not another's bulk words");
         }
       }
-      EXPECT(!l.src_may_flag(src, l.handshake_offset(src)) && !l.src_may_flag(src, l.flag_offset(kLLWordBase + src)) &&
+      EXPECT(!l.src_may_flag(src, l.handshake_offset(src)) &&
                  !l.src_may_flag(src, l.flag_offset(heard_word(Family::kPsum, src))) &&
-                 !l.src_may_flag(src, l.flag_offset(0) + 4),
-             "the handshake, LL and heard words, and unaligned offsets, are no carrier's to write");
+                 !l.src_may_flag(src, l.flag_offset(kPeerMemoryOfferWord)) && !l.src_may_flag(src, l.flag_offset(0) + 4),
+             "the handshake, heard and peer-memory words, and unaligned offsets, are no carrier's to write");
+      EXPECT(l.src_may_flag(src, l.flag_offset(notice_word(src))) && !l.src_may_flag(other, l.flag_offset(notice_word(src))),
+             "a source's notice word is its own");
+      for (int f = 0; f < kFamilies; ++f)
+        for (int p = 0; p < 2; ++p) {
+          const uint64_t h = l.flag_offset(header_word((Family)f, p, src));
+          EXPECT(l.src_may_write(src, h, 8 * kDescriptorWords) && !l.src_may_write(other, h, 8) &&
+                     !l.src_may_write(src, h, 8 * kDescriptorWords + 8) && !l.src_may_flag(src, h),
+                 "its header slots are its own to write as data, not as flag words");
+        }
     }
   }
   for (uint64_t bytes : {0ull, 1ull, 15ull, 100ull, 129ull, 1000003ull}) {

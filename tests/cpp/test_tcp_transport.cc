@@ -189,7 +189,7 @@ void test_exchange(int world) {
   const uint64_t slot = 65536, nbytes = slot - 40;  // not a multiple of 16: root 1 gets an odd tail
   World w;
   if (!make_world(w, world, slot, slot) || !connect_ok(w)) return;
-  const uint64_t desc = describe(OpCode::kPsum, (uint64_t)DType::kF32, nbytes / 4, /*tag=*/0);
+  const uint64_t desc = describe(descriptor(OpCode::kPsum, (uint64_t)DType::kF32, nbytes / 4, /*tag=*/0));
   const auto t0 = Clock::now();
   std::vector<std::thread> senders;
   for (int r = 0; r < world; ++r) {

@@ -160,7 +160,7 @@ ARX_TESTING_API int arx_testing_failure(int64_t comm_id, int device_ordinal, cha
 
 // describe(op, type_code, count, tag): the descriptor a flag word carries.
 ARX_TESTING_API uint64_t arx_testing_describe(int op, uint64_t type_code, uint64_t count, uint64_t tag) {
-  return arx::describe((arx::OpCode)op, type_code, count, tag);
+  return arx::describe(arx::descriptor((arx::OpCode)op, type_code, count, tag));
 }
 
 ARX_TESTING_API void arx_testing_close(int64_t comm_id, int device_ordinal) {

@@ -15,7 +15,8 @@ the environment the phase asks for:
   hca        JAX_ARX_IB_HCA per rank, '/'-separated; '-' leaves it unset for that rank
   expect     the carrier every endpoint must end up on
   calls      back-to-back calls per dtype and size (default 16)
-  chunk      JAX_ARX_IB_CHUNK_BYTES for the phase (default unset: writes whole)
+  chunk      split verbs writes into pieces of this many bytes (tuning, through
+             jax_arx.initialize(_tuning=...); default unset: writes whole)
   lose       a rank that exits mid-stream: the other's next psum must fail with
              an error naming it, well within JAX_ARX_TIMEOUT_S (the last phase)
 
@@ -80,18 +81,21 @@ def set_phase_env(phase, me):
         os.environ.pop("JAX_ARX_IB_HCA", None)
     else:
         os.environ["JAX_ARX_IB_HCA"] = hca
-    if phase.get("chunk"):
-        os.environ["JAX_ARX_IB_CHUNK_BYTES"] = phase["chunk"]
-    else:
-        os.environ.pop("JAX_ARX_IB_CHUNK_BYTES", None)
     return hca
+
+
+def _bytes(text):
+    """'64KiB', '4096' -> bytes."""
+    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
+    digits = text.rstrip("KkMmIiBb")
+    return int(digits) * units[text[len(digits):].lower()]
 
 
 def run_phase(phase, mesh, f):
     me, world = jax.process_index(), mesh.shape["x"]
     hca = set_phase_env(phase, me)
     t0 = time.monotonic()
-    jax_arx.initialize(mesh)
+    jax_arx.initialize(mesh, _tuning={"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk") else None)
     transports = sorted({ep.transport for ep in jax_arx._comm.communicator("x").endpoints})
     if transports != [phase["expect"]]:
         say(f"FAIL {phase['name']}: carrier {transports}, expected {phase['expect']}")
