@@ -235,11 +235,6 @@ __device__ void piece_of(const BulkOp& op, int c, uint64_t& lo, uint64_t& hi) {
   }
 }
 
-__host__ __device__ constexpr OpCode op_code(BulkKind k) {
-  return k == BulkKind::kGather ? OpCode::kAllGather : k == BulkKind::kScatter ? OpCode::kReduceScatter
-                                                                               : OpCode::kMoeCombine;
-}
-
 // The destination of a piece's signal: all-gather sends the same slice to
 // every peer; the others a part per destination.
 template <BulkKind K>

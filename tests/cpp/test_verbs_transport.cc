@@ -454,14 +454,14 @@ void run_rank(int rank, const Args& a) {
       const int root = i % roots;
       uint8_t* src = r.at(src0 + (uint64_t)i * 64 % (2 * a.slot_bytes));
       pattern(src, 64, rank, 50000 + i);
-      st = r.t->put(peer, root, src, dst0 + (uint64_t)(i % 128) * 64, 64, r.layout.flag_offset(16 + root),
-                    flag_word(i + 1, 7));
+      st = r.t->put(peer, root, src, dst0 + (uint64_t)(i % 128) * 64, 64,
+                    r.layout.flag_offset(flag_index(r.layout, rank, root) + 2), flag_word(i + 1, 7));
     }
     const double post_s = now_s() - t0;
     for (int root = 0; root < roots && st.ok(); ++root) {
       int last = n - 1;
       while (last % roots != root) --last;
-      st = wait_flag(r, r.layout.flag_offset(16 + root), flag_word(last + 1, 7));
+      st = wait_flag(r, r.layout.flag_offset(flag_index(r.layout, peer, root) + 2), flag_word(last + 1, 7));
     }
     std::string err;
     for (int k = 0; k < 128 && st.ok(); ++k) {
@@ -490,10 +490,11 @@ void run_rank(int rank, const Args& a) {
     for (int root = 0; root < roots && st.ok(); ++root) {
       uint64_t off, len;
       root_split(bytes, root, roots, off, len);
-      st = r.t->put(peer, root, send + off, r.layout.recv_offset(1, rank) + off, len, r.layout.flag_offset(20 + root),
-                    word);
+      st = r.t->put(peer, root, send + off, r.layout.recv_offset(1, rank) + off, len,
+                    r.layout.flag_offset(flag_index(r.layout, rank, root) + 4), word);
     }
-    for (int root = 0; root < roots && st.ok(); ++root) st = wait_flag(r, r.layout.flag_offset(20 + root), word);
+    for (int root = 0; root < roots && st.ok(); ++root)
+      st = wait_flag(r, r.layout.flag_offset(flag_index(r.layout, peer, root) + 4), word);
     std::string err;
     if (st.ok() && !check_pattern(r.at(r.layout.recv_offset(1, peer)), bytes, peer, 424242, err))
       st = Status::Error(err);
