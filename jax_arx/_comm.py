@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jax_arx import _compat
+from jax_arx import _distributed
 from jax_arx import config as _config
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
 
@@ -601,7 +602,7 @@ class _Store:
     def _timed_out(self, waiting_for, e):
         return InitializationError(
             f"jax_arx.initialize: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
-            f"{waiting_for} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}). "
+            f"{waiting_for} ({type(e).__name__}: {_first_line(e)}). "
             "Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
             "than others, raise JAX_ARX_TIMEOUT_S.")
 
@@ -616,7 +617,9 @@ def shutdown() -> None:
     reach shutdown() too: a proxy closed early could leave a peer waiting
     for the last partial it had still to send. A program traced before
     shutdown() fails when run afterwards, until initialize() is called again
-    with the same mesh. Also runs at interpreter exit. Idempotent.
+    with the same mesh. Also runs at interpreter exit; there, when the
+    process is ending on an uncaught exception, it closes at once without
+    waiting for the others. Idempotent.
     """
     with _lock:
         if not _communicators:
@@ -624,7 +627,7 @@ def shutdown() -> None:
         comms = list(_communicators.values())
         _communicators.clear()
         client = _compat.distributed_client()
-        if client is not None and jax.process_count() > 1:
+        if client is not None and jax.process_count() > 1 and not _distributed.uncaught_exception():
             try:
                 timeout_s = _config.load().timeout_s
             except ConfigError:
@@ -632,11 +635,19 @@ def shutdown() -> None:
             try:
                 client.wait_at_barrier(f"jax_arx/{_generation}/shutdown", max(1, int(timeout_s * 1000)))
             except Exception as e:
-                logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s (%s); "
-                               "closing this process's endpoints anyway", timeout_s, str(e).strip()[:200])
+                logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s; closing this "
+                               "process's endpoints anyway (a peer still in a collective with this process will "
+                               "fail it within JAX_ARX_TIMEOUT_S). jax said: %s", timeout_s, _first_line(e))
         for comm in comms:
             for le in comm.endpoints:
                 _close_quietly(le.endpoint)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, whole: jax's runtime errors put
+    the status and what failed there, and a trace of their own below."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _close_quietly(endpoint) -> None:

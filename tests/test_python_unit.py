@@ -1169,7 +1169,41 @@ def test_launch_failing_rank_stops_the_others(tmp_path):
     assert elapsed < 30
     assert "[rank 0] started 2 127.0.0.1" in proc.stdout and "[rank 1] started 2 127.0.0.1" in proc.stdout
     assert "[rank 1] boom" in proc.stderr
-    assert "[launch] rank 1 exited with status 3; stopping the other ranks in 0.5 s" in proc.stderr
+    assert "[launch] rank 1 failed first (exited with status 3); stopping the other ranks in 0.5 s" in proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
+    # Rank 1 raises after jax_arx.initialize while rank 0 computes without
+    # collectives: rank 1 must not wait at jax_arx's or jax's exit barriers
+    # for rank 0, and the launcher names it and stops rank 0. Timed from the
+    # raise (written down by rank 1), not from start-up, which load slows.
+    (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
+    raised_at = tmp_path / "raised_at"
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        import jax_arx
+        jax_arx.distributed_initialize()
+        import jax
+        import fake_core
+        jax_arx._comm._core_module = fake_core
+        mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+        jax_arx.initialize(mesh)
+        if jax.process_index() == 1:
+            with open({str(raised_at)!r}, "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError("rank 1 gives up")
+        while True:  # rank 0: a long computation with no collective
+            time.sleep(0.05)
+        """))
+    proc, _ = _launch(["-n", "2", "--cpu-devices", "1", str(script)], tmp_path)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ended - float(raised_at.read_text()) < 10, proc.stderr[-3000:]
+    report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)"):]
+    assert "[launch]   RuntimeError: rank 1 gives up" in report, proc.stderr[-3000:]
+    assert "[launch] rank 0" not in proc.stderr  # rank 0 was stopped, not reported as the failure
 
 
 def test_launch_module_form(tmp_path):
