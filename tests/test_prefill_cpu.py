@@ -93,6 +93,7 @@ def test_failures_are_errors_not_results(core_built, tmp_path):
     results = _run("failures", 2, "tcp", tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
     missing = launched.assert_failure_suite(results)
     assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
+    assert missing["kind"] == "CollectiveTimeoutError", missing  # the call's JaxRuntimeError, translated
     assert "all_gather #1" in missing["error"], missing
     assert missing["nan"], missing
 

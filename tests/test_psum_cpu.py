@@ -87,6 +87,7 @@ def test_failures_are_errors_not_sums(core_built, tmp_path, transport):
     results = _run("failures", 2, transport, tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
     missing = launched.assert_failure_suite(results)
     assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
+    assert missing["kind"] == "CollectiveTimeoutError", missing  # the call's JaxRuntimeError, translated
     assert results[1]["missing_peer"] == {"skipped": True}
 
 
