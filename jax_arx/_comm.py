@@ -36,6 +36,7 @@ import numpy as np
 from jax_arx import _compat
 from jax_arx import _distributed
 from jax_arx import config as _config
+from jax_arx import errors
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
 
 logger = logging.getLogger("jax_arx")
@@ -121,6 +122,17 @@ def register_ffi_targets() -> bool:
 def communicator(axis_name: Hashable) -> Communicator | None:
     """The communicator set up for ``axis_name``, or None."""
     return _communicators.get(axis_name)
+
+
+def transport(axis_name: Hashable) -> str | None:
+    """The carrier jax_arx.initialize chose for mesh axis ``axis_name`` in
+    this process: ``"shm"``, ``"tcp"`` or ``"verbs"`` (several, joined by
+    ", ", where this process's groups of the axis differ), or None when the
+    axis is not set up."""
+    comm = _communicators.get(axis_name)
+    if comm is None or not comm.endpoints:
+        return None
+    return ", ".join(sorted({le.transport for le in comm.endpoints}))
 
 
 def communicator_by_id(comm_id: int) -> Communicator | None:
@@ -666,7 +678,10 @@ atexit.register(shutdown)
 def check() -> None:
     """Raises :class:`jax_arx.CollectiveError` if a communicator of this
     process has failed (a peer lost, a wait timed out, ranks that disagreed),
-    with each failure's message; returns None while all are healthy.
+    with each failure's message; returns None while all are healthy. When
+    every failure is of one kind, the error is that kind's subclass
+    (``CollectiveTimeoutError``, ``CollectiveMismatchError``,
+    ``EndpointFailedError``; see ``jax_arx.errors``).
 
     Cheap and non-blocking: it reads the failure records the endpoints keep,
     and runs nothing on the devices. Use it between steps, or after a
@@ -677,7 +692,11 @@ def check() -> None:
         return None
     failures = [str(f) for f in core.failures()]
     if failures:
-        raise CollectiveError(
+        kinds = {errors.classify(f) for f in failures}
+        kind = kinds.pop() if len(kinds) == 1 else CollectiveError
+        if not issubclass(kind, CollectiveError):
+            kind = CollectiveError
+        raise kind(
             "jax_arx: " + ("a communicator has" if len(failures) == 1 else f"{len(failures)} communicators have")
             + " failed:\n  " + "\n  ".join(failures)
             + "\nA failed communicator stays failed; restart the job (or call jax_arx.shutdown() and "
