@@ -88,6 +88,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     axes = _axes(axis_name)
     if not axes:
         return x
+    _psum.check_axes_bound("all_gather", axes)
 
     def leaf_fn(leaf):
         lax = partial(jax.lax.all_gather, leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis,
@@ -140,6 +141,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     axes = _axes(axis_name)
     if not axes:
         return x
+    _psum.check_axes_bound("psum_scatter", axes)
 
     def leaf_fn(leaf):
         lax = partial(jax.lax.psum_scatter, leaf, axis_name, scatter_dimension=scatter_dimension,
@@ -166,7 +168,9 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     device keeps its slice of the sequence.
 
     Each device holds a partial of every token (its experts' outputs, or its
-    tensor-parallel share of them). For token ``t`` the combined row is ::
+    tensor-parallel share of them). For token ``t`` the combined row is
+
+    .. code-block:: text
 
         shared[t] + sum over k of w[t, k] * y[pos[t, k]]      (in float32)
 
@@ -222,6 +226,7 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     ``jax.vmap`` rules: it is meant for inference.
     """
     axes = _axes(axis_name)
+    _psum.check_axes_bound("moe_combine_psum_scatter", axes)
     T, topk = (int(d) for d in np.shape(pos)) if np.ndim(pos) == 2 else (None, None)
     R, H = (int(d) for d in np.shape(y)) if np.ndim(y) == 2 else (None, None)
     _check_moe_shapes(y, pos, w, shared, y_scale)
@@ -384,8 +389,9 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None, lax_nam
     if nbytes > comm.prefill_slot_bytes:
         return fallback(("size", axis, op),
                         f"{nbytes} bytes ({'gathered from ' if gathered else ''}{aval.str_short()}) exceed the "
-                        f"prefill slot of {comm.prefill_slot_bytes} bytes (raise JAX_ARX_PREFILL_SLOT_BYTES on "
-                        "every process to run it with jax_arx)")
+                        f"prefill slot of {comm.prefill_slot_bytes} bytes; set JAX_ARX_PREFILL_SLOT_BYTES="
+                        f"{_config.size_setting(nbytes)} on every process to run it with jax_arx (each endpoint "
+                        "pins 4 x JAX_ARX_PREFILL_SLOT_BYTES)")
     return _Decision(comm.comm_id, world)
 
 

@@ -127,13 +127,17 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
       TypeError: a leaf of ``prefetch`` is not an array.
       JaxArxFallbackError: with ``JAX_ARX_FALLBACK=error``, when the call is
         outside what jax_arx runs; the message says what and why.
-      NameError, ValueError: as ``jax.lax.psum`` raises them (unbound axis
-        name, invariant input with automatic ``pvary`` disabled, ...).
+      NameError: an axis name that neither the enclosing ``shard_map``'s
+        mesh nor a ``jax.vmap`` binds; the message names it and the mesh's
+        axes (``jax.lax.psum`` raises a bare ``AssertionError`` there).
+      ValueError: as ``jax.lax.psum`` raises it (invariant input with
+        automatic ``pvary`` disabled, ...).
     """
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     hint = _prefetch_operands(prefetch)  # checked even where it is dropped: the same program runs on GPUs
     if not axes:
         return x
+    check_axes_bound("psum", axes)
     leaves, treedef = jax.tree.flatten(x)
     out = list(leaves)
     ours: dict[_Decision, list[int]] = {}  # leaves jax_arx sums, by decision, in leaf order
@@ -152,6 +156,20 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
             out[i] = y
         hint = ()
     return jax.tree.unflatten(treedef, out)
+
+
+def check_axes_bound(op: str, axes: tuple) -> None:
+    """Raises NameError for the first of ``axes`` that nothing binds where
+    ``jax_arx.op`` is traced, naming it, the mesh's axes and the names that
+    are bound; jax.lax's collectives fail there on a bare AssertionError."""
+    bound = _compat.bound_axis_names()
+    for axis in axes:
+        if axis not in bound:
+            mesh_axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+            raise NameError(
+                f"jax_arx.{op}: axis name {axis!r} is not bound here: the mesh's axes are {mesh_axes}, and the names "
+                f"bound where it is called are {tuple(bound)}. Name an axis of the mesh the enclosing jax.shard_map "
+                "runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map.")
 
 
 def _prefetch_operands(prefetch) -> tuple:
@@ -279,11 +297,27 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | None:
     nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
     algorithm = choose_algorithm(nbytes, comm)
     if algorithm is None:
-        return _fallback(("size", axis),
-                         f"a partial of {nbytes} bytes ({aval.str_short()}) exceeds the one-shot limit of "
-                         f"{comm.slot_bytes} bytes (raise JAX_ARX_SLOT_BYTES on every process to run it with "
-                         "jax_arx)")
+        return _fallback(("size", axis), _size_fix(nbytes, aval, comm))
     return _Decision(comm.comm_id, algorithm)
+
+
+def _size_fix(nbytes: int, aval, comm: _comm.Communicator) -> str:
+    """Why a partial of ``nbytes`` is too big, and every setting that
+    makes it fit (the send buffer must hold a slot: config.load checks)."""
+    cfg = _config.load()
+    need = _config.size_setting(nbytes)
+    limit = comm.slot_bytes
+    if cfg.oneshot_max_bytes is not None and cfg.oneshot_max_bytes < comm.slot_bytes:
+        limit = cfg.oneshot_max_bytes
+        if nbytes <= comm.slot_bytes:
+            return (f"a partial of {nbytes} bytes ({aval.str_short()}) exceeds JAX_ARX_ONESHOT_MAX_BYTES={limit}; "
+                    f"set JAX_ARX_ONESHOT_MAX_BYTES={need} or unset it on every process to run it with jax_arx")
+    fix = f"JAX_ARX_SLOT_BYTES={need}"
+    if nbytes > comm.send_bytes:
+        fix += f" and JAX_ARX_SEND_BYTES={need} (the send buffer must hold a slot)"
+    return (f"a partial of {nbytes} bytes ({aval.str_short()}) exceeds the one-shot limit of {limit} bytes; "
+            f"set {fix} on every process to run it with jax_arx (each endpoint pins 2 x world x "
+            "JAX_ARX_SLOT_BYTES + 2 x JAX_ARX_SEND_BYTES)")
 
 
 def _describe(names, sizes):

@@ -57,7 +57,7 @@ JAX_ARX_CUDA_LL_MAX_BYTES  in direct mode, psum up to this size     128 KiB
 JAX_ARX_CUDA_PEER_MEMORY   in direct mode, psum inboxes in GPU      where
                            memory mapped into the peers' GPUs (1:   every rank
                            required, 0: pinned host memory)         can map
-JAX_ARX_DEBUG              1: log set-up steps                      0
+JAX_ARX_DEBUG              1: log set-up steps, stall counters      0
 =========================  =======================================  =========
 
 Sizes accept a plain byte count or a binary suffix: ``65536``, ``64K``,
@@ -269,6 +269,17 @@ def _size(env, name, default, alignment=_SIZE_ALIGNMENT, minimum=1):
     if n < minimum:
         raise ConfigError(f"{name}={value!r} is not accepted: use at least {minimum} bytes, e.g. {name}=64KiB")
     return n
+
+
+def size_setting(n: int) -> str:
+    """The smallest value of a size variable that holds ``n`` bytes, as a
+    user would write it (``2MiB``, ``196608``): for messages that say what
+    to set."""
+    n = -(-max(n, 1) // _SIZE_ALIGNMENT) * _SIZE_ALIGNMENT
+    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
 
 
 def _size_or_off(env, name, default):

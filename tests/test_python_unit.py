@@ -28,6 +28,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 
+import dataclasses
 import importlib.util
 import logging
 import pathlib
@@ -44,7 +45,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_arx
-from jax_arx import _comm, _compat, _psum, config, launch
+from jax_arx import _comm, _compat, _psum, config, errors, launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -515,7 +516,20 @@ def test_constants_and_size_one_axes_are_left_to_lax(fake_core, caplog):
 
 def test_outside_shard_map_raises_like_lax():
     with pytest.raises(NameError, match="unbound axis name: tp"):
+        jax.jit(lambda x: jax.lax.psum(x, "tp"))(jnp.ones(3))
+    with pytest.raises(NameError, match=r"jax_arx.psum: axis name 'tp' is not bound here: the mesh's axes are \(\)"):
         jax.jit(lambda x: jax_arx.psum(x, "tp"))(jnp.ones(3))
+
+
+@needs_4_devices
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter"])
+def test_an_axis_not_in_the_mesh_is_named(mesh4, op):
+    # jax.lax fails here on a bare AssertionError; jax_arx names the axis and the mesh's.
+    call = getattr(jax_arx, op)
+    with pytest.raises(NameError, match=rf"jax_arx.{op}: axis name 'tpp' is not bound here: the mesh's axes are "
+                                        r"\('tp',\), and the names bound where it is called are \('tp',\)"):
+        jax.make_jaxpr(jax.shard_map(lambda x: call(x, "tpp"), mesh=mesh4, in_specs=P("tp"), out_specs=P("tp"),
+                                     check_vma=False))(jnp.ones(8))
 
 
 # --- fallback ---------------------------------------------------------------------
@@ -558,9 +572,27 @@ def test_size_limit_is_the_slot(fake_core, monkeypatch, caplog):
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 100))
     assert len(caplog.records) == 1
     assert "a partial of 260 bytes (float32[65]" in caplog.text
-    assert "exceeds the one-shot limit of 256 bytes (raise JAX_ARX_SLOT_BYTES" in caplog.text
+    assert "exceeds the one-shot limit of 256 bytes; set JAX_ARX_SLOT_BYTES=272 on every process" in caplog.text
     assert _psum.choose_algorithm(256, _comm.communicator("tp")) == _psum.ONE_SHOT
     assert _psum.choose_algorithm(257, _comm.communicator("tp")) is None
+
+
+@needs_4_devices
+def test_size_fallback_message_tells_the_whole_fix(fake_core, monkeypatch):
+    # Past the send buffer too (defaults: 1 MiB slot, 4 MiB send): raising the
+    # slot alone would fail config.load ("JAX_ARX_SEND_BYTES must be at least
+    # JAX_ARX_SLOT_BYTES"). Doing exactly what the message says must work.
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    comm = _comm.communicator("tp")
+    nbytes = 12 << 20
+    why = _psum._size_fix(nbytes, jax.typeof(jnp.zeros(nbytes // 4, jnp.float32)), comm)
+    settings = dict(re.findall(r"(JAX_ARX_\w+)=(\w+)", why))
+    assert settings == {"JAX_ARX_SLOT_BYTES": "12MiB", "JAX_ARX_SEND_BYTES": "12MiB"}, why
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    cfg = config.load()
+    fixed = dataclasses.replace(comm, slot_bytes=cfg.slot_bytes, send_bytes=cfg.send_bytes)
+    assert _psum.choose_algorithm(nbytes, fixed) == _psum.ONE_SHOT
 
 
 @needs_4_devices
@@ -1064,6 +1096,67 @@ def test_check_reports_failures(mesh4, fake_core):
     with pytest.raises(jax_arx.CollectiveError, match=r"a communicator has failed:\n  communicator 'tp' rank 1"):
         jax_arx.check()
     assert issubclass(jax_arx.CollectiveError, RuntimeError)
+    fake_core.failed[(ep.comm_id, ep.device_ordinal)] = (
+        "jax_arx: communicator 'tp' rank 1 of 4: collective #3 timed out after 30 s waiting for rank 3.")
+    with pytest.raises(jax_arx.CollectiveTimeoutError, match="timed out after 30 s waiting for rank 3"):
+        jax_arx.check()
+    other = fake_core.endpoints[0]
+    fake_core.failed[(other.comm_id, other.device_ordinal)] = (
+        "jax_arx: communicator 'tp' rank 0 of 4: at collective #3 rank 2 issued a different collective (op...)")
+    with pytest.raises(jax_arx.CollectiveError) as mixed:  # two kinds: the common base
+        jax_arx.check()
+    assert type(mixed.value) is jax_arx.CollectiveError and "2 communicators have failed" in str(mixed.value)
+
+
+# The messages as jax raises them: the status, then the handler's message.
+_TIMEOUT = ("INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: collective #7 timed out after 3 s waiting for rank 1. "
+            "Last seq heard from each peer: r1=6.")
+_MISMATCH = ("INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: at collective #1 rank 1 issued a different "
+             "collective (op, dtype, element count or call site differ: descriptor 2c9453, this rank 70e6d4).")
+_PEER_CLOSED = "INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: tcp: rank 1 closed its connection (root 0)"
+_TOO_BIG = ("INVALID_ARGUMENT: jax_arx.psum: 2097152 bytes exceed the one-shot limit of 1048576 bytes on "
+            "communicator 'tp' rank 0 of 2 (JAX_ARX_SLOT_BYTES, ...)")
+_NOT_SET_UP = ("INTERNAL: jax_arx: no communicator 42 on local device 0 in this process; call "
+               "jax_arx.initialize(mesh) (after ...)")
+
+
+@pytest.mark.parametrize("raised,message,expected", [
+    (RuntimeError, _TIMEOUT, errors.CollectiveTimeoutError),
+    (ValueError, _TIMEOUT, errors.CollectiveTimeoutError),  # jax raises some as ValueError
+    (RuntimeError, _MISMATCH, errors.CollectiveMismatchError),
+    (RuntimeError, _PEER_CLOSED, errors.EndpointFailedError),
+    (ValueError, _TOO_BIG, errors.InvalidCallError),
+    (RuntimeError, _NOT_SET_UP, errors.InitializationError),
+])
+def test_translated_raises_the_family_class(raised, message, expected):
+    jax_runtime_error = type("JaxRuntimeError", (raised,), {})  # jax's own class is created in C++
+    original = jax_runtime_error(message)
+    with pytest.raises(expected) as got:
+        with errors.translated():
+            raise original
+    assert type(got.value) is expected and isinstance(got.value, errors.JaxArxError)
+    assert str(got.value) == message[message.index("jax_arx"):]  # the status prefix dropped, all else kept
+    assert got.value.__cause__ is original
+    if expected is errors.CollectiveTimeoutError:
+        assert isinstance(got.value, TimeoutError) and isinstance(got.value, errors.CollectiveError)
+
+    @errors.translated()
+    def step():
+        raise jax_runtime_error(message)
+
+    with pytest.raises(expected):
+        step()
+
+
+def test_translated_leaves_other_errors_alone():
+    for e in (RuntimeError("INTERNAL: some other library failed"), KeyError("jax_arx: not a runtime error"),
+              jax_arx.ConfigError("JAX_ARX_TIMEOUT_S='x' is not a number")):
+        with pytest.raises(type(e)) as got:
+            with errors.translated():
+                raise e
+        assert got.value is e
+    with errors.translated():
+        pass
 
 
 # --- launcher ------------------------------------------------------------------------

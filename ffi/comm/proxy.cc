@@ -291,7 +291,9 @@ void Proxy::loop(uint64_t posted, uint64_t consumed) {
     }
     // Watchdog: published work that has not completed for stall_report_s is
     // a stall, and so is a peer whose flags are ahead of what this rank
-    // posted. Print what this rank sent and what it heard from each peer.
+    // posted. With JAX_ARX_DEBUG, print what this rank sent and what it
+    // heard from each peer (a stall is no failure: a peer may be compiling;
+    // the failure, if it comes, carries its own message in words).
     // Prefill ops alike: an op whose pieces were taken but that has not
     // finished, or a peer whose prefill flags are past the last op taken.
     const uint64_t done = load_relaxed(&ctl->done);
@@ -309,11 +311,13 @@ void Proxy::loop(uint64_t posted, uint64_t consumed) {
       last_pdone = pdone;
       last_move = now;
       stall_reported = false;
-    } else if (!stall_reported && now - last_move > stall_after) {
+    } else if (!stall_reported && cfg.verbose && now - last_move > stall_after) {
       stall_reported = true;
-      std::string msg = strf("jax_arx %s STALL: published %llu posted %llu done %llu; prefill ops taken up to #%llu, "
-                             "done %llu; flags from peers (psum seq, prefill op#piece):",
-                             ep_.label().c_str(), (unsigned long long)published, (unsigned long long)posted,
+      std::string msg = strf("jax_arx %s (JAX_ARX_DEBUG): no progress for %g s; counters: psum calls published "
+                             "%llu posted %llu done %llu; prefill ops taken up to #%llu, "
+                             "done %llu; last from each peer (psum seq, prefill op#piece):",
+                             ep_.label().c_str(), cfg.stall_report_s, (unsigned long long)published,
+                             (unsigned long long)posted,
                              (unsigned long long)done, (unsigned long long)intake.last_seq,
                              (unsigned long long)pdone);
       for (int j = 0; j < world; ++j) {
