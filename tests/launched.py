@@ -119,6 +119,20 @@ class MeshWorker:
         self.cases: dict[str, dict] = {}
         self.seconds: dict[str, float] = {}  # per case, for the record
 
+    def together(self, f, *args):
+        """Runs the jitted ``f(*args)`` on every process at once: compiled
+        first, then started after a barrier. For programs with a collective
+        of jax's own (a fallback to jax.lax: gloo on the CPU, whose waits
+        give up after a fixed time), so that a process compiling slowly on a
+        loaded machine does not make its peer's gloo wait time out. The
+        barrier is jax.distributed's, with a bound no load reaches."""
+        from jax_arx import _compat
+
+        compiled = f.lower(*args).compile()
+        self._barriers = getattr(self, "_barriers", 0) + 1
+        _compat.distributed_client().wait_at_barrier(f"launched/together/{self._barriers}", 600_000)
+        return compiled(*args)
+
     def smap(self, body, in_specs, out_specs, check_vma=True, **jit_kwargs):
         return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                                                check_vma=check_vma), **jit_kwargs)
