@@ -1,6 +1,8 @@
 """Run N local processes of a JAX program with jax.distributed wired up.
 
-Usage::
+Usage:
+
+.. code-block:: text
 
     python -m jax_arx.launch -n N [--cpu-devices K] [--gpus-per-process G]
                              [--grace-s S] script.py [args...]
