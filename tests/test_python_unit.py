@@ -1018,6 +1018,28 @@ def test_initialize_is_idempotent_and_rejects_a_new_mesh_for_a_known_axis(mesh4,
 
 
 @needs_4_devices
+@needs_4_devices
+def test_shutdown_warning_keeps_jax_first_line_whole(mesh4, fake_core, monkeypatch, caplog):
+    # A peer that never reaches shutdown(): jax's barrier error, whose first
+    # line the warning quotes whole (it used to be cut at 200 characters,
+    # mid-word), then this process's endpoints close anyway.
+    first = ("DEADLINE_EXCEEDED: Barrier timed out. Id: jax_arx/1/shutdown. This usually happens because a task "
+             "triggered the barrier too early or too slowly. Please look at the task logs (both timed out and "
+             "first task) to debug further.")
+
+    class Client:
+        def wait_at_barrier(self, name, timeout_ms):
+            raise RuntimeError(first + "\n# tasks that did not reach the barrier: /job:jax_worker/task:1")
+
+    monkeypatch.setattr(_compat, "distributed_client", lambda: Client())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        jax_arx.shutdown()
+    assert "not every process reached shutdown()" in caplog.text
+    assert caplog.text.rstrip().endswith("jax said: " + first), caplog.text
+    assert not fake_core.registered
+
+
 def test_shutdown_then_initialize_again(mesh4, fake_core):
     comm_id = _comm.communicator("tp").comm_id
     generation = _comm._generation
