@@ -86,7 +86,8 @@ def _end_at_once_on_uncaught_exception() -> None:
     # for minutes before they reach an exit barrier: jax_arx's shutdown()
     # would wait up to JAX_ARX_TIMEOUT_S for them, then jax's own shutdown
     # up to 5 minutes. So the rank closes its endpoints and ends now, with
-    # the status Python gives an uncaught exception; the launcher sees it
+    # the status Python gives an uncaught exception (exit hooks registered
+    # before this one do not run); the launcher sees it
     # fail at once and stops the others, and a peer waiting on this rank in
     # a collective fails within JAX_ARX_TIMEOUT_S, naming it.
     if not uncaught_exception():
@@ -99,4 +100,4 @@ def _end_at_once_on_uncaught_exception() -> None:
             stream.flush()
         except Exception:
             pass
-    os._exit(1)
+    os._exit(130 if isinstance(sys.last_value, KeyboardInterrupt) else 1)  # as Python's own exit would
