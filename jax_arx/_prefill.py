@@ -226,10 +226,10 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     ``jax.vmap`` rules: it is meant for inference.
     """
     axes = _axes(axis_name)
-    _psum.check_axes_bound("moe_combine_psum_scatter", axes)
     T, topk = (int(d) for d in np.shape(pos)) if np.ndim(pos) == 2 else (None, None)
     R, H = (int(d) for d in np.shape(y)) if np.ndim(y) == 2 else (None, None)
-    _check_moe_shapes(y, pos, w, shared, y_scale)
+    _check_moe_shapes(y, pos, w, shared, y_scale)  # the arguments' own errors first, wherever it is called
+    _psum.check_axes_bound("moe_combine_psum_scatter", axes)
     world = _axis_size(axes)
     tpad = _padded(T, world, padded_tokens)
 
