@@ -188,9 +188,11 @@ def test_verbs_soft_roce(tmp_path):
     _finish(_build(cxx, binary, True), "test_verbs_transport")
 
     ndev = os.environ.get("RXE_VM_NDEV", "4")
-    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="600")
+    # Hang guards, not speed checks: under TCG on a loaded 2-core host the
+    # VM runs many times slower than on an idle one.
+    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="1200")
     t0 = time.monotonic()
-    rc, out = _run([VM, PAYLOAD, binary], timeout=700, env=env)
+    rc, out = _run([VM, PAYLOAD, binary], timeout=1300, env=env)
     wall = time.monotonic() - t0
     print(out)
     print(f"soft-RoCE VM test: {wall:.1f} s wall")
@@ -235,9 +237,11 @@ def test_psum_soft_roce(summary_line):
         pytest.skip(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
                     f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
     ndev = os.environ.get("RXE_VM_NDEV", "4")
-    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="800")
+    # Hang guards, not speed checks (the psum phases took 516 s of the old
+    # 500 s in-VM bound at load 15 on 2 cores; about 2 minutes when idle).
+    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="1800")
     t0 = time.monotonic()
-    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER], timeout=900, env=env)
+    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER], timeout=1900, env=env)
     wall = time.monotonic() - t0
     print(out)
     print(f"soft-RoCE psum test: {wall:.1f} s wall")
