@@ -79,22 +79,56 @@ def rank_order_sum(parts):
 def run_config(script, config, env, worker_args, path, timeout, launcher_args=()):
     """Runs ``script --worker config [worker_args] --json path`` on two local
     processes (``python -m jax_arx.launch -n 2 [launcher_args]``) with the
-    environment updated by ``env``; returns the JSON the worker wrote, or
-    None (with the tail of its output) when it failed."""
+    environment updated by ``env``, its output shown as it comes (a
+    configuration takes minutes); returns the JSON the worker wrote, or None
+    (with the tail of its stderr) when it failed."""
+    import collections
+    import threading
+
     full_env = dict(os.environ)
     full_env.update(env)
     cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", *launcher_args, script, "--worker", config,
            *worker_args, "--json", path]
+    print(f"{config}: starting", flush=True)
     t = time.time()
-    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    sys.stdout.write(p.stdout[-4000:])
+    p = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err_tail = collections.deque(maxlen=60)
+    reader = threading.Thread(target=lambda: err_tail.extend(p.stderr), daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout, p.terminate)  # the launcher then stops its ranks
+    timer.start()
+    try:
+        for line in p.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        p.wait()
+    finally:
+        timer.cancel()
+    reader.join(timeout=5)
     if p.returncode != 0:
-        sys.stderr.write(p.stderr[-6000:])
+        sys.stderr.write("".join(err_tail))
         print(f"{config}: failed with status {p.returncode}", flush=True)
         return None
     print(f"{config}: {time.time() - t:.0f} s", flush=True)
     with open(path) as f:
         return json.load(f)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 fused MoE combine``, ``2 fused MoE combines``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+RATIO_NOTE = ("ratio: jax_arx's time over jax.lax's, so lower is better (below 1: jax_arx is faster). On the CPU "
+              "backend jax.lax's collectives are gloo's and the times mostly measure the host's scheduling; the "
+              "figures that matter are on GPUs (README, Benchmarks).")
+
+
+def describe_run(jax, jax_arx, axis: str) -> str:
+    """What ran: the carrier jax_arx chose for ``axis``, ranks, processes,
+    backend."""
+    return (f"jax_arx over the {jax_arx.transport(axis)} carrier, {jax.device_count()} ranks in "
+            f"{jax.process_count()} processes on the {jax.default_backend()} backend")
 
 
 def size_label(b):

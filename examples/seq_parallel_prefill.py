@@ -56,7 +56,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_arx._prefill import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
 
-from bench_common import per_call_us, rank_order_sum, synced_median_seconds  # noqa: E402  (beside this file)
+from bench_common import (  # noqa: E402  (beside this file)
+    RATIO_NOTE, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)
 
 AXIS = "sp"
 
@@ -272,6 +273,9 @@ def main():
     if a.heads % n or a.ffn % n or a.experts % n or a.tokens % n:
         raise SystemExit(f"--heads, --ffn, --experts and --tokens must divide by the {n} ranks")
     jax_arx.initialize(mesh)
+    if rank0:
+        print(f"seq_parallel_prefill: {describe_run(jax, jax_arx, AXIS)}; checking a prefill step, then timing",
+              flush=True)
     key = jax.random.key(0)
     shard = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     params = jax.device_put(init_params(key, a), [{k: shard(v) for k, v in d.items()} for d in param_specs(a)])
@@ -296,20 +300,27 @@ def main():
     if not rel < 2e-2:
         raise SystemExit(f"prefill through jax_arx differs from jax.lax: relative error {rel:.3g}")
     if rank0:
-        print(f"{a.layers}-layer prefill of {a.tokens} tokens over {n} ranks ({counts['all_gather']} all_gathers, "
-              f"{counts['psum_scatter']} psum_scatters, {counts['moe_combine_psum_scatter']} fused MoE combines per "
+        print(f"{a.layers}-layer prefill of {a.tokens} tokens over {n} ranks "
+              f"({count(counts['all_gather'], 'all_gather')}, {count(counts['psum_scatter'], 'psum_scatter')}, "
+              f"{count(counts['moe_combine_psum_scatter'], 'fused MoE combine')} per "
               f"step): all {checked} bit for bit equal to the numpy reference on every rank; output vs the "
               f"same model on jax.lax collectives: relative difference {rel:.2e}")
 
     # 3. Timing.
     rows = []
     pairs = lambda kind: pair_program(mesh, kind, a.calls)  # noqa: E731
-    for kb in [int(s) for s in a.sizes_kb.split(",")]:
+    sizes = [int(s) for s in a.sizes_kb.split(",")]
+    for i, kb in enumerate(sizes):
+        if rank0:
+            print(f"timing all_gather + psum_scatter at {kb} KB ({i + 1} of {len(sizes)}), jax_arx then jax.lax",
+                  flush=True)
         elems = kb * 1024 // 2
         cols = 512 if elems % 512 == 0 else elems
         xs = jax.device_put(jnp.ones((n * (elems // cols), cols), jnp.bfloat16), shard(P(AXIS)))
         rows.append((kb, per_call_us(pairs, "jax_arx", xs, a.calls, a.repeats),
                      per_call_us(pairs, "lax", xs, a.calls, a.repeats)))
+    if rank0:
+        print("timing the prefill step", flush=True)
     t_arx = synced_median_seconds(make_prefill(mesh, a, "jax_arx"), params, x, repeats=a.repeats)
     t_lax = synced_median_seconds(make_prefill(mesh, a, "lax"), params, x, repeats=a.repeats)
     jax_arx.check()
@@ -321,6 +332,7 @@ def main():
         for kb, us_arx, us_lax in rows:
             ratio = us_arx / us_lax if us_lax > 0 else float("nan")
             print(f"{str(kb) + ' KB':>9} {us_arx:>9.0f} us {us_lax:>9.0f} us {ratio:>7.3f}")
+        print(RATIO_NOTE)
         print(f"\nprefill step: jax_arx {t_arx * 1e3:.1f} ms, jax.lax {t_lax * 1e3:.1f} ms")
     jax_arx.shutdown()
     return 0

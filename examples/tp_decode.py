@@ -37,7 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from bench_common import per_call_us, rank_order_sum, synced_median_seconds  # noqa: E402  (beside this file)
+from bench_common import (  # noqa: E402  (beside this file)
+    RATIO_NOTE, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)
 
 AXIS = "tp"
 
@@ -176,6 +177,8 @@ def main():
     if args.heads % tp or args.ffn % tp or args.hidden % args.heads:
         raise SystemExit(f"--heads ({args.heads}) and --ffn ({args.ffn}) must divide by tp={tp}")
     jax_arx.initialize(mesh)
+    if rank0:
+        print(f"tp_decode: {describe_run(jax, jax_arx, AXIS)}; checking a decode step, then timing", flush=True)
 
     key = jax.random.key(0)
     params = init_params(key, args.layers, args.hidden, args.ffn, args.heads)
@@ -202,19 +205,25 @@ def main():
     if not rel < 2e-2:
         raise SystemExit(f"decode step through jax_arx.psum differs from jax.lax.psum: relative error {rel:.3g}")
     if rank0:
-        print(f"checked {n_checked} all-reduces of a {args.layers}-layer decode step bit for bit against the fp32 "
-              f"rank-order reference on every rank; logits vs jax.lax.psum: relative difference {rel:.2e}")
+        print(f"checked {count(n_checked, 'all-reduce')} of a {args.layers}-layer decode step bit for bit against "
+              f"the fp32 rank-order reference on every rank; logits vs jax.lax.psum: relative difference {rel:.2e}")
 
     # 3. Timing: per-call latency by size, then the whole decode step.
     rows = []
     chain = lambda psum: chain_program(mesh, psum, args.calls)  # noqa: E731
-    for kb in [int(s) for s in args.sizes_kb.split(",")]:
+    sizes = [int(s) for s in args.sizes_kb.split(",")]
+    for i, kb in enumerate(sizes):
+        if rank0:
+            print(f"timing the all-reduce at {kb} KB ({i + 1} of {len(sizes)}), jax_arx.psum then jax.lax.psum",
+                  flush=True)
         n = kb * 1024 // 2
         cols = 1024 if n % 1024 == 0 else n
         xs = jax.device_put(jnp.ones((tp * (n // cols), cols), jnp.bfloat16), shard(P(AXIS)))
         us_arx = per_call_us(chain, jax_arx.psum, xs, args.calls, args.repeats)
         us_lax = per_call_us(chain, jax.lax.psum, xs, args.calls, args.repeats)
         rows.append(dict(kb=kb, jax_arx_us=us_arx, lax_us=us_lax))
+    if rank0:
+        print("timing the decode step", flush=True)
     step_arx = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False), params,
                                      x, kv, repeats=args.repeats)
     step_lax = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False), params,
@@ -228,7 +237,8 @@ def main():
         for r in rows:
             ratio = r["jax_arx_us"] / r["lax_us"] if r["lax_us"] > 0 else float("nan")
             print(f"{str(r['kb']) + ' KB':>8} {r['jax_arx_us']:>11.1f} us {r['lax_us']:>11.1f} us {ratio:>7.3f}")
-        print(f"\ndecode step ({args.layers} layers, {2 * args.layers} all-reduces of "
+        print(RATIO_NOTE)
+        print(f"\ndecode step ({count(args.layers, 'layer')}, {count(2 * args.layers, 'all-reduce')} of "
               f"{args.tokens * args.hidden * 2 // 1024} KB): jax_arx {step_arx * 1e6:.0f} us, "
               f"jax.lax {step_lax * 1e6:.0f} us")
         if args.json:

@@ -1,17 +1,24 @@
 """jax_arx: low-latency collectives for JAX, without NCCL.
 
 Use ``jax_arx.psum`` where ``jax.lax.psum`` would stand, inside ``jax.jit``
-and ``jax.shard_map``::
+and ``jax.shard_map``; this program runs in 2 local processes with
+``python -m jax_arx.launch -n 2 program.py``::
 
-    import jax, jax_arx
+    import jax, jax.numpy as jnp
+    import jax_arx
+
     jax_arx.distributed_initialize()    # jax.distributed from the launcher's environment
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     jax_arx.initialize(mesh)            # communicators for the mesh's axes
 
     @jax.jit
-    @jax.shard_map(mesh=mesh, in_specs=P("tp"), out_specs=P())
+    @jax.shard_map(mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P())
     def f(x):
         return jax_arx.psum(x, "tp")
+
+    x = jax.device_put(jnp.arange(2.0 * jax.device_count()).reshape(-1, 2), jax.NamedSharding(mesh, jax.P("tp")))
+    print(f(x).addressable_data(0))     # [[2. 4.]] with 2 processes: [0 1] + [2 3]
+    jax_arx.shutdown()
 
 Run N local processes with ``python -m jax_arx.launch -n N script.py``.
 
@@ -28,21 +35,27 @@ Public API:
                           a MoE layer's final combine fused with its reduce-scatter
   initialize(mesh=None)   set up communicators for a mesh (collective)
   shutdown()              close them (collective)
-  check()                 raise CollectiveError if a communicator has failed
+  transport(axis_name)    the carrier initialize() chose for an axis ("shm", "tcp", "verbs")
+  check()                 raise CollectiveError (a subclass per kind) if a communicator has failed
   distributed_initialize()  jax.distributed.initialize from JAX_COORDINATOR_ADDRESS,
                           JAX_NUM_PROCESSES, JAX_PROCESS_ID (what the launcher sets)
-  errors: JaxArxError, CollectiveError, ConfigError, InitializationError,
-          JaxArxFallbackError
+  errors                  the exceptions, one family under JaxArxError; errors.translated()
+                          turns jax's runtime errors from a failed call into them
 Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 """
 
-from jax_arx._comm import check, initialize, shutdown
+from jax_arx._comm import check, initialize, shutdown, transport
 from jax_arx._prefill import all_gather, moe_combine_psum_scatter, psum_scatter
 from jax_arx._psum import psum
+from jax_arx import errors
 from jax_arx.errors import (
     CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     ConfigError,
+    EndpointFailedError,
     InitializationError,
+    InvalidCallError,
     JaxArxError,
     JaxArxFallbackError,
 )
@@ -52,18 +65,24 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "ConfigError",
+    "EndpointFailedError",
     "InitializationError",
+    "InvalidCallError",
     "JaxArxError",
     "JaxArxFallbackError",
     "all_gather",
     "check",
     "distributed_initialize",
+    "errors",
     "initialize",
     "moe_combine_psum_scatter",
     "psum",
     "psum_scatter",
     "shutdown",
+    "transport",
 ]
 
 # The handlers must be known to XLA before anything using them compiles;

@@ -34,7 +34,9 @@ import jax
 import numpy as np
 
 from jax_arx import _compat
+from jax_arx import _distributed
 from jax_arx import config as _config
+from jax_arx import errors
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
 
 logger = logging.getLogger("jax_arx")
@@ -128,6 +130,17 @@ def register_ffi_targets() -> bool:
 def communicator(axis_name: Hashable) -> Communicator | None:
     """The communicator set up for ``axis_name``, or None."""
     return _communicators.get(axis_name)
+
+
+def transport(axis_name: Hashable) -> str | None:
+    """The carrier jax_arx.initialize chose for mesh axis ``axis_name`` in
+    this process: ``"shm"``, ``"tcp"`` or ``"verbs"`` (several, joined by
+    ", ", where this process's groups of the axis differ), or None when the
+    axis is not set up."""
+    comm = _communicators.get(axis_name)
+    if comm is None or not comm.endpoints:
+        return None
+    return ", ".join(sorted({le.transport for le in comm.endpoints}))
 
 
 def communicator_by_id(comm_id: int) -> Communicator | None:
@@ -612,7 +625,7 @@ class _Store:
     def _timed_out(self, waiting_for, e):
         return InitializationError(
             f"jax_arx.initialize: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
-            f"{waiting_for} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}). "
+            f"{waiting_for} ({type(e).__name__}: {_first_line(e)}). "
             "Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
             "than others, raise JAX_ARX_TIMEOUT_S.")
 
@@ -627,7 +640,9 @@ def shutdown() -> None:
     reach shutdown() too: a proxy closed early could leave a peer waiting
     for the last partial it had still to send. A program traced before
     shutdown() fails when run afterwards, until initialize() is called again
-    with the same mesh. Also runs at interpreter exit. Idempotent.
+    with the same mesh. Also runs at interpreter exit; there, when the
+    process is ending on an uncaught exception, it closes at once without
+    waiting for the others. Idempotent.
     """
     with _lock:
         if not _communicators:
@@ -635,7 +650,7 @@ def shutdown() -> None:
         comms = list(_communicators.values())
         _communicators.clear()
         client = _compat.distributed_client()
-        if client is not None and jax.process_count() > 1:
+        if client is not None and jax.process_count() > 1 and not _distributed.uncaught_exception():
             try:
                 timeout_s = _config.load().timeout_s
             except ConfigError:
@@ -643,11 +658,19 @@ def shutdown() -> None:
             try:
                 client.wait_at_barrier(f"jax_arx/{_generation}/shutdown", max(1, int(timeout_s * 1000)))
             except Exception as e:
-                logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s (%s); "
-                               "closing this process's endpoints anyway", timeout_s, str(e).strip()[:200])
+                logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s; closing this "
+                               "process's endpoints anyway (a peer still in a collective with this process will "
+                               "fail it within JAX_ARX_TIMEOUT_S). jax said: %s", timeout_s, _first_line(e))
         for comm in comms:
             for le in comm.endpoints:
                 _close_quietly(le.endpoint)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, whole: jax's runtime errors put
+    the status and what failed there, and a trace of their own below."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _close_quietly(endpoint) -> None:
@@ -666,7 +689,10 @@ atexit.register(shutdown)
 def check() -> None:
     """Raises :class:`jax_arx.CollectiveError` if a communicator of this
     process has failed (a peer lost, a wait timed out, ranks that disagreed),
-    with each failure's message; returns None while all are healthy.
+    with each failure's message; returns None while all are healthy. When
+    every failure is of one kind, the error is that kind's subclass
+    (``CollectiveTimeoutError``, ``CollectiveMismatchError``,
+    ``EndpointFailedError``; see ``jax_arx.errors``).
 
     Cheap and non-blocking: it reads the failure records the endpoints keep,
     and runs nothing on the devices. Use it between steps, or after a
@@ -677,7 +703,11 @@ def check() -> None:
         return None
     failures = [str(f) for f in core.failures()]
     if failures:
-        raise CollectiveError(
+        kinds = {errors.classify(f) for f in failures}
+        kind = kinds.pop() if len(kinds) == 1 else CollectiveError
+        if not issubclass(kind, CollectiveError):
+            kind = CollectiveError
+        raise kind(
             "jax_arx: " + ("a communicator has" if len(failures) == 1 else f"{len(failures)} communicators have")
             + " failed:\n  " + "\n  ".join(failures)
             + "\nA failed communicator stays failed; restart the job (or call jax_arx.shutdown() and "

@@ -144,6 +144,13 @@ def aval_like(aval, shape, dtype, varying: frozenset):
 
 # --- varying manual axes (vma) ----------------------------------------------
 
+def bound_axis_names() -> tuple:
+    """The axis names collectives can name where this is traced: the
+    manual mesh axes of the enclosing shard_maps and the names jax.vmap
+    bound (jax's axis environment)."""
+    return tuple(_core.unsafe_get_axis_names())
+
+
 def check_vma_enabled() -> bool:
     """True inside ``shard_map(..., check_vma=True)`` (the default): values
     carry the set of mesh axes they vary over, and psum is typed as

@@ -6,7 +6,9 @@ Kept apart from the launcher so that ``import jax_arx`` does not import
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 _ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 _ENV_NUM = "JAX_NUM_PROCESSES"
@@ -22,6 +24,11 @@ def initialize_distributed() -> bool:
     ``JAX_PROCESS_ID``. On CPU it also selects the gloo cross-process
     collectives (when this jax has that option and nothing else was chosen),
     so ``jax.lax`` collectives work across processes there too.
+
+    In a process set up here, an exception that nothing catches ends the
+    process at once (status 1, after Python printed the traceback): it does
+    not wait at jax_arx's and jax's exit-time barriers for peers that may
+    never get there (see ``python -m jax_arx.launch``).
 
     Returns:
       True when jax.distributed is initialized (now or already), False when
@@ -61,4 +68,36 @@ def initialize_distributed() -> bool:
         pass  # a jax without the option: its CPU backend picks its own
     jax.distributed.initialize(coordinator_address=values[_ENV_ADDRESS], num_processes=num_processes,
                                process_id=process_id)
+    # Registered after jax's own exit hook and jax_arx's shutdown(), so it
+    # runs before both (exit hooks run last-registered first).
+    atexit.register(_end_at_once_on_uncaught_exception)
     return True
+
+
+def uncaught_exception() -> bool:
+    """Whether the interpreter is ending because of an exception nothing
+    caught: Python stores it in ``sys.last_value`` before it runs the exit
+    hooks (a ``sys.exit()`` does not)."""
+    return getattr(sys, "last_value", None) is not None
+
+
+def _end_at_once_on_uncaught_exception() -> None:
+    # A rank that raised is of no more use to its peers, which may be busy
+    # for minutes before they reach an exit barrier: jax_arx's shutdown()
+    # would wait up to JAX_ARX_TIMEOUT_S for them, then jax's own shutdown
+    # up to 5 minutes. So the rank closes its endpoints and ends now, with
+    # the status Python gives an uncaught exception (exit hooks registered
+    # before this one do not run); the launcher sees it
+    # fail at once and stops the others, and a peer waiting on this rank in
+    # a collective fails within JAX_ARX_TIMEOUT_S, naming it.
+    if not uncaught_exception():
+        return
+    from jax_arx import _comm
+
+    _comm.shutdown()  # without its barrier: see uncaught_exception()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(130 if isinstance(sys.last_value, KeyboardInterrupt) else 1)  # as Python's own exit would

@@ -88,6 +88,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     axes = _axes(axis_name)
     if not axes:
         return x
+    _psum.check_axes_bound("all_gather", axes)
 
     def leaf_fn(leaf):
         lax = partial(jax.lax.all_gather, leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis,
@@ -140,6 +141,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     axes = _axes(axis_name)
     if not axes:
         return x
+    _psum.check_axes_bound("psum_scatter", axes)
 
     def leaf_fn(leaf):
         lax = partial(jax.lax.psum_scatter, leaf, axis_name, scatter_dimension=scatter_dimension,
@@ -166,7 +168,9 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     device keeps its slice of the sequence.
 
     Each device holds a partial of every token (its experts' outputs, or its
-    tensor-parallel share of them). For token ``t`` the combined row is ::
+    tensor-parallel share of them). For token ``t`` the combined row is
+
+    .. code-block:: text
 
         shared[t] + sum over k of w[t, k] * y[pos[t, k]]      (in float32)
 
@@ -224,7 +228,8 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     axes = _axes(axis_name)
     T, topk = (int(d) for d in np.shape(pos)) if np.ndim(pos) == 2 else (None, None)
     R, H = (int(d) for d in np.shape(y)) if np.ndim(y) == 2 else (None, None)
-    _check_moe_shapes(y, pos, w, shared, y_scale)
+    _check_moe_shapes(y, pos, w, shared, y_scale)  # the arguments' own errors first, wherever it is called
+    _psum.check_axes_bound("moe_combine_psum_scatter", axes)
     world = _axis_size(axes)
     tpad = _padded(T, world, padded_tokens)
 

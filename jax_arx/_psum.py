@@ -123,13 +123,17 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
       TypeError: a leaf of ``prefetch`` is not an array.
       JaxArxFallbackError: with ``JAX_ARX_FALLBACK=error``, when the call is
         outside what jax_arx runs; the message says what and why.
-      NameError, ValueError: as ``jax.lax.psum`` raises them (unbound axis
-        name, invariant input with automatic ``pvary`` disabled, ...).
+      NameError: an axis name that neither the enclosing ``shard_map``'s
+        mesh nor a ``jax.vmap`` binds; the message names it and the mesh's
+        axes (``jax.lax.psum`` raises a bare ``AssertionError`` there).
+      ValueError: as ``jax.lax.psum`` raises it (invariant input with
+        automatic ``pvary`` disabled, ...).
     """
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     hint = _prefetch_operands(prefetch)  # checked even where it is dropped: the same program runs on GPUs
     if not axes:
         return x
+    check_axes_bound("psum", axes)
     leaves, treedef = jax.tree.flatten(x)
     out = list(leaves)
     ours: dict[_Decision, list[int]] = {}  # leaves jax_arx sums, by decision, in leaf order
@@ -148,6 +152,20 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
             out[i] = y
         hint = ()
     return jax.tree.unflatten(treedef, out)
+
+
+def check_axes_bound(op: str, axes: tuple) -> None:
+    """Raises NameError for the first of ``axes`` that nothing binds where
+    ``jax_arx.op`` is traced, naming it, the mesh's axes and the names that
+    are bound; jax.lax's collectives fail there on a bare AssertionError."""
+    bound = _compat.bound_axis_names()
+    for axis in axes:
+        if axis not in bound:
+            mesh_axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+            raise NameError(
+                f"jax_arx.{op}: axis name {axis!r} is not bound here: the mesh's axes are {mesh_axes}, and the names "
+                f"bound where it is called are {tuple(bound)}. Name an axis of the mesh the enclosing jax.shard_map "
+                "runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map.")
 
 
 def _prefetch_operands(prefetch) -> tuple:

@@ -49,7 +49,7 @@ JAX_ARX_CUDA_DIRECT        0: GPUs of one host send through the     1
 JAX_ARX_CUDA_PEER_MEMORY   GPUs of one host: inboxes in GPU memory  where
                            mapped into the peers' GPUs (1:          every rank
                            required, 0: pinned host memory)         can map
-JAX_ARX_DEBUG              1: log set-up steps                      0
+JAX_ARX_DEBUG              1: log set-up steps, stall counters      0
 =========================  =======================================  =========
 
 Sizes accept a plain byte count or a binary suffix: ``65536``, ``64K``,
@@ -99,7 +99,7 @@ class Config:
     fallback: str = "lax"
     on_failure: str = "raise"
     slot_bytes: int = 1 << 20
-    oneshot_max_bytes: int | None = None  # None: slot_bytes (see _psum.choose_algorithm)
+    oneshot_max_bytes: int | None = None  # None: slot_bytes (see ffi/comm/plan.cc)
     send_bytes: int = 4 << 20
     # all_gather / psum_scatter / the fused MoE combine: the largest gathered
     # output (or scattered input) per call. An endpoint pins 4x this.
@@ -278,6 +278,17 @@ def _size(env, name, default, alignment=_SIZE_ALIGNMENT, minimum=1):
     if n < minimum:
         raise ConfigError(f"{name}={value!r} is not accepted: use at least {minimum} bytes, e.g. {name}=64KiB")
     return n
+
+
+def size_setting(n: int) -> str:
+    """The smallest value of a size variable that holds ``n`` bytes, as a
+    user would write it (``2MiB``, ``196608``): for messages that say what
+    to set."""
+    n = -(-max(n, 1) // _SIZE_ALIGNMENT) * _SIZE_ALIGNMENT
+    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
 
 
 def _size_or_off(env, name, default):

@@ -1,6 +1,8 @@
 """Run N local processes of a JAX program with jax.distributed wired up.
 
-Usage::
+Usage:
+
+.. code-block:: text
 
     python -m jax_arx.launch -n N [--cpu-devices K] [--gpus-per-process G]
                              [--grace-s S] script.py [args...]
@@ -16,16 +18,21 @@ out prefixed with ``[rank k] `` (stdout to stdout, stderr to stderr).
 (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=K``). ``--gpus-per-process G``
 gives rank k the GPUs k*G .. k*G+G-1 (``JAX_LOCAL_DEVICE_IDS``).
 
-The launcher exits 0 when every rank does. When a rank fails, it says so,
-gives the others ``--grace-s`` seconds (default 5) to finish or report their
-own errors, then terminates them (SIGTERM, then SIGKILL), so a rank blocked
-in a collective with a dead peer never hangs the job; it then exits with
-the first failing rank's status.
+The launcher exits 0 when every rank does. When a rank fails, it names the
+first rank that failed and repeats the end of that rank's stderr (its
+traceback), gives the others ``--grace-s`` seconds (default 2) to finish or
+report their own errors, then terminates them (SIGTERM, then SIGKILL 2 s
+later), so a rank blocked in a collective with a dead peer never hangs the
+job; it then exits with the first failing rank's status. A rank that raises
+an exception nothing catches ends at once (``jax_arx.distributed_initialize``
+makes it skip the exit-time barriers), so the whole job ends within a few
+seconds of the exception.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import socket
@@ -76,8 +83,8 @@ def _parser():
                    help="run on the CPU backend with K devices per process")
     p.add_argument("--gpus-per-process", type=int, metavar="G",
                    help="give rank k the GPUs k*G .. k*G+G-1 (JAX_LOCAL_DEVICE_IDS)")
-    p.add_argument("--grace-s", type=float, default=5.0, metavar="S",
-                   help="after a rank fails, how long the others get before they are terminated (default 5)")
+    p.add_argument("--grace-s", type=float, default=2.0, metavar="S",
+                   help="after a rank fails, how long the others get before they are terminated (default 2)")
     return p
 
 
@@ -89,17 +96,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_TAIL_LINES = 15  # how much of the first failing rank's stderr the launcher repeats
+
+
 class _Pump(threading.Thread):
-    """Copies one child's stream to ours line by line, each line prefixed."""
+    """Copies one child's stream to ours line by line, each line prefixed,
+    and keeps the last lines (``tail``)."""
 
     def __init__(self, stream, out, prefix: bytes, lock):
         super().__init__(daemon=True)
         self._stream, self._out, self._prefix, self._lock = stream, out, prefix, lock
+        self.tail = collections.deque(maxlen=_TAIL_LINES)
 
     def run(self):
         for line in iter(self._stream.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
+            self.tail.append(line)
             with self._lock:
                 self._out.write(self._prefix + line)
                 self._out.flush()
@@ -130,6 +143,7 @@ def main(argv=None) -> int:
     address = f"127.0.0.1:{_free_port()}"
     procs = []
     pumps = []
+    stderr_pumps = []  # by rank
     lock = threading.Lock()
     for rank in range(args.nprocs):
         env = dict(os.environ)
@@ -147,8 +161,8 @@ def main(argv=None) -> int:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append(proc)
         prefix = f"[rank {rank}] ".encode()
-        pumps += [_Pump(proc.stdout, sys.stdout.buffer, prefix, lock),
-                  _Pump(proc.stderr, sys.stderr.buffer, prefix, lock)]
+        stderr_pumps.append(_Pump(proc.stderr, sys.stderr.buffer, prefix, lock))
+        pumps += [_Pump(proc.stdout, sys.stdout.buffer, prefix, lock), stderr_pumps[-1]]
     for pump in pumps:
         pump.start()
 
@@ -173,11 +187,10 @@ def main(argv=None) -> int:
                 if p.returncode not in (None, 0) and status == 0:
                     status = _exit_status(p.returncode)
                     if running:
-                        note(f"rank {rank} exited with status {p.returncode}; stopping the other ranks in "
-                             f"{args.grace_s:g} s")
                         stop_at = time.monotonic() + args.grace_s
-                    else:
-                        note(f"rank {rank} exited with status {p.returncode}")
+                    stderr_pumps[rank].join(timeout=1)  # the rank's last lines, read to the end
+                    then = (f"; stopping the other ranks in {args.grace_s:g} s" if running else "")
+                    note(_first_failure(rank, p.returncode, then, stderr_pumps[rank].tail))
             if not running:
                 break
             if interrupted and stop_at is None:
@@ -189,7 +202,7 @@ def main(argv=None) -> int:
                 for p in running:
                     _signal_group(p, signal.SIGTERM)
                 killed_at = now
-            elif killed_at is not None and now >= killed_at + 3:
+            elif killed_at is not None and now >= killed_at + 2:
                 for p in running:
                     _signal_group(p, signal.SIGKILL)
             time.sleep(0.05)
@@ -203,6 +216,18 @@ def main(argv=None) -> int:
     for pump in pumps:
         pump.join(timeout=5)
     return status
+
+
+def _first_failure(rank: int, returncode: int, then: str, tail) -> str:
+    """The launcher's report of the first rank that failed: its status, what
+    happens next (``then``), and the end of its stderr (a Python rank's
+    traceback ends there)."""
+    how = f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
+    report = f"rank {rank} failed first ({how}){then}"
+    lines = [line.decode(errors="replace").rstrip("\n") for line in tail]
+    if lines:
+        report += ". The end of its stderr:\n" + "\n".join(f"[launch]   {line}" for line in lines)
+    return report
 
 
 def _signal_group(proc, signum):

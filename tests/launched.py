@@ -34,7 +34,7 @@ def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None,
     cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices,
            "--grace-s", "20", worker, "--worker", suite]
     start = time.monotonic()
-    p = _run_launcher(cmd, full_env, cwd, timeout)
+    p = run_launcher(cmd, full_env, cwd, timeout)
     elapsed = time.monotonic() - start
     results = {}
     for line in p.stdout.splitlines():
@@ -45,10 +45,14 @@ def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None,
              f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
     assert p.returncode == 0, detail
     assert sorted(results) == list(range(nprocs)), detail
+    if "JAX_ARX_DEBUG" not in full_env:
+        # The proxies' raw counters, printed when a call makes no progress,
+        # are for JAX_ARX_DEBUG only (the failure suites stall on purpose).
+        assert "STALL" not in p.stderr and "no progress for" not in p.stderr, detail
     return results
 
 
-def _run_launcher(cmd, env, cwd, timeout):
+def run_launcher(cmd, env, cwd, timeout):
     """subprocess.run(cmd) with its output captured; past ``timeout`` the
     launcher gets SIGTERM, which stops its ranks (each leads its own process
     group, out of reach of a kill of the launcher alone), so none is left
@@ -115,6 +119,20 @@ class MeshWorker:
         self.cases: dict[str, dict] = {}
         self.seconds: dict[str, float] = {}  # per case, for the record
 
+    def together(self, f, *args):
+        """Runs the jitted ``f(*args)`` on every process at once: compiled
+        first, then started after a barrier. For programs with a collective
+        of jax's own (a fallback to jax.lax: gloo on the CPU, whose waits
+        give up after a fixed time), so that a process compiling slowly on a
+        loaded machine does not make its peer's gloo wait time out. The
+        barrier is jax.distributed's, with a bound no load reaches."""
+        from jax_arx import _compat
+
+        compiled = f.lower(*args).compile()
+        self._barriers = getattr(self, "_barriers", 0) + 1
+        _compat.distributed_client().wait_at_barrier(f"launched/together/{self._barriers}", 600_000)
+        return compiled(*args)
+
     def smap(self, body, in_specs, out_specs, check_vma=True, **jit_kwargs):
         return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                                                check_vma=check_vma), **jit_kwargs)
@@ -146,6 +164,15 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def family(e: BaseException) -> str:
+    """The jax_arx.errors class ``e`` translates to (jax_arx.errors.translated),
+    by name, or "" when it carries no jax_arx message."""
+    from jax_arx import errors
+
+    err = errors.from_runtime_error(e)
+    return type(err).__name__ if err is not None else ""
+
+
 def mismatch_report(call, jax_arx) -> dict:
     """The failure suites' "ranks that issue different ops": runs ``call()``
     (it returns the result as a numpy array) and reports ``error``, what it
@@ -153,16 +180,17 @@ def mismatch_report(call, jax_arx) -> dict:
     returned finite values instead."""
     import numpy as np
 
-    error, finite = "", False
+    error, finite, kind = "", False, ""
     try:
         finite = bool(np.isfinite(call()).all())
     except Exception as e:  # the handler's error, raised by jax
-        error = error_text(e)
+        error, kind = error_text(e), family(e)
     try:
         jax_arx.check()
     except jax_arx.CollectiveError as e:
         error += "\n" + error_text(e)
-    return {"error": error, "finite_result": finite}
+        kind = kind or type(e).__name__
+    return {"error": error, "finite_result": finite, "kind": kind}
 
 
 def assert_failure_suite(results) -> dict:
@@ -170,15 +198,18 @@ def assert_failure_suite(results) -> dict:
     timeout): on each rank, the ops that did not match gave an error naming a
     different collective, never a finite result; on rank 0, the call no peer
     joined ended within the timeout (plus start-up) and jax_arx.check() then
-    raised a CollectiveError naming rank 1. Returns rank 0's "missing_peer"
-    report, for the suite's own checks."""
+    raised a CollectiveTimeoutError naming rank 1; each error is of its kind's
+    jax_arx.errors class (from the call, through jax_arx.errors.translated).
+    Returns rank 0's "missing_peer" report, for the suite's own checks."""
     for rank in (0, 1):
         mismatch = results[rank]["mismatch"]
         # Either the call raised, or it returned NaN and check() raised: never a result.
         assert not mismatch["finite_result"], mismatch
         assert "different collective" in mismatch["error"], mismatch
+        assert mismatch["kind"] == "CollectiveMismatchError", mismatch
     missing = results[0]["missing_peer"]
-    assert "rank 1" in missing["check"] and missing["check_type"] == "CollectiveError", missing
+    assert "rank 1" in missing["check"] and missing["check_type"] == "CollectiveTimeoutError", missing
+    assert missing["kind"] in ("", "CollectiveTimeoutError"), missing  # "": the call did not raise (GPUs)
     assert 2.5 < missing["seconds"] < 30, missing
     return missing
 
@@ -198,12 +229,12 @@ def alone_call_report(call, jax_arx, key: str, *, on_error=None) -> dict:
     if jax.process_index() != 0:
         client.blocking_key_value_get(key, 120_000)
         return {"skipped": True}
-    report = {"error": ""}
+    report = {"error": "", "kind": ""}
     start = time.monotonic()
     try:
         report.update(call() or {})
     except Exception as e:
-        report["error"] = error_text(e)
+        report["error"], report["kind"] = error_text(e), family(e)
         report.update(on_error or {})
     report["seconds"] = time.monotonic() - start
     try:

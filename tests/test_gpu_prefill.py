@@ -19,9 +19,7 @@ peer's buffers themselves) and tcp (the proxy's work ring):
   three interleaved with psum, 3000 dependent calls in a fori_loop, 200
   back-to-back jitted calls, jax.grad, the fused MoE combine with bfloat16
   and e4m3 ``y`` and topk 1 to 16. Bit for bit against the numpy references
-  (the gathered pieces; the float32 rank-order sum rounded once); against
-  jax.lax (NCCL here) all_gather bit for bit, the sums within a tolerance,
-  as NCCL sums in its own order;
+  (the gathered pieces; the float32 rank-order sum rounded once);
 - ``quick`` with the GPU-only ``large`` (the same cases at several MB per
   rank: many pieces of many blocks each) and ``replay`` (one program of
   dependent prefill ops run again and again on the same buffers, so that

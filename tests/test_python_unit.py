@@ -28,6 +28,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 
+import dataclasses
 import importlib.util
 import logging
 import pathlib
@@ -44,7 +45,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_arx
-from jax_arx import _comm, _compat, _psum, config, launch
+from jax_arx import _comm, _compat, _psum, config, errors, launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -118,22 +119,22 @@ class Endpoint:
 
     def close(self):
         registered.pop((self.comm_id, self.device_ordinal), None)
+        if hasattr(self, "_real"): self._real.close()
         self.closed = True
 
     def failure(self):
         return failed.get((self.comm_id, self.device_ordinal))
 
     def plan(self, op, nbytes):
-        # The real core's envelope on the CPU (ffi/comm/plan.cc): the one-shot
-        # up to a slot; the bulk ops up to the bulk bytes for every rank.
-        if op == "psum":
-            limit = int(self.options["slot_bytes"])
-            if nbytes <= limit: return (1, 1, "")
-            return (0, 0, f"a partial of {nbytes} bytes exceeds the largest psum jax_arx takes ({limit} bytes); "
-                          f"set JAX_ARX_SLOT_BYTES")
-        limit = int(self.options["bulk_bytes"])
-        if nbytes * self.world <= limit: return (4, 8, "")
-        return (0, 0, f"{nbytes * self.world} bytes exceed JAX_ARX_PREFILL_SLOT_BYTES={limit}")
+        # The policy is the real core's (ffi/comm/plan.cc): an endpoint of
+        # the real module with these options, never connected, decides.
+        if not hasattr(self, "_real"):
+            from jax_arx import _core
+            options = dict(self.options)
+            options.pop("tcp_addr", None)
+            self._real = _core.Endpoint(self.comm_id, self.device_ordinal, self.rank, self.world, "tcp",
+                                        self.platform, self.name, self.secret, options)
+        return self._real.plan(op, nbytes)
 '''
 
 
@@ -536,7 +537,20 @@ def test_constants_and_size_one_axes_are_left_to_lax(fake_core, caplog):
 
 def test_outside_shard_map_raises_like_lax():
     with pytest.raises(NameError, match="unbound axis name: tp"):
+        jax.jit(lambda x: jax.lax.psum(x, "tp"))(jnp.ones(3))
+    with pytest.raises(NameError, match=r"jax_arx.psum: axis name 'tp' is not bound here: the mesh's axes are \(\)"):
         jax.jit(lambda x: jax_arx.psum(x, "tp"))(jnp.ones(3))
+
+
+@needs_4_devices
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter"])
+def test_an_axis_not_in_the_mesh_is_named(mesh4, op):
+    # jax.lax fails here on a bare AssertionError; jax_arx names the axis and the mesh's.
+    call = getattr(jax_arx, op)
+    with pytest.raises(NameError, match=rf"jax_arx.{op}: axis name 'tpp' is not bound here: the mesh's axes are "
+                                        r"\('tp',\), and the names bound where it is called are \('tp',\)"):
+        jax.make_jaxpr(jax.shard_map(lambda x: call(x, "tpp"), mesh=mesh4, in_specs=P("tp"), out_specs=P("tp"),
+                                     check_vma=False))(jnp.ones(8))
 
 
 # --- fallback ---------------------------------------------------------------------
@@ -578,10 +592,27 @@ def test_size_limit_is_the_slot(fake_core, monkeypatch, caplog):
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 65))
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 100))
     assert len(caplog.records) == 1
-    assert "float32[65]{V:tp}: a partial of 260 bytes exceeds the largest psum" in caplog.text
-    assert "JAX_ARX_SLOT_BYTES" in caplog.text
-    assert _comm.communicator("tp").plan("psum", 256)[0] == 1
+    assert "float32[65]{V:tp}: a partial of 260 bytes" in caplog.text
+    assert "exceeds the one-shot limit of 256 bytes; set JAX_ARX_SLOT_BYTES=272 on every process" in caplog.text
+    assert _comm.communicator("tp").plan("psum", 256)[0] == 1  # one-shot
     assert _comm.communicator("tp").plan("psum", 257)[0] == 0
+
+
+@needs_4_devices
+def test_size_fallback_message_tells_the_whole_fix(fake_core, monkeypatch):
+    # Past the send buffer too (defaults: 1 MiB slot, 4 MiB send): raising the
+    # slot alone would fail config.load ("JAX_ARX_SEND_BYTES must be at least
+    # JAX_ARX_SLOT_BYTES"). Doing exactly what the message says must work.
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    nbytes = 12 << 20
+    algorithm, why = _comm.communicator("tp").plan("psum", nbytes)
+    settings = dict(re.findall(r"(JAX_ARX_\w+)=(\w+)", why))
+    assert algorithm == 0 and settings == {"JAX_ARX_SLOT_BYTES": "12MiB", "JAX_ARX_SEND_BYTES": "12MiB"}, why
+    jax_arx.shutdown()
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    assert _comm.communicator("tp").plan("psum", nbytes)[0] == 1  # one-shot
 
 
 @needs_4_devices
@@ -1000,6 +1031,28 @@ def test_initialize_is_idempotent_and_rejects_a_new_mesh_for_a_known_axis(mesh4,
 
 
 @needs_4_devices
+@needs_4_devices
+def test_shutdown_warning_keeps_jax_first_line_whole(mesh4, fake_core, monkeypatch, caplog):
+    # A peer that never reaches shutdown(): jax's barrier error, whose first
+    # line the warning quotes whole (it used to be cut at 200 characters,
+    # mid-word), then this process's endpoints close anyway.
+    first = ("DEADLINE_EXCEEDED: Barrier timed out. Id: jax_arx/1/shutdown. This usually happens because a task "
+             "triggered the barrier too early or too slowly. Please look at the task logs (both timed out and "
+             "first task) to debug further.")
+
+    class Client:
+        def wait_at_barrier(self, name, timeout_ms):
+            raise RuntimeError(first + "\n# tasks that did not reach the barrier: /job:jax_worker/task:1")
+
+    monkeypatch.setattr(_compat, "distributed_client", lambda: Client())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        jax_arx.shutdown()
+    assert "not every process reached shutdown()" in caplog.text
+    assert caplog.text.rstrip().endswith("jax said: " + first), caplog.text
+    assert not fake_core.registered
+
+
 def test_shutdown_then_initialize_again(mesh4, fake_core):
     comm_id = _comm.communicator("tp").comm_id
     generation = _comm._generation
@@ -1078,6 +1131,67 @@ def test_check_reports_failures(mesh4, fake_core):
     with pytest.raises(jax_arx.CollectiveError, match=r"a communicator has failed:\n  communicator 'tp' rank 1"):
         jax_arx.check()
     assert issubclass(jax_arx.CollectiveError, RuntimeError)
+    fake_core.failed[(ep.comm_id, ep.device_ordinal)] = (
+        "jax_arx: communicator 'tp' rank 1 of 4: collective #3 timed out after 30 s waiting for rank 3.")
+    with pytest.raises(jax_arx.CollectiveTimeoutError, match="timed out after 30 s waiting for rank 3"):
+        jax_arx.check()
+    other = fake_core.endpoints[0]
+    fake_core.failed[(other.comm_id, other.device_ordinal)] = (
+        "jax_arx: communicator 'tp' rank 0 of 4: at collective #3 rank 2 issued a different collective (op...)")
+    with pytest.raises(jax_arx.CollectiveError) as mixed:  # two kinds: the common base
+        jax_arx.check()
+    assert type(mixed.value) is jax_arx.CollectiveError and "2 communicators have failed" in str(mixed.value)
+
+
+# The messages as jax raises them: the status, then the handler's message.
+_TIMEOUT = ("INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: collective #7 timed out after 3 s waiting for rank 1. "
+            "Last seq heard from each peer: r1=6.")
+_MISMATCH = ("INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: at collective #1 rank 1 issued a different "
+             "collective (op, dtype, element count or call site differ: descriptor 2c9453, this rank 70e6d4).")
+_PEER_CLOSED = "INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: tcp: rank 1 closed its connection (root 0)"
+_TOO_BIG = ("INVALID_ARGUMENT: jax_arx.psum: 2097152 bytes exceed the one-shot limit of 1048576 bytes on "
+            "communicator 'tp' rank 0 of 2 (JAX_ARX_SLOT_BYTES, ...)")
+_NOT_SET_UP = ("INTERNAL: jax_arx: no communicator 42 on local device 0 in this process; call "
+               "jax_arx.initialize(mesh) (after ...)")
+
+
+@pytest.mark.parametrize("raised,message,expected", [
+    (RuntimeError, _TIMEOUT, errors.CollectiveTimeoutError),
+    (ValueError, _TIMEOUT, errors.CollectiveTimeoutError),  # jax raises some as ValueError
+    (RuntimeError, _MISMATCH, errors.CollectiveMismatchError),
+    (RuntimeError, _PEER_CLOSED, errors.EndpointFailedError),
+    (ValueError, _TOO_BIG, errors.InvalidCallError),
+    (RuntimeError, _NOT_SET_UP, errors.InitializationError),
+])
+def test_translated_raises_the_family_class(raised, message, expected):
+    jax_runtime_error = type("JaxRuntimeError", (raised,), {})  # jax's own class is created in C++
+    original = jax_runtime_error(message)
+    with pytest.raises(expected) as got:
+        with errors.translated():
+            raise original
+    assert type(got.value) is expected and isinstance(got.value, errors.JaxArxError)
+    assert str(got.value) == message[message.index("jax_arx"):]  # the status prefix dropped, all else kept
+    assert got.value.__cause__ is original
+    if expected is errors.CollectiveTimeoutError:
+        assert isinstance(got.value, TimeoutError) and isinstance(got.value, errors.CollectiveError)
+
+    @errors.translated()
+    def step():
+        raise jax_runtime_error(message)
+
+    with pytest.raises(expected):
+        step()
+
+
+def test_translated_leaves_other_errors_alone():
+    for e in (RuntimeError("INTERNAL: some other library failed"), KeyError("jax_arx: not a runtime error"),
+              jax_arx.ConfigError("JAX_ARX_TIMEOUT_S='x' is not a number")):
+        with pytest.raises(type(e)) as got:
+            with errors.translated():
+                raise e
+        assert got.value is e
+    with errors.translated():
+        pass
 
 
 # --- launcher ------------------------------------------------------------------------
@@ -1183,7 +1297,41 @@ def test_launch_failing_rank_stops_the_others(tmp_path):
     assert elapsed < 30
     assert "[rank 0] started 2 127.0.0.1" in proc.stdout and "[rank 1] started 2 127.0.0.1" in proc.stdout
     assert "[rank 1] boom" in proc.stderr
-    assert "[launch] rank 1 exited with status 3; stopping the other ranks in 0.5 s" in proc.stderr
+    assert "[launch] rank 1 failed first (exited with status 3); stopping the other ranks in 0.5 s" in proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
+    # Rank 1 raises after jax_arx.initialize while rank 0 computes without
+    # collectives: rank 1 must not wait at jax_arx's or jax's exit barriers
+    # for rank 0, and the launcher names it and stops rank 0. Timed from the
+    # raise (written down by rank 1), not from start-up, which load slows.
+    (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
+    raised_at = tmp_path / "raised_at"
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        import jax_arx
+        jax_arx.distributed_initialize()
+        import jax
+        import fake_core
+        jax_arx._comm._core_module = fake_core
+        mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+        jax_arx.initialize(mesh)
+        if jax.process_index() == 1:
+            with open({str(raised_at)!r}, "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError("rank 1 gives up")
+        while True:  # rank 0: a long computation with no collective
+            time.sleep(0.05)
+        """))
+    proc, _ = _launch(["-n", "2", "--cpu-devices", "1", str(script)], tmp_path)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ended - float(raised_at.read_text()) < 10, proc.stderr[-3000:]
+    report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)"):]
+    assert "[launch]   RuntimeError: rank 1 gives up" in report, proc.stderr[-3000:]
+    assert "[launch] rank 0" not in proc.stderr  # rank 0 was stopped, not reported as the failure
 
 
 def test_launch_module_form(tmp_path):

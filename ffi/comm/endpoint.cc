@@ -151,6 +151,17 @@ std::string Endpoint::failure() {
   return failure_;
 }
 
+void Endpoint::note_stall(const std::string& report) {
+  stats.stalls.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  stall_ = report;
+}
+
+std::string Endpoint::last_stall() const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  return stall_;
+}
+
 namespace {
 std::mutex g_registry_mu;
 std::map<std::pair<int64_t, int>, std::shared_ptr<Endpoint>> g_registry;

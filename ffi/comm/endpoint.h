@@ -119,8 +119,11 @@ class Endpoint {
   std::string failure();
   // The message for a failure a device side recorded in the Control block.
   std::string describe_recorded_failure() const;
-  // What each peer last sent, per family: " r1=psum #5, bulk #2 ...".
+  // What each peer last sent, per family: " rank 1: psum #5, bulk #2; ...".
   std::string heard_from_peers() const;
+  // The watchdog's stalls: counted in stats, the last report kept.
+  void note_stall(const std::string& report);
+  std::string last_stall() const;
 
   Stats stats;
 
@@ -144,8 +147,8 @@ class Endpoint {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<Proxy> proxy_;
   bool connected_ = false;
-  std::mutex failure_mu_;
-  std::string failure_;
+  mutable std::mutex failure_mu_;  // failure_ and stall_
+  std::string failure_, stall_;
   std::atomic<bool> failed_{false};
 };
 

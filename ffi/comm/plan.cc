@@ -37,6 +37,15 @@ int psum_pieces(const Endpoint& ep, uint64_t bytes) {
   return (int)std::clamp<uint64_t>((bytes + target - 1) / target, 1, (uint64_t)cap);
 }
 
+// The smallest value of a size variable that holds `n` bytes, as a person
+// writes it (2MiB, 196608): for messages that say what to set.
+std::string size_setting(uint64_t n) {
+  n = (std::max<uint64_t>(n, 1) + 15) / 16 * 16;
+  for (auto [suffix, unit] : {std::pair{"GiB", 1ull << 30}, {"MiB", 1ull << 20}, {"KiB", 1ull << 10}})
+    if (n % unit == 0) return strf("%llu%s", (unsigned long long)(n / unit), suffix);
+  return strf("%llu", (unsigned long long)n);
+}
+
 }  // namespace
 
 Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
@@ -61,16 +70,22 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
     p.algorithm = Algorithm::kTwoShot;
     return p;
   }
-  // The fix: a slot (per peer per parity) as large as the partial, and the
-  // send buffer, which stages a partial whole, at least as large as a slot.
-  const uint64_t need = (bytes + 15) / 16 * 16;
-  p.why_not = strf("a partial of %llu bytes exceeds the largest psum jax_arx takes on %s (%llu bytes%s); to run it "
-                   "with jax_arx set JAX_ARX_SLOT_BYTES to at least %llu and JAX_ARX_SEND_BYTES to at least that "
-                   "too, on every process (each takes 2 x world x slot + 2 x send bytes of pinned memory per "
-                   "endpoint)",
-                   (unsigned long long)bytes, ep.label().c_str(), (unsigned long long)std::max(oneshot_max, twoshot_max),
-                   cuda ? ": the one-shot up to a slot, the two-shot above" : ": the one-shot, up to a slot",
-                   (unsigned long long)need);
+  // The whole fix: what limited it, and every setting that lifts it (the
+  // send buffer stages a partial whole, so it must hold a slot: config.load
+  // refuses less).
+  const std::string need = size_setting(bytes);
+  if (cfg.oneshot_max_bytes && oneshot_max < L.slot_bytes && bytes <= L.slot_bytes) {
+    p.why_not = strf("a partial of %llu bytes exceeds JAX_ARX_ONESHOT_MAX_BYTES=%llu; set "
+                     "JAX_ARX_ONESHOT_MAX_BYTES=%s or unset it on every process to run it with jax_arx",
+                     (unsigned long long)bytes, (unsigned long long)oneshot_max, need.c_str());
+    return p;
+  }
+  std::string fix = "JAX_ARX_SLOT_BYTES=" + need;
+  if (bytes > L.send_bytes) fix += " and JAX_ARX_SEND_BYTES=" + need + " (the send buffer must hold a slot)";
+  p.why_not = strf("a partial of %llu bytes exceeds the %s limit of %llu bytes; set %s on every process to run it "
+                   "with jax_arx (each endpoint pins 2 x world x JAX_ARX_SLOT_BYTES + 2 x JAX_ARX_SEND_BYTES)",
+                   (unsigned long long)bytes, cuda ? "two-shot" : "one-shot",
+                   (unsigned long long)std::max(oneshot_max, twoshot_max), fix.c_str());
   return p;
 }
 
@@ -85,12 +100,11 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
     p.pieces = kChunks;
     return p;
   }
-  const uint64_t need = (lane_bytes * (uint64_t)L.world + 15) / 16 * 16;
-  p.why_not = strf("%s moves %llu bytes per rank on %s, %llu for all %d ranks, more than its bulk buffers hold "
-                   "(JAX_ARX_PREFILL_SLOT_BYTES=%llu); set JAX_ARX_PREFILL_SLOT_BYTES to at least %llu on every "
-                   "process (it takes 4 x that of pinned memory per endpoint)",
-                   op, (unsigned long long)lane_bytes, ep.label().c_str(), (unsigned long long)(lane_bytes * L.world),
-                   L.world, (unsigned long long)ep.spec().config.bulk_bytes, (unsigned long long)need);
+  p.why_not = strf("%s moves %llu bytes per rank, %llu for all %d ranks, more than JAX_ARX_PREFILL_SLOT_BYTES=%llu; "
+                   "set JAX_ARX_PREFILL_SLOT_BYTES=%s on every process to run it with jax_arx (each endpoint pins "
+                   "4 x JAX_ARX_PREFILL_SLOT_BYTES)",
+                   op, (unsigned long long)lane_bytes, (unsigned long long)(lane_bytes * L.world), L.world,
+                   (unsigned long long)ep.spec().config.bulk_bytes, size_setting(lane_bytes * L.world).c_str());
   return p;
 }
 

@@ -134,14 +134,18 @@ class Watchdog {
     }
     if (reported_ || now - last_move_ < after_) return true;
     reported_ = true;
-    ep_.stats.stalls.fetch_add(1, std::memory_order_relaxed);
-    fprintf(stderr,
-            "jax_arx: %s: no progress for %.0f s: psum #%llu and bulk collective #%llu began, #%llu and #%llu "
-            "finished. Last heard from each peer:%s. Waiting for the peers (one may be slow to start, stopped, "
-            "or issuing other collectives); the collective fails after JAX_ARX_TIMEOUT_S=%g s\n",
-            ep_.label().c_str(), std::chrono::duration<double>(now - last_move_).count(),
-            (unsigned long long)begun[0], (unsigned long long)begun[1], (unsigned long long)done[0],
-            (unsigned long long)done[1], ep_.heard_from_peers().c_str(), ep_.spec().config.timeout_s);
+    // A stall is no failure (a peer may still be compiling); if it becomes
+    // one, the failure says so in its own message. The report is kept for
+    // jax_arx.stats(), and printed with JAX_ARX_DEBUG only.
+    const std::string report =
+        strf("jax_arx: %s: no progress for %.0f s: psum #%llu and bulk collective #%llu began, #%llu and #%llu "
+             "finished. Last heard from each peer:%s. Waiting for the peers (one may be slow to start, stopped, "
+             "or issuing other collectives); the collective fails after JAX_ARX_TIMEOUT_S=%g s",
+             ep_.label().c_str(), std::chrono::duration<double>(now - last_move_).count(),
+             (unsigned long long)begun[0], (unsigned long long)begun[1], (unsigned long long)done[0],
+             (unsigned long long)done[1], ep_.heard_from_peers().c_str(), ep_.spec().config.timeout_s);
+    ep_.note_stall(report);
+    if (ep_.spec().config.verbose) fprintf(stderr, "%s\n", report.c_str());
     return true;
   }
 

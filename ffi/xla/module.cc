@@ -146,6 +146,7 @@ class PyEndpoint {
     d["bytes"] = bytes;
     d["algorithms"] = by_algorithm;
     d["stalls"] = st.stalls.load(std::memory_order_relaxed);
+    d["last_stall"] = ep_->last_stall();
     return d;
   }
 
@@ -220,7 +221,7 @@ NB_MODULE(_core, m) {
            "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk.")
       .def("stats", &PyEndpoint::stats,
            "What this endpoint ran: {'calls': {kind: n}, 'bytes': {kind: n}, 'algorithms': {name: n}, 'stalls': "
-           "n}. Calls are counted when their handler runs on the host: a replay of a captured CUDA graph runs no "
+           "n, 'last_stall': the watchdog's last report, in words}. Calls are counted when their handler runs on the host: a replay of a captured CUDA graph runs no "
            "host code and is not counted.")
       .def_prop_ro("route", [](const PyEndpoint& p) {
         const arx::Endpoint::Route& r = p.endpoint()->route();

@@ -66,7 +66,7 @@ for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  [[ ${RXE_VM_INSTALL:-1} == 1 ]] || cannot "packages missing: ${missing[*]} (RXE_VM_INSTALL=0)"
+  [[ ${RXE_VM_INSTALL:-1} == 1 ]] || cannot "packages missing: ${missing[*]}; install them as root with tests/verbs/rxe_vm.sh --prepare (or apt-get install ${missing[*]}), as .ci/run does"
   command -v apt-get >/dev/null || cannot "packages missing and no apt-get: ${missing[*]}"
   say "installing: ${missing[*]}"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

@@ -36,7 +36,7 @@ read -r tx0 < /sys/class/net/veth0/statistics/tx_packets
 t0=$(date +%s.%N)
 RCS=$(mktemp -d)
 for rank in 0 1; do
-  { JAX_PROCESS_ID=$rank timeout -k 5 500 unshare --uts /bin/sh -c \
+  { JAX_PROCESS_ID=$rank timeout -k 5 1500 unshare --uts /bin/sh -c \
       'echo "arx-host-$JAX_PROCESS_ID" > /proc/sys/kernel/hostname && exec "$@"' sh \
       "$PY" "$WORKER" "${PHASES[@]}"; echo $? > "$RCS/$rank"; } 2>&1 | sed -u "/^verbs_psum: /!s/^/[rank $rank] /" &
 done

@@ -11,7 +11,7 @@ run() { # title hca0 hca1 roots [args]
   echo "=== $title: rank 0 on $hca0, rank 1 on $hca1"
   local tx0 tx1 t0=$(date +%s.%N)
   read -r tx0 < /sys/class/net/veth0/statistics/tx_packets
-  timeout -k 5 300 "$BIN" --hca0 "$hca0" --hca1 "$hca1" --roots "$roots" \
+  timeout -k 5 900 "$BIN" --hca0 "$hca0" --hca1 "$hca1" --roots "$roots" \
     --gid0 "$RXE_GID_A" --gid1 "$RXE_GID_B" "$@" || rc=1
   read -r tx1 < /sys/class/net/veth0/statistics/tx_packets
   echo "=== $title: veth0 sent $((tx1 - tx0)) packets; $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s"
