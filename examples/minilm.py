@@ -58,9 +58,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -74,7 +72,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import minilm_model as M  # noqa: E402  (beside this file)
-from bench_common import synced_median_seconds  # noqa: E402
+from bench_common import median_seconds, synced_median_seconds  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "minilm_fixture")
 FIXTURE_SENTENCES = os.path.normpath(os.path.join(FIXTURE, "sentences.txt"))
@@ -255,19 +253,17 @@ def on_rank0(fn):
 
 
 def seconds_per_batch(encoder, repeats, synced):
-    """The encoder's time per batch: the median over ``repeats`` passes over
-    every batch (each pass started on every process together when
-    ``synced``), over the number of batches."""
-    run = lambda: jax.block_until_ready(encoder())  # noqa: E731
+    """{padded length: seconds}: the encoder's time for one batch of each
+    padded length (its first such batch), the median of ``repeats`` runs,
+    each started on every process together when ``synced``."""
+    first = {}
+    for i, args in enumerate(encoder.inputs):
+        first.setdefault(args[1].shape[0], i)
     if synced:
-        return synced_median_seconds(run, repeats=repeats) / len(encoder.inputs)
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / len(encoder.inputs)
+        return {t: synced_median_seconds(encoder.compiled[i], *encoder.inputs[i], repeats=repeats)
+                for t, i in first.items()}
+    return {t: median_seconds(lambda a, f=encoder.compiled[i]: f(*a), encoder.inputs[i], repeats, 1)
+            for t, i in first.items()}
 
 
 def max_diff(a, b):
@@ -355,19 +351,30 @@ def main(argv=None):
     if args.repeats:
         timed = [(f"{args.mode}, jax_arx collectives", seconds_per_batch(encoders["jax_arx"], args.repeats, True)),
                  (f"{args.mode}, jax.lax collectives", seconds_per_batch(encoders["lax"], args.repeats, True))]
-        solo = on_rank0(lambda: seconds_per_batch(Encoder(model, None), args.repeats, False))
+        timed.append(("unsharded, one device",
+                      on_rank0(lambda: seconds_per_batch(Encoder(model, None), args.repeats, False))))
         jax_arx.check()
-    if args.repeats and rank0:
-        say(f"time per batch ({args.batch_size} sentences; the median of {args.repeats} passes over the "
-            f"{plural(len(model.batches), 'batch', 'es')}; lower is better):")
-        for what, s in timed + [("unsharded, one device", solo)]:
-            say(f"  {what:<28} {s * 1e3:9.2f} ms")
+        if rank0:
+            print_times(timed, model, args)
     if rank0:
         write(args.out, chosen, say)
     jax_arx.shutdown()
     if failures:
         raise SystemExit("FAILED: " + "; ".join(failures))
     return 0
+
+
+def print_times(timed, model, args):
+    """The timing table: a column per padded length, and the mean over the
+    batches of this run."""
+    lengths = [b.ids.shape[0] for b in model.batches]
+    print(f"time per batch of {args.batch_size} sentences, by padded length (median of {args.repeats} runs; "
+          "lower is better):")
+    print(f"  {'':<28}" + "".join(f"{str(t) + ' tokens':>12}" for t in timed[0][1])
+          + f"{'mean of ' + plural(len(lengths), 'batch', 'es'):>24}")
+    for what, by_length in timed:
+        mean = sum(by_length[t] for t in lengths) / len(lengths)
+        print(f"  {what:<28}" + "".join(f"{s * 1e3:>9.2f} ms" for s in by_length.values()) + f"{mean * 1e3:>21.2f} ms")
 
 
 def check_reference(emb, args, say, what="unsharded"):

