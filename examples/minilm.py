@@ -13,8 +13,8 @@ every device of the job, on the mesh axis "tp" or "sp":
 - ``--mode sp``: the tokens split over the ranks, jax_arx.all_gather before
   attention and before the MLP, jax_arx.psum_scatter after each (the blocks
   in between tensor-parallel, as in examples/seq_parallel_prefill.py). The
-  token count is padded to a multiple of 8 x the ranks; padded tokens are
-  masked and change nothing.
+  token count is padded to 8 x the ranks times a power of two; padded
+  tokens are masked and change nothing.
 
 One run encodes the sentences three ways: sharded with jax_arx's
 collectives, the same sharded model with jax.lax's, and unsharded on one
@@ -36,7 +36,8 @@ Options:
                          with the fixture's sentences)
   --out FILE.npy         rank 0 writes the float32 embeddings, one row per
                          line: sentence-transformers' output form for this
-                         model (mean pooling, L2-normalized)
+                         model (mean pooling, L2-normalized); not when a
+                         check failed
   --dtype f32|bf16       weights and activations (default f32)
   --batch-size B         sentences per batch (default 16)
   --repeats R            timed passes per figure, median (default 5; 0: no timing)
@@ -138,7 +139,7 @@ class Model:
         self.world = jax.device_count()
         self.axis = args.mode
         self.batches = M.make_batches(self.sentences, M.Tokenizer(folder, self.cfg)(self.sentences),
-                                      args.batch_size, TOKEN_MULTIPLE * self.world, self.cfg.pad_id)
+                                      args.batch_size, TOKEN_MULTIPLE * self.world, self.cfg)
         self.weights = M.load_weights(folder, self.cfg)
         self.mesh = jax.make_mesh((self.world,), (self.axis,), devices=jax.devices())
 
@@ -149,12 +150,14 @@ class Model:
         return t * self.batches[0].ids.shape[1] * self.cfg.hidden * jnp.dtype(self.dtype).itemsize
 
     def check_divisible(self):
+        """Raises SystemExit unless heads and MLP columns split evenly."""
         for what, n in (("attention heads", self.cfg.heads), ("MLP columns", self.cfg.ffn)):
             if n % self.world:
                 raise SystemExit(f"the model's {n} {what} do not split over {self.world} ranks: run on a number of "
-                                 "ranks that divides both 12 and 1536 (2, 3, 4, 6, 12)")
+                                 f"ranks that divides both {self.cfg.heads} and {self.cfg.ffn}")
 
     def cast(self, tree):
+        """The weights in this run's dtype (numpy, on the host)."""
         return jax.tree.map(lambda a: np.asarray(a, jnp.dtype(self.dtype)), tree)
 
 
@@ -175,8 +178,8 @@ def size_jax_arx_buffers(model, env=os.environ):
 
 
 class Encoder:
-    """One way of encoding every batch, compiled ahead (so that no rank
-    waits in a collective on another's compilation): ``impl`` "jax_arx" or
+    """One way of encoding every batch, compiled ahead on every process
+    before any runs it: ``impl`` "jax_arx" or
     "lax" for the sharded model, None for the unsharded one on this
     process's first device. Calling it runs every batch and returns one
     array per batch: [world, B, hidden] sharded (each rank's own copy, one
@@ -185,6 +188,7 @@ class Encoder:
     def __init__(self, model, impl):
         self.model, self.impl = model, impl
         cfg, dtype = model.cfg, model.dtype
+        tokens = P(model.axis) if impl and model.mode == "sp" else P()  # how ids and positions are split
         if impl is None:
             device = jax.local_devices()[0]
             put = lambda a, spec=None: jax.device_put(a, device)  # noqa: E731
@@ -195,7 +199,6 @@ class Encoder:
             mesh, axis = model.mesh, model.axis
             put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
             coll, heads = M.Collectives(model.mode, impl, axis), cfg.heads // model.world
-            tokens = P(axis) if model.mode == "sp" else P()
             specs = M.param_specs(axis)
 
             def body(p, ids, pos, mask):
@@ -203,12 +206,8 @@ class Encoder:
 
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, tokens, tokens, P()), out_specs=P(axis)))
             params = jax.tree.map(put, model.cast(model.weights), specs)
-        self.inputs = []
-        for b in model.batches:
-            t = b.ids.shape[0]
-            self.inputs.append((params, put(b.ids, P(axis) if impl and model.mode == "sp" else P()),
-                                put(np.arange(t, dtype=np.int32), P(axis) if impl and model.mode == "sp" else P()),
-                                put(b.mask, P())))
+        self.inputs = [(params, put(b.ids, tokens), put(np.arange(b.ids.shape[0], dtype=np.int32), tokens),
+                        put(b.mask, P())) for b in model.batches]
         # One compilation per shape: batches padded to the same length share it.
         by_shape = {}
         for args in self.inputs:
@@ -218,6 +217,10 @@ class Encoder:
                 by_shape[shape] = (lowered.as_text().count("custom_call @jax_arx_"), lowered.compile())
         self.jax_arx_calls = [by_shape[args[1].shape][0] for args in self.inputs]
         self.compiled = [by_shape[args[1].shape][1] for args in self.inputs]
+        if impl is not None:
+            # Compilation takes each process its own time: none may wait in a
+            # collective (bounded by JAX_ARX_TIMEOUT_S) for another to finish it.
+            multihost_utils.sync_global_devices("minilm: compiled")
 
     def __call__(self):
         return [f(*args) for f, args in zip(self.compiled, self.inputs)]
@@ -298,11 +301,11 @@ def main(argv=None):
     if args.unsharded:
         emb = on_rank0(lambda: rows(Encoder(model, None)(), model))
         if rank0:
-            report = check_reference(emb, args, say)
             say(f"unsharded on one device ({jax.local_devices()[0]})")
-            write(args.out, emb, say)
+            report = check_reference(emb, args, say)
             if report:
                 raise SystemExit(report)
+            write(args.out, emb, say)
         return 0
 
     if model.world < 2:
@@ -356,11 +359,11 @@ def main(argv=None):
         jax_arx.check()
         if rank0:
             print_times(timed, model, args)
+    jax_arx.shutdown()
+    if failures:  # and no --out: embeddings that failed a check are not handed on
+        raise SystemExit("FAILED: " + "; ".join(failures))
     if rank0:
         write(args.out, chosen, say)
-    jax_arx.shutdown()
-    if failures:
-        raise SystemExit("FAILED: " + "; ".join(failures))
     return 0
 
 

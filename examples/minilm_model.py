@@ -158,19 +158,25 @@ class Batch:
         self.ids, self.mask, self.rows = ids, mask, rows
 
 
-def make_batches(sentences, token_ids, batch_size, multiple, pad_id=0):
+def make_batches(sentences, token_ids, batch_size, multiple, cfg):
     """Batches in sentence-transformers' order (longest text first), each
     padded to ``batch_size`` columns and to its longest sentence's token
-    count rounded up to ``multiple`` (sequence parallelism needs T to divide
-    by the ranks; rounding also bounds the number of shapes to compile).
-    Padded positions are masked: they change no embedding."""
+    count rounded up to ``multiple`` times a power of two, at most
+    ``max_seq_length`` rounded up to ``multiple`` (sequence parallelism
+    needs T to divide by the ranks; the powers of two bound the number of
+    shapes to compile). Padded positions are masked: they change no
+    embedding."""
     order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
+    cap = -(-cfg.max_seq_length // multiple) * multiple
     out = []
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         longest = max(len(token_ids[i]) for i in rows)
-        t = -(-longest // multiple) * multiple
-        ids = np.full((t, batch_size), pad_id, np.int32)
+        t = multiple
+        while t < longest:
+            t *= 2
+        t = min(t, cap)
+        ids = np.full((t, batch_size), cfg.pad_id, np.int32)
         mask = np.zeros((t, batch_size), np.int32)
         for col, i in enumerate(rows):
             ids[:len(token_ids[i]), col] = token_ids[i]

@@ -212,6 +212,17 @@ def test_bad_input_is_an_error(ready, tmp_path, args, message):
     assert p.returncode != 0 and message in p.stderr + p.stdout, p.stdout + p.stderr
 
 
+def test_a_failed_check_writes_nothing(ready, tmp_path):
+    """Embeddings that miss the reference are reported, not handed on."""
+    sentences, ref = fixture()
+    (tmp_path / "one.txt").write_text(sentences[0] + "\n", encoding="utf-8")
+    np.save(tmp_path / "off.npy", ref[:1] + np.float32(1e-4))
+    out = tmp_path / "emb.npy"
+    p = run_program(tmp_path, "--unsharded", "--sentences", "one.txt", "--reference", "off.npy", "--out", str(out))
+    assert p.returncode != 0 and "limit 1e-05: FAILED" in p.stdout, p.stdout + p.stderr
+    assert not out.exists()
+
+
 # ---- the worker ----------------------------------------------------------------
 
 def worker(dtype):
