@@ -294,9 +294,10 @@ def main(argv=None):
     rank0 = jax.process_index() == 0
     say = print if rank0 else (lambda *a, **k: None)
     lengths = "/".join(str(b.ids.shape[0]) for b in model.batches)
-    say(f"all-MiniLM-L6-v2 ({model.folder}): {len(model.sentences)} sentences from {args.sentences}, "
+    say(f"all-MiniLM-L6-v2 from {M.describe_dir(model.folder)}: {len(model.sentences)} sentences from "
+        f"{shown(args.sentences)}, "
         f"{plural(len(model.batches), 'batch', 'es')} of {args.batch_size} padded to {lengths} tokens, {args.dtype}, "
-        f"{jax.default_backend()}, {model.world} devices in {jax.process_count()} processes")
+        f"{jax.default_backend()}, {plural(model.world, 'device')} in {plural(jax.process_count(), 'process', 'es')}")
 
     if args.unsharded:
         emb = on_rank0(lambda: rows(Encoder(model, None)(), model))
@@ -386,12 +387,20 @@ def check_reference(emb, args, say, what="unsharded"):
         return None
     ref = np.load(args.reference)
     if ref.shape != emb.shape:
-        return f"--reference {args.reference} holds {ref.shape}, the sentences give {emb.shape}"
+        return (f"--reference {args.reference} holds {ref.shape}, the sentences give {emb.shape}: give the "
+                "embeddings of these sentences, one row per line")
     d, row = max_diff(emb, ref)
     ok = d <= args.tolerance
-    say(f"{what} vs {args.reference}: max |diff| {d:.3g} (line {row + 1}), limit {args.tolerance:g}: "
+    say(f"{what} vs {shown(args.reference)}: max |diff| {d:.3g} (line {row + 1}), limit {args.tolerance:g}: "
         + ("ok" if ok else "FAILED"))
     return None if ok else f"{what} vs the reference: {d:.3g} > {args.tolerance:g}"
+
+
+def shown(path):
+    """``path`` as the user would type it here: relative below the working
+    folder, absolute elsewhere."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.pardir) else rel
 
 
 def plural(n, word, suffix="s"):

