@@ -65,7 +65,7 @@ ready = cpu.ready
 
 @pytest.mark.parametrize("dtype,transport", [("f32", "shm"), ("bf16", "shm"), ("f32", "tcp")])
 def test_encoder_on_gpus(two_gpus, tmp_path, summary_line, dtype, transport):
-    results = launched.run_suite(THIS, dtype, 2, transport, tmp_path, cpu_devices=None, timeout=600,
+    results = launched.run_suite(THIS, f"{dtype}/jax_arx,lax", 2, transport, tmp_path, cpu_devices=None, timeout=600,
                                  env={"JAX_PLATFORMS": "cuda", "MINILM_TEST_OUT": str(tmp_path)})
     for rank, r in results.items():
         assert r["platform"] == "gpu" and r["calls"] == {"tp": 2, "sp": 5}, (rank, r)
@@ -91,5 +91,5 @@ elif __name__ == "__main__" and "--cpu-check" in sys.argv:
 
     dtype = sys.argv[sys.argv.index("--cpu-check") + 1]
     with tempfile.TemporaryDirectory() as d:
-        r = launched.run_suite(THIS, dtype, 2, "shm", d, env={"MINILM_TEST_OUT": d, "JAX_ARX_IDLE_SPIN_MS": "0"})
+        r = launched.run_suite(THIS, f"{dtype}/jax_arx,lax", 2, "shm", d, env={"MINILM_TEST_OUT": d, "JAX_ARX_IDLE_SPIN_MS": "0"})
         print(check(dtype, r, d, "shm"))

@@ -5,9 +5,9 @@ Each encoder test launches this file as a worker under ``python -m
 jax_arx.launch -n N``: every rank builds the example's model
 (examples/minilm_model.py) for both modes, tensor-parallel (``tp``: psum)
 and sequence-parallel (``sp``: all_gather, psum_scatter), encodes the 37
-fixture sentences with jax_arx's collectives and with jax.lax's, saves
-every embedding its devices hold (each rank's own copy, from its own
-shard), and rank 0 also saves the unsharded model's. The test then checks,
+fixture sentences with jax_arx's collectives (at 2 ranks with jax.lax's
+too), saves every embedding its devices hold (each rank's own copy, from
+its own shard), and rank 0 also saves the unsharded model's. The test then checks,
 with numpy, against the fixture that sentence-transformers made
 (tests/minilm_fixture, see make_fixture.py there; torch is not needed
 here):
@@ -92,18 +92,19 @@ def worst_rows(a, b, limit):
     return {int(i) + 1: float(d[i]) for i in np.nonzero(d > limit)[0]}
 
 
-def check_encodings(out_dir, world, *, vs_fixture, vs_unsharded, exact):
+def check_encodings(out_dir, world, *, vs_fixture, vs_unsharded, exact, impls=IMPLS):
     """Everything a worker saved in ``out_dir``, against the fixture and
     against each other (see the module docstring); with ``exact``, the
     cases that are bit-identical by construction must be, else they are
-    held to ``vs_unsharded``. Returns the figures."""
+    held to ``vs_unsharded``. ``impls``: the collectives the worker ran.
+    Returns the figures."""
     sentences, ref = fixture()
     unsharded = np.load(os.path.join(out_dir, "unsharded.npy"))
     assert unsharded.shape == ref.shape == (len(sentences), 384)
     assert worst_rows(unsharded, ref, vs_fixture) == {}, "unsharded vs sentence-transformers"
     figures = {"unsharded vs fixture": max_abs(unsharded, ref)}
     for mode in MODES:
-        for impl in IMPLS:
+        for impl in impls:
             copies = [np.load(os.path.join(out_dir, f"{mode}-{impl}-rank{r}.npy")) for r in range(world)]
             for r, c in enumerate(copies):
                 assert c.tobytes() == copies[0].tobytes(), f"{mode} {impl}: rank {r}'s embeddings differ from rank 0's"
@@ -112,6 +113,8 @@ def check_encodings(out_dir, world, *, vs_fixture, vs_unsharded, exact):
             assert worst_rows(e, unsharded, vs_unsharded) == {}, f"{mode} {impl} vs unsharded"
             figures[f"{mode} {impl} vs fixture"] = max_abs(e, ref)
             figures[f"{mode} {impl} vs unsharded"] = max_abs(e, unsharded)
+        if "lax" not in impls:
+            continue
         arx, lax = (np.load(os.path.join(out_dir, f"{mode}-{i}-rank0.npy")) for i in IMPLS)
         figures[f"{mode} jax_arx vs lax"] = max_abs(arx, lax)
         if exact and world == 2:
@@ -130,13 +133,19 @@ FOUR = pytest.mark.skipif(os.environ.get("MINILM_TEST_4_RANKS") != "1",
                           reason="4 ranks: set MINILM_TEST_4_RANKS=1 (about 3 minutes on 2 cores)")
 
 
-@pytest.mark.parametrize("nprocs,transport", [(2, "shm"), (3, "tcp"), pytest.param(4, "shm", marks=FOUR)])
-def test_encoder_matches_sentence_transformers(ready, tmp_path, summary_line, nprocs, transport):
-    results = launched.run_suite(THIS, "f32", nprocs, transport, tmp_path, env=worker_env(tmp_path), timeout=600)
+# jax.lax's collectives at 2 ranks, where they must give the same bits; past
+# 2 they are held to the same tolerance as unsharded, which the tp and sp runs
+# already meet, so CI's time goes to jax_arx there.
+@pytest.mark.parametrize("nprocs,transport,impls", [(2, "shm", IMPLS), (3, "tcp", ("jax_arx",)),
+                                                    pytest.param(4, "shm", IMPLS, marks=FOUR)])
+def test_encoder_matches_sentence_transformers(ready, tmp_path, summary_line, nprocs, transport, impls):
+    results = launched.run_suite(THIS, f"f32/{','.join(impls)}", nprocs, transport, tmp_path,
+                                 env=worker_env(tmp_path), timeout=600)
     for rank, r in results.items():
         assert r["calls"] == {"tp": 2, "sp": 5}, (rank, r)  # per scanned layer, + the sp pooling's gather
         assert r["carrier"] in (transport, "unknown"), (rank, r)
-    figures = check_encodings(tmp_path, nprocs, vs_fixture=VS_FIXTURE, vs_unsharded=F32_VS_UNSHARDED, exact=True)
+    figures = check_encodings(tmp_path, nprocs, vs_fixture=VS_FIXTURE, vs_unsharded=F32_VS_UNSHARDED, exact=True,
+                              impls=impls)
     summary_line(describe(f"minilm, {nprocs} ranks over {transport}", figures, results))
 
 
@@ -153,11 +162,11 @@ def worker_env(out_dir, extra=None):
 
 def test_program_writes_what_it_prints(ready, tmp_path):
     """The program as the README runs it, on a file of the user's with a
-    reference of the user's (six fixture sentences, one past 256 tokens,
-    one batch): exit 0, the checks it prints, and what it wrote, against
+    reference of the user's (six short fixture sentences, one batch; the
+    long ones cost time and are the encoder test's): exit 0, the checks it prints, and what it wrote, against
     the fixture here."""
     sentences, ref = fixture()
-    picked = [9, 0, 32, 4, 6, 2]
+    picked = [9, 0, 5, 4, 6, 2]
     (tmp_path / "mine.txt").write_text("\n".join(sentences[i] for i in picked) + "\n", encoding="utf-8")
     np.save(tmp_path / "mine-ref.npy", ref[picked])
     out = tmp_path / "emb.npy"
@@ -167,7 +176,7 @@ def test_program_writes_what_it_prints(ready, tmp_path):
     p = launched._run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
     detail = f"status {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
     assert p.returncode == 0, detail
-    for line in ("6 sentences from mine.txt, 1 batch of 6 padded to 256 tokens", "jax_arx over shm",
+    for line in ("6 sentences from mine.txt, 1 batch of 6 padded to 32 tokens", "jax_arx over shm",
                  "sp with jax_arx collectives: the same bits on every rank", "jax_arx vs lax collectives: max |diff| 0",
                  "sp, jax_arx vs mine-ref.npy", "limit 1e-05: ok", "unsharded, one device", "lower is better",
                  f"wrote {out}: 6 x 384 float32"):
@@ -226,9 +235,10 @@ def test_a_failed_check_writes_nothing(ready, tmp_path):
 
 # ---- the worker ----------------------------------------------------------------
 
-def worker(dtype):
-    """One rank: both modes with both kinds of collectives, and on rank 0
-    the unsharded model; saves what this process's devices hold."""
+def worker(suite):
+    """One rank of suite "DTYPE/IMPL,...": both modes with each kind of
+    collectives named, and on rank 0 the unsharded model; saves what this
+    process's devices hold."""
     import time
 
     sys.path.insert(0, EXAMPLES)
@@ -237,6 +247,7 @@ def worker(dtype):
     import jax
     import jax_arx
 
+    dtype, impls = suite.split("/")
     out_dir = os.environ["MINILM_TEST_OUT"]
     report = {"calls": {}, "seconds": {}, "platform": jax.devices()[0].platform}
     models = {}
@@ -248,7 +259,7 @@ def worker(dtype):
         minilm.size_jax_arx_buffers(model)
         jax_arx.initialize(model.mesh)
         report["carrier"] = minilm.carrier(model.axis).split(" ")[0]
-        for impl in IMPLS:
+        for impl in impls.split(","):
             enc = minilm.Encoder(model, impl)
             if impl == "jax_arx":
                 report["calls"][mode] = max(enc.jax_arx_calls)
