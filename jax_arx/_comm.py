@@ -640,7 +640,10 @@ def shutdown() -> None:
     reach shutdown() too: a proxy closed early could leave a peer waiting
     for the last partial it had still to send. A program traced before
     shutdown() fails when run afterwards, until initialize() is called again
-    with the same mesh. Also runs at interpreter exit; there, when the
+    with the same mesh; on GPUs, a program XLA had captured as a CUDA graph
+    (command buffers) keeps returning NaN even then, so call
+    ``jax.clear_caches()`` after that initialize() to have it compiled
+    again. Also runs at interpreter exit; there, when the
     process is ending on an uncaught exception, it closes at once without
     waiting for the others. Idempotent.
     """

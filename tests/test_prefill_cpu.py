@@ -105,7 +105,7 @@ def test_moe_combine_reference_is_the_documented_arithmetic(e4m3):
     the documented sum, clamps pos and zeroes the rows past T."""
     import jax
     import jax.numpy as jnp
-    from jax_arx import _prefill
+    from jax_arx import _bulk
 
     rng = np.random.default_rng(0)
     T, R, H, topk = 37, 50, 256, 5
@@ -117,7 +117,7 @@ def test_moe_combine_reference_is_the_documented_arithmetic(e4m3):
     pos = jnp.asarray(rng.integers(-3, R + 3, size=(T, topk)), jnp.int32)
     w = jnp.asarray(_bf16_valued(rng.normal(size=(T, topk))))
     shared = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
-    got = jax.jit(lambda *a: _prefill.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
+    got = jax.jit(lambda *a: _bulk.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
     want = reference_combine(np.asarray(y), np.asarray(pos), np.asarray(w), np.asarray(shared),
                              None if y_scale is None else np.asarray(y_scale), 40)
     assert got.shape == (40, H) and got.dtype == jnp.bfloat16

@@ -173,11 +173,14 @@ class Watchdog {
 // peers' notice words and turns one into its endpoint's failure, which
 // aborts every wait. A peer that had finished the collective before the
 // notice arrived fails at its next one: agreement on the outcome of the
-// very collective would need one more round trip on every call.
+// very collective would need one more round trip on every call. The
+// notice's descriptor carries the family and why the wait gave up, so that
+// every rank's error names the same cause (a mismatch, a timeout).
 void send_notices(Endpoint& ep) {
   const Control* ctl = ep.control();
   const uint64_t seq = load_acquire(&ctl->failed_seq);
-  const uint64_t value = flag_word(seq ? seq : 1, seq ? load_relaxed(&ctl->failed_family) + 1 : 0);
+  const uint64_t desc = seq ? (load_relaxed(&ctl->failed_family) + 1) | load_relaxed(&ctl->failed_kind) << 8 : 0;
+  const uint64_t value = flag_word(seq ? seq : 1, desc);
   const Layout& L = ep.layout();
   const int rank = ep.spec().rank;
   for (int j = 0; j < ep.spec().world; ++j)
@@ -186,18 +189,26 @@ void send_notices(Endpoint& ep) {
                           L.flag_offset(notice_word(rank)), value);
 }
 
-// A peer's notice, as a failure message; "" when no peer sent one.
+// A peer's notice, as a failure message; "" when no peer sent one. The
+// message keeps the words errors.classify() reads ("issued a different
+// collective", "timed out after"), so every rank raises the same class.
 std::string notice_from_peers(const Endpoint& ep) {
   for (int j = 0; j < ep.spec().world; ++j) {
     if (j == ep.spec().rank) continue;
     const uint64_t v = load_acquire(ep.flags() + notice_word(j));
     if (v == 0) continue;
-    const uint64_t family = flag_desc(v);
-    return strf("jax_arx: %s: rank %d gave up on %s #%llu and said so; this rank fails it too (or, if it had "
-                "finished it, the collective after it), as every rank does. The first failure, on rank %d, says "
-                "why: see its log",
-                ep.label().c_str(), j, family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
-                (unsigned long long)flag_seq(v), j);
+    const uint64_t family = flag_desc(v) & 0xff;
+    const auto kind = static_cast<FailureKind>(flag_desc(v) >> 8);
+    const std::string what = strf("%s #%llu", family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
+                                  (unsigned long long)flag_seq(v));
+    const std::string cause =
+        kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
+        : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for a peer timed out after its "
+                                               "JAX_ARX_TIMEOUT_S", what.c_str())
+                                        : strf("gave up on %s", what.c_str());
+    return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
+                "collective after it), as every rank does. Rank %d's own error says more: see its log",
+                ep.label().c_str(), j, cause.c_str(), j);
   }
   return "";
 }

@@ -251,7 +251,8 @@ void test_fail_everywhere(TransportKind kind) {
   while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   const std::string why = rig.eps[1]->failure();
-  EXPECT(why.find("rank 0 gave up on psum #1") != std::string::npos, "%s: rank 1 was told: '%s'",
+  EXPECT(why.find("rank 0 gave up on psum #1") != std::string::npos && why.find("timed out after") != std::string::npos,
+         "%s: rank 1 was told why: '%s'",
          transport_name(kind), why.c_str());
   const Status s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
   EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: the late rank's call fails with NaN instead of completing: %s",
