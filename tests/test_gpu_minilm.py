@@ -53,6 +53,9 @@ THIS = os.path.abspath(__file__)
 BF16_TOLERANCE = 1e-2
 
 
+ready = cpu.ready
+
+
 @pytest.fixture(scope="module")
 def gpus(ready):
     return gpu_common.require_gpus(1)
