@@ -783,11 +783,11 @@ bool TcpTransport::on_header(InLink& c) {
   if (h.magic != kFrameMagic) {
     why = strf("sent a frame with a bad magic 0x%016llx: the stream is out of step (mixed jax_arx versions?)",
                (unsigned long long)h.magic);
-  } else if (!L.src_may_write(c.peer, h.offset, h.len)) {
+  } else if (!L.may_write(c.peer, ctx_.rank, h.offset, h.len)) {
     why = strf("sent a write of %llu bytes at offset %llu, outside its own slots in this endpoint's inbox: the "
                "ranks disagree on the buffer geometry, or the peer is faulty",
                (unsigned long long)h.len, (unsigned long long)h.offset);
-  } else if (h.flag_offset != kNoFlag && !L.src_may_flag(c.peer, h.flag_offset)) {
+  } else if (h.flag_offset != kNoFlag && !L.may_flag(c.peer, ctx_.rank, h.flag_offset)) {
     why = strf("sent a flag for offset %llu, which is not one of its own words of this endpoint's flag page",
                (unsigned long long)h.flag_offset);
   }
