@@ -359,19 +359,23 @@ void test_faulty_peer() {
 // kernel's buffers hold must fail within about the timeout, name the peer
 // and say why, and close the stream; close() must not wait on such a send.
 
+// Real rank 0, connected to a rank 1 that never reads; slots of `bytes`.
+bool make_stopped_pair(World& w, uint64_t bytes, double timeout_s) {
+  if (!make_world(w, 2, bytes, bytes, /*make=*/1, {}, "", 0, timeout_s)) return false;
+  w.fake(1).drain.store(false);
+  std::vector<std::vector<int>> in;
+  const Status s = connect_with_fakes(w, in, 10);
+  CHECK(s.ok(), "connect with a fake peer: %s", s.message().c_str());
+  return s.ok();
+}
+
 void test_stopped_peer() {
   const int f0 = g_failures;
   const double timeout_s = 2;
   const uint64_t bytes = 48ull << 20;  // far more than the socket buffers of both ends hold
   {
     World w;
-    if (!make_world(w, 2, bytes, bytes, /*make=*/1, {}, "", 0, timeout_s)) return;
-    w.fake(1).drain.store(false);
-    std::vector<std::vector<int>> in;
-    if (!connect_with_fakes(w, in, 10).ok()) {
-      CHECK(false, "connect with a fake peer failed");
-      return;
-    }
+    if (!make_stopped_pair(w, bytes, timeout_s)) return;
     Rank& me = w[0];
     std::atomic<bool> done{false};
     Status st;
@@ -400,13 +404,7 @@ void test_stopped_peer() {
   {  // close() while a put is blocked on such a peer (timeout far away).
     const int f1 = g_failures;
     World w;
-    if (!make_world(w, 2, bytes, bytes, /*make=*/1, {}, "", 0, /*timeout_s=*/60)) return;
-    w.fake(1).drain.store(false);
-    std::vector<std::vector<int>> in;
-    if (!connect_with_fakes(w, in, 10).ok()) {
-      CHECK(false, "connect with a fake peer failed");
-      return;
-    }
+    if (!make_stopped_pair(w, bytes, /*timeout_s=*/60)) return;
     Rank& me = w[0];
     std::atomic<bool> done{false};
     Status st;
