@@ -5,11 +5,12 @@ each test launches this file as its worker, ``--worker SUITE``):
 - ``stranger`` (tcp, 2 processes, with and without ``JAX_ARX_SECRET``):
   while rank 0 waits in ``initialize()`` for its peer, a stranger (a thread of
   rank 1, before rank 1 itself connects) reads jax.distributed's key-value
-  store (everything jax_arx published there) and tries to open a stream into
-  rank 0 as rank 1 with all of it: the old wire's hello carrying each value
-  as the secret, and the current handshake keyed by each value. No attempt
-  may be acknowledged. Then both set up, a psum is exact, and nothing
-  jax_arx published is left in the store.
+  store (everything jax_arx published there), opens 192 silent connections
+  to rank 0 and keeps them open, and tries to open a stream into rank 0 as
+  rank 1 with all it read: the old wire's hello carrying each value as the
+  secret, and the current handshake keyed by each value. No attempt may be
+  acknowledged. Then both set up (through the silent crowd), a psum is
+  exact, and nothing jax_arx published is left in the store.
 - ``stopped_peer:psum`` and ``stopped_peer:all_gather`` (tcp, 2 processes,
   ``JAX_ARX_TIMEOUT_S=5``): both run a 96 MiB psum (or an 80 MiB
   all_gather) once, then rank 1 stops itself (SIGSTOP; a helper resumes it
@@ -100,6 +101,7 @@ def check_stranger(cwd, user_secret, gpu):
     stranger = results[1]["stranger"]
     # It found rank 0's address and every value, and tried them all.
     assert stranger["port"] and stranger["values"] >= 4 and stranger["attempts"] >= 8, stranger
+    assert stranger["crowd"] == 192, stranger
     assert stranger["acked"] == [], stranger
     for rank in (0, 1):
         r = results[rank]
@@ -259,11 +261,13 @@ def _store_values(client, prefix="jax_arx/"):
         return []
 
 
-def _stranger(client, done, report):
+def _stranger(client, done, report, crowd):
     """Reads everything jax_arx published in the store, as anyone who reaches
     the coordinator can, once rank 0 has published its tcp details (it then
-    waits in its endpoint's connect()), and tries to open a stream into rank 0
-    as rank 1 with all of it."""
+    waits in its endpoint's connect()); opens 192 connections to rank 0 that
+    never say a word (into ``crowd``: the old carrier then refused every
+    further one, the real rank 1's included), and tries to open a stream into
+    rank 0 as rank 1 with all it read."""
     seen, port = [], None
     deadline = time.monotonic() + 60
     while port is None and time.monotonic() < deadline:
@@ -273,13 +277,15 @@ def _stranger(client, done, report):
             if key.endswith("/details/0") and m:
                 port = int(m.group(2))
         time.sleep(0.05)
+    if port is not None:
+        crowd.extend(socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(192))
     values = [bytes(v) for _, v in seen]
     candidates = [v for v in values if 8 <= len(v) <= 64] + [hashlib.sha256(v).digest() for v in values]
     attempts = [(hello, key) for root in (0, 1) for c in candidates
                 for hello, key in ((_hello_v1(c, 1, root), None), (_hello_v2(bytes(32), 1, root), c),
                                    (_hello_v2(c[:32].ljust(32, b"\0"), 1, root), c))]
     answers = _try_all(port, attempts) if port is not None else []
-    report["stranger"] = {"port": port, "values": len(values), "attempts": len(attempts),
+    report["stranger"] = {"port": port, "values": len(values), "attempts": len(attempts), "crowd": len(crowd),
                           "answers": sorted(set(answers)), "acked": [i for i, a in enumerate(answers) if a == "ack"]}
     done.set()
 
@@ -295,10 +301,13 @@ def _suite_stranger():
         # The stranger runs beside rank 1's own set-up, which connects only
         # once the stranger is done (through the stand-in core module
         # jax_arx._comm takes for tests), so it tries before the real rank 1.
-        done = threading.Event()
-        threading.Thread(target=_stranger, args=(client, done, report), daemon=True).start()
+        done, crowd = threading.Event(), []
+        threading.Thread(target=_stranger, args=(client, done, report, crowd), daemon=True).start()
         _before_connect(lambda: done.wait(60))
     jax_arx.initialize(mesh)
+    if me == 1:
+        for c in crowd:  # the silent crowd stayed through rank 1's own set-up
+            c.close()
     world = mesh.size
     rows = np.random.default_rng(7).standard_normal((world, 4096)).astype(np.float32)
     x = jax.make_array_from_callback(rows.shape, sharded, lambda idx: rows[idx])
