@@ -1,7 +1,6 @@
 // The tcp carrier's set-up, put and close (the design is in tcp_carrier.h;
 // the receiver thread is in tcp_receive.cc).
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
