@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import gpu_common
+import test_failures_cpu as failures_cpu
 from gpu_common import AXIS, CMDBUF_ON
 
 pytestmark = pytest.mark.gpu
@@ -225,3 +226,24 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     gpu_common.place_rank()
     smoke = "--cpu-smoke" in sys.argv
     {"peer_exit": worker_peer_exit, "mismatch": worker_mismatch}[sys.argv[sys.argv.index("--worker") + 1]](smoke)
+
+
+# tests/test_failures_cpu.py's suites on GPUs: a stranger who read the
+# rendezvous store gets no tcp stream; a stopped peer makes a 96 MiB psum (the
+# proxy sends it on GPUs) and an 80 MiB all_gather fail, and shutdown()
+# return, within about the timeout; a rank SIGKILLed in initialize(), and
+# ranks that os._exit after a failed one, leave nothing in /dev/shm.
+
+@pytest.mark.parametrize("user_secret", [False, True], ids=["no-JAX_ARX_SECRET", "JAX_ARX_SECRET"])
+def test_a_stranger_with_the_store_gets_no_stream(tmp_path, user_secret):
+    failures_cpu.check_stranger(tmp_path, user_secret, gpus=gpu_common.require_gpus(1))
+
+
+@pytest.mark.parametrize("op", ["psum", "all_gather"])
+def test_a_stopped_peer_fails_the_call_and_shutdown_within_the_timeout(tmp_path, op):
+    failures_cpu.check_stopped_peer(tmp_path, op, gpus=gpu_common.require_gpus(1))
+
+
+@pytest.mark.parametrize("suite", ["killed_in_initialize", "failed_initialize"])
+def test_no_shared_memory_left_after_failed_set_ups(tmp_path, suite):
+    failures_cpu.check_no_shared_memory_left(tmp_path, suite, gpus=gpu_common.require_gpus(1))
