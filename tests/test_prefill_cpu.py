@@ -305,8 +305,11 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s, _, _ in specs]
         xs = [w.put(p) for p in parts]
 
-        def body(*xs):
-            return tuple(jax_arx.psum_scatter(x, "sp", scatter_dimension=d, tiled=t) for x, (_, d, t) in zip(xs, specs))
+        def body(*xs, scatter=jax_arx.psum_scatter):
+            # jax.lax.psum_scatter refuses a negative dimension at lowering;
+            # jax_arx takes it, as the numpy reference does.
+            return tuple(scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim,
+                                 tiled=t) for x, (_, d, t) in zip(xs, specs))
 
         f = w.smap(_lift(body), (P("sp"),) * len(xs), (P("sp"),) * len(xs))
         n = len(w.calls(f, *xs, target="jax_arx_psum_scatter"))
@@ -506,13 +509,19 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         args = [a for a in args if a is not None]
         per = 5 if e4m3 else 4
 
-        def body(*flat):
+        def body(*flat, lax=False):
+            # lax: jax_arx's plain-jax combine, then jax.lax's reduce-scatter.
             outs = []
             for i in range(len(cases)):
                 y, *rest = flat[i * per:(i + 1) * per]
                 scale = rest.pop(0) if e4m3 else None
                 pos, wt, shared = rest
-                outs.append(jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp", y_scale=scale))
+                if lax:
+                    tpad = -(-pos.shape[0] // n) * n
+                    rows = jax_arx.moe_combine(y, pos, wt, shared, y_scale=scale, padded_tokens=tpad)
+                    outs.append(w.jax.lax.psum_scatter(rows.astype(np.float32), "sp", tiled=True).astype(rows.dtype))
+                else:
+                    outs.append(jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp", y_scale=scale))
             return tuple(outs)
 
         f = w.smap(_lift(body), (P("sp"),) * len(args), (P("sp"),) * len(cases))
