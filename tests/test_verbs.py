@@ -12,7 +12,8 @@ and says what is missing when verbs is asked for.
 
 test_verbs_soft_roce boots a VM with four soft-RoCE devices on two veth pairs
 (tests/verbs/rxe_vm.sh; about 10 s to boot under TCG) and runs the two-rank
-carrier test inside it: two roots per rank, then one. test_psum_soft_roce
+carrier test inside it: two roots per rank, then one, then a ring of 2
+(each rank's list: the port facing prev, then the port facing next). test_psum_soft_roce
 boots it again and runs jax_arx.psum between two processes over the carrier
 (tests/workers/verbs_psum.py). Both are skipped, with the reason, where the VM
 cannot start: not root, or the VM's packages (qemu, a Debian kernel, ...)
@@ -93,7 +94,7 @@ def test_verbs_host_only(tmp_path):
         rc, out = _run([binary, "--host-only"], timeout=120)
         print(out)
         assert rc == 0 and "ALL PASSED" in out, out
-        for check in ("sysfs-gid", "hca-list", "gid-text", "load-failure", "no-devices"):
+        for check in ("sysfs-gid", "hca-list", "gid-text", "load-failure", "no-devices", "ring-device-list"):
             assert f"PASS {check}" in out, out
         if name == "no-headers":
             assert "compiled without rdma-core's headers" in out
@@ -199,16 +200,21 @@ def test_verbs_soft_roce(tmp_path):
     if rc == CANNOT_START:
         pytest.skip(out.strip().splitlines()[-1])
     assert rc == 0, out[-6000:]
-    runs = 2 if ndev == "4" else 1
+    runs = 3 if ndev == "4" else 1  # two roots, one root, a ring of 2
     assert "FAIL" not in out, out
     assert out.count("test_verbs_transport: ALL PASSED") == runs, out
     for rank in (0, 1):
         for check in ("construct", "gid-discovery", "bad-details", "connect", "pattern", "burst", "large", "bounds"):
             assert out.count(f"[rank {rank}] PASS {check} ") == runs, (rank, check)
-    for check in ("bad-hca", "bad-gid-index", "peer-close", "peer-exit"):
+    for check in ("bad-hca", "bad-gid-index", "peer-close", "silent-peer", "peer-exit"):
         assert out.count(f"[rank 0] PASS {check} ") == runs, check
     if ndev == "4":
         assert "[rank 0] PASS construct rxe0,rxe2: 2 roots" in out
+        # The ring: rank 0's ports (prev rxe2, next rxe0), two roots each; a
+        # peer that never connects fails connect() naming it and the port.
+        assert "[rank 0] PASS construct rxe2,rxe2,rxe0,rxe0: 2 roots" in out
+        assert re.search(r"PASS silent-peer connect failed in [0-9.]+ s: .*no answer from rank 1 .*the port facing "
+                         r"(prev|next) \(rank 1\)", out), out
     assert "[rank 0] PASS construct rxe0: 1 root" in out
     # A lost peer surfaces as an error naming it, within the QP's retry budget.
     detect = [float(s) for s in re.findall(r"PASS peer-(?:close|exit) detected in ([0-9.]+) s", out)]
