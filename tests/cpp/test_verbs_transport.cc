@@ -715,7 +715,7 @@ int main(int argc, char** argv) {
       else
         failed("bad-hca", st.ok() ? "accepted" : st.message());
       Rank r2;
-      const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250);
+      const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250, a.ring);
       if (!st2.ok() && contains(st2.message(), "JAX_ARX_IB_GID_INDEX")) pass("bad-gid-index", st2.message());
       else failed("bad-gid-index", st2.ok() ? "accepted" : st2.message());
     }
