@@ -22,6 +22,15 @@ in a mesh, and reports per topology:
 - what the proxies relayed (``Endpoint.stats()["relayed"]``): at world 4 in
   the ring, every rank forwarded its previous rank's puts; elsewhere none.
 
+Failures, over tcp (``JAX_ARX_TIMEOUT_S=5``):
+
+- ``mismatch`` (2 processes): process 0 sets up a mesh, process 1 a ring:
+  initialize fails on both, saying that JAX_ARX_TOPOLOGY differs;
+- ``relay_lost`` (a ring of 4): after a few exact psums rank 1, which relays
+  for rank 0, exits without a word; every other rank's next psum fails
+  within about the timeout (an error, or NaN and then an error from
+  jax_arx.check()), never a result, and its neighbours name it.
+
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
 otherwise.
 """
@@ -45,6 +54,7 @@ PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES
 TOPOLOGIES = ("ring", "mesh")
 CASES = ["psum", "gather", "scatter", "moe", "bursts"]
 BURSTS, BURST_OPS = 20, 16
+LOST_TIMEOUT_S = 5  # JAX_ARX_TIMEOUT_S of relay_lost
 
 
 # --- the tests ----------------------------------------------------------------
@@ -78,6 +88,25 @@ def test_ring_is_the_mesh_bit_for_bit(core_built, tmp_path, transport, world):
             assert ring["relayed"] >= ring["collectives"], (rank, ring["relayed"], ring["collectives"])
         else:
             assert ring["relayed"] == 0, (rank, ring["relayed"])  # every rank is a neighbour
+
+
+def test_topologies_that_differ_fail_initialize(core_built, tmp_path):
+    results = launched.run_suite(THIS, "mismatch", 2, "tcp", tmp_path, env={"JAX_ARX_TIMEOUT_S": "5"})
+    for rank, r in results.items():
+        assert r["error"], (rank, r)
+        assert "cabled as a" in r["error"] and "set JAX_ARX_TOPOLOGY the same everywhere" in r["error"], (rank, r)
+
+
+def test_a_lost_relay_fails_every_rank_within_the_timeout(core_built, tmp_path):
+    results = launched.run_suite(THIS, "relay_lost", 4, "tcp", tmp_path, env={"JAX_ARX_TIMEOUT_S": str(LOST_TIMEOUT_S)})
+    assert results[1] == {"exited": True}, results[1]
+    for rank in (0, 2, 3):
+        r = results[rank]
+        assert r["good"] == 3 and not r["finite"], (rank, r)  # never a result without rank 1
+        assert r["error"] and r["check"], (rank, r)
+        assert r["seconds"] < 2 * LOST_TIMEOUT_S + 5, (rank, r)
+    for rank in (0, 2):  # rank 1's neighbours: their links to it broke
+        assert "rank 1" in results[rank]["error"] + results[rank]["check"], (rank, results[rank])
 
 
 # --- the worker -------------------------------------------------------------------
@@ -199,9 +228,73 @@ def run_topology(w, topology):
             "topology": comm.topology, "transport": w.jax_arx.transport("sp")}
 
 
+def suite_mismatch():
+    """Process 0 asks for a mesh, process 1 for a ring; both report what
+    initialize raised."""
+    import jax_arx
+
+    jax_arx.distributed_initialize()
+    import jax
+
+    mesh = jax.make_mesh((jax.device_count(),), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    try:
+        jax_arx.initialize(mesh, topology="ring" if jax.process_index() else "mesh")
+        return {"error": ""}
+    except jax_arx.InitializationError as e:
+        return {"error": str(e)}
+
+
+def suite_relay_lost(w):
+    """A ring of 4: three exact psums, then rank 1 exits; the others call
+    again until the call fails (see the module doc)."""
+    import time
+
+    from jax_arx import _compat
+    from test_prefill_cpu import _lift, reference_sum
+
+    w.jax_arx.shutdown()
+    w.jax_arx.initialize(w.mesh, topology="ring")
+    parts = [np.full((4099,), r + 1, np.float32) for r in range(w.world)]
+    f = w.smap(_lift(lambda v: w.jax_arx.psum(v, "sp")), w.P("sp"), w.P("sp"), check_vma=False)
+    x = w.put(parts)
+    good = sum(all(got.tobytes() == reference_sum(parts).tobytes() for got in w.mine(f(x)).values())
+               for _ in range(3))
+    client, me = _compat.distributed_client(), w.jax.process_index()
+    if me == 1:
+        print(RESULT + json.dumps({"exited": True}), flush=True)
+        client.key_value_set("test_ring_cpu/exiting", "1")
+        os._exit(0)  # no shutdown, no word to the others
+    client.blocking_key_value_get("test_ring_cpu/exiting", 120_000)
+    time.sleep(0.5)  # the exit closes its sockets at once
+    report = {"good": good, "finite": False, "error": "", "check": ""}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3 * LOST_TIMEOUT_S and not report["error"]:
+        try:
+            got = next(iter(w.mine(f(x)).values()))
+            report["finite"] |= bool(np.isfinite(got).any())
+            if np.isnan(got).all():
+                break  # NaN: the call failed; check() says why
+        except Exception as e:  # the handler's error, as jax raises it
+            report["error"] = launched.error_text(e)
+    report["seconds"] = time.monotonic() - t0
+    try:
+        w.jax_arx.check()
+    except w.jax_arx.CollectiveError as e:
+        report["check"] = str(e)
+    report["error"] = report["error"] or report["check"]
+    print(RESULT + json.dumps(report), flush=True)
+    os._exit(0)  # rank 1 is gone: skip the exit-time barriers
+
+
 def _worker_main(argv):
-    w = _worker()
-    report = {topology: run_topology(w, topology) for topology in TOPOLOGIES}
+    suite = argv[argv.index("--worker") + 1]
+    if suite == "mismatch":
+        report = suite_mismatch()
+    else:
+        w = _worker()
+        if suite == "relay_lost":
+            suite_relay_lost(w)
+        report = {topology: run_topology(w, topology) for topology in TOPOLOGIES}
     print(RESULT + json.dumps(report), flush=True)
 
 

@@ -82,11 +82,11 @@ EOF
   done
 }
 n=0; while [ $n -lt 100 ]; do
-  ok=1; i=0
-  while [ $i -lt $NDEV ]; do
-    gid_index rxe$i $NET.$((i + 1)); [ -n "$GID" ] || ok=0
-    export RXE_DEV_$i=rxe$i RXE_IP_$i=$NET.$((i + 1)) RXE_GID_$i=$GID
-    i=$((i + 1))
+  ok=1; dv=0  # not i: gid_index sets i (sh functions share the caller's variables)
+  while [ $dv -lt $NDEV ]; do
+    gid_index rxe$dv $NET.$((dv + 1)); [ -n "$GID" ] || ok=0
+    export RXE_DEV_$dv=rxe$dv RXE_IP_$dv=$NET.$((dv + 1)) RXE_GID_$dv=$GID
+    dv=$((dv + 1))
   done
   [ $ok = 1 ] && break
   sleep 0.1; n=$((n+1))
