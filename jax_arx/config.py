@@ -42,7 +42,9 @@ JAX_ARX_TCP_ADDR           IPv4 address the tcp carrier listens on  the one
                                                                     the
                                                                     coordinator
 JAX_ARX_IB_HCA             RDMA devices for verbs (else             unset
-                           NCCL_IB_HCA)
+                           NCCL_IB_HCA); in a ring the port
+                           facing the previous rank, then the
+                           one facing the next
 JAX_ARX_IB_GID_INDEX       force this RoCE GID index                found
 JAX_ARX_IB_TIMEOUT         verbs QP ack timeout, 4.096 us << N,     14
                            1..31 (else NCCL_IB_TIMEOUT)
