@@ -73,6 +73,7 @@ class Communicator:
     mesh_shape: tuple[int, ...]
     device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
     endpoints: tuple[LocalEndpoint, ...]
+    topology: str = "mesh"  # "ring": each group's ranks reach only their neighbours
 
     def plan(self, op: str, nbytes: int) -> tuple[int, str]:
         """What runs a collective ``op`` with ``nbytes`` per rank on this
@@ -179,7 +180,7 @@ def groups(mesh, axis_name: Hashable) -> list[list[Any]]:
 
 # --- initialize -------------------------------------------------------------
 
-def initialize(mesh=None, *, _tuning=None) -> None:
+def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
     """Sets up jax_arx's communicators for ``mesh``; call it on every process.
 
     Call after ``jax.distributed.initialize`` (or in a single process with
@@ -199,9 +200,17 @@ def initialize(mesh=None, *, _tuning=None) -> None:
     Args:
       mesh: the ``jax.sharding.Mesh`` the ``shard_map`` calls run over.
         Default: the mesh set with ``jax.set_mesh``.
+      topology: how the hosts are cabled, the same on every process:
+        ``"mesh"`` (every rank reaches every other, through a switch) or
+        ``"ring"`` (2 to 4 boxes cabled in a ring with no switch: each
+        group's rank r reaches only ranks r - 1 and r + 1, in mesh order;
+        at world 4 what goes to the rank two away is relayed by the rank
+        in between). Default: ``JAX_ARX_TOPOLOGY``, else ``"mesh"``. See
+        the README's "Ring topology".
 
-    Idempotent: calling again with the same mesh does nothing, and a mesh
-    whose axis names are all new adds communicators for them.
+    Idempotent: calling again with the same mesh (and topology) does
+    nothing, and a mesh whose axis names are all new adds communicators
+    for them.
 
     ``_tuning`` is not for users: tests and benchmarks pass settings that a
     benchmark decided (``jax_arx.config.TUNING_KEYS``) to reach a path the
@@ -209,14 +218,17 @@ def initialize(mesh=None, *, _tuning=None) -> None:
 
     Raises:
       InitializationError: no mesh; an axis name already set up for a
-        different mesh (call ``jax_arx.shutdown()`` first); the C++ module
+        different mesh or topology (call ``jax_arx.shutdown()`` first); a
+        ring axis of more than 4 devices; the C++ module
         is missing; a peer did not show up within ``JAX_ARX_TIMEOUT_S``; or
         an endpoint could not be created or connected (the message says
         which axis, group and rank, and why).
-      ConfigError: a ``JAX_ARX_*`` variable has a bad value.
+      ConfigError: a ``JAX_ARX_*`` variable, or ``topology``, has a bad
+        value.
     """
     global _generation
     mesh = _resolve_mesh(mesh)
+    cfg = _config.with_topology(_config.load(), topology)
     with _lock:
         wanted: dict[Hashable, int] = {}
         for axis, size in mesh.shape.items():
@@ -224,7 +236,13 @@ def initialize(mesh=None, *, _tuning=None) -> None:
                 continue  # nothing to communicate; jax_arx.psum leaves such axes to jax.lax
             comm_id = communicator_id(mesh, axis)
             known = _communicators.get(axis)
+            if known is not None and known.comm_id == comm_id and known.topology != cfg.topology:
+                raise InitializationError(
+                    f"jax_arx.initialize: mesh axis {axis!r} is already set up as a {known.topology}; this call "
+                    f"asks for a {cfg.topology} (topology argument or JAX_ARX_TOPOLOGY). Call jax_arx.shutdown() on "
+                    "every process first.")
             if known is None:
+                _check_ring_size(cfg, axis, size)
                 wanted[axis] = comm_id
             elif known.comm_id != comm_id:
                 raise InitializationError(
@@ -236,7 +254,6 @@ def initialize(mesh=None, *, _tuning=None) -> None:
                     "on every process first, or name this mesh's axes differently.")
         if not wanted:
             return
-        cfg = _config.load()
         core = _core(required=True)
         _generation += 1
         store = _Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
@@ -248,6 +265,17 @@ def initialize(mesh=None, *, _tuning=None) -> None:
             # at a barrier); on failure, peers waiting for our keys time out
             # as they would without them.
             store.remove_published()
+
+
+def _check_ring_size(cfg, axis, size) -> None:
+    # Every process sees the same mesh, so every process refuses alike,
+    # before anything is published or connected.
+    if cfg.topology == "ring" and size > _config.MAX_RING_WORLD:
+        raise InitializationError(
+            f"jax_arx.initialize: mesh axis {axis!r} has {size} devices, but a ring (topology='ring' or "
+            f"JAX_ARX_TOPOLOGY=ring) takes 2 to {_config.MAX_RING_WORLD}: past that, data for a rank further "
+            "away would go through more than one relay. Cable the boxes through a switch and use "
+            "topology='mesh', or make the axis smaller.")
 
 
 def _resolve_mesh(mesh):
@@ -401,7 +429,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
         comms[axis] = Communicator(
             axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
             mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
-            endpoints=tuple(le for p, le in made if p.axis == axis))
+            endpoints=tuple(le for p, le in made if p.axis == axis), topology=cfg.topology)
     _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
     return comms
 

@@ -14,6 +14,12 @@ JAX_ARX_TIMEOUT_S          bound of every wait on peers, seconds    30
 JAX_ARX_IDLE_SPIN_MS       the proxy spins this long after work     200
 JAX_ARX_IDLE_NAP_US        then naps this long per turn (0: spin)   200
 JAX_ARX_TRANSPORT          shm | tcp | verbs                        automatic
+JAX_ARX_TOPOLOGY           mesh (every rank reaches every other:    mesh
+                           a switch) | ring (2-4 boxes cabled in
+                           a ring, no switch: a rank reaches only
+                           its two neighbours; README, "Ring
+                           topology"); jax_arx.initialize's
+                           ``topology`` argument overrides it
 JAX_ARX_FALLBACK           lax (use jax.lax, log once per reason)   lax
                            | error (raise JaxArxFallbackError)
 JAX_ARX_ON_FAILURE         raise | abort (exit the process with     raise
@@ -36,7 +42,9 @@ JAX_ARX_TCP_ADDR           IPv4 address the tcp carrier listens on  the one
                                                                     the
                                                                     coordinator
 JAX_ARX_IB_HCA             RDMA devices for verbs (else             unset
-                           NCCL_IB_HCA)
+                           NCCL_IB_HCA); in a ring the port
+                           facing the previous rank, then the
+                           one facing the next
 JAX_ARX_IB_GID_INDEX       force this RoCE GID index                found
 JAX_ARX_IB_TIMEOUT         verbs QP ack timeout, 4.096 us << N,     14
                            1..31 (else NCCL_IB_TIMEOUT)
@@ -80,6 +88,10 @@ from collections.abc import Mapping
 from jax_arx.errors import ConfigError
 
 TRANSPORTS = ("shm", "tcp", "verbs")
+TOPOLOGIES = ("mesh", "ring")
+# The largest ring: past it a rank's data for a far rank would go through
+# more than one relay (ffi/base/topology.h, kMaxRingWorld).
+MAX_RING_WORLD = 4
 # jax_arx.initialize(_tuning=...): the endpoint options a test or a benchmark
 # may set (ffi/base/config.h, "tuning").
 TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes")
@@ -101,6 +113,7 @@ class Config:
     idle_spin_ms: int = 200
     idle_nap_us: int = 200
     transport: str | None = None  # None: chosen per communicator (see _comm.choose_transport)
+    topology: str = "mesh"  # or "ring": links to the previous and next rank only (ffi/base/topology.h)
     fallback: str = "lax"
     on_failure: str = "raise"
     slot_bytes: int = 1 << 20
@@ -141,6 +154,8 @@ class Config:
         }
         if tcp_addr:
             options["tcp_addr"] = tcp_addr
+        if self.topology != "mesh":
+            options["topology"] = self.topology
         if self.ib_hca:
             options["ib_hca"] = self.ib_hca
         # The rest only when set, so the options of a set-up without RDMA stay
@@ -186,6 +201,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         idle_spin_ms=_nonnegative_int(env, "JAX_ARX_IDLE_SPIN_MS", defaults.idle_spin_ms),
         idle_nap_us=_nonnegative_int(env, "JAX_ARX_IDLE_NAP_US", defaults.idle_nap_us),
         transport=_choice(env, "JAX_ARX_TRANSPORT", TRANSPORTS, None),
+        topology=_choice(env, "JAX_ARX_TOPOLOGY", TOPOLOGIES, defaults.topology),
         fallback=_choice(env, "JAX_ARX_FALLBACK", FALLBACKS, defaults.fallback),
         on_failure=_choice(env, "JAX_ARX_ON_FAILURE", ON_FAILURE, defaults.on_failure),
         slot_bytes=slot_bytes,
@@ -208,6 +224,21 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
 
 
 _warned: set = set()
+
+
+def with_topology(cfg: Config, topology: str | None) -> Config:
+    """``cfg`` with ``topology`` (jax_arx.initialize's argument) in place of
+    JAX_ARX_TOPOLOGY's; None keeps it.
+
+    Raises:
+      ConfigError: ``topology`` is not "mesh" or "ring".
+    """
+    if topology is None:
+        return cfg
+    if not isinstance(topology, str) or topology.lower() not in TOPOLOGIES:
+        raise ConfigError(f"jax_arx.initialize(topology={topology!r}) is not accepted: use one of "
+                          f"{', '.join(repr(t) for t in TOPOLOGIES)}, or None for JAX_ARX_TOPOLOGY")
+    return dataclasses.replace(cfg, topology=topology.lower())
 
 
 def _warn_retired(env) -> None:

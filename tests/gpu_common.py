@@ -225,15 +225,24 @@ def launch_once(key, launch) -> Run:
 WORLDS = (2, 3, 4)
 
 
-def world_launch(script: str, worker: str, world: int) -> Run:
+def world_launch(script: str, worker: str, world: int, phases: tuple[str, ...] = ()) -> Run:
     """The launch of ``script``'s ``worker`` on ``world`` ranks that every
-    test of that world asserts on (once per session). XLA command buffers are
-    forced on at world 2 and 4 and off at world 3: both modes are covered
-    without more launches."""
+    test of that world asserts on (once per session); ``phases``: the
+    worker's phases to run (``--phases``), where not its default ones (the
+    ring phases run in a launch of their own, so ``-k ring`` runs only
+    those). XLA command buffers are forced on at world 2 and 4 and off at
+    world 3: both modes are covered without more launches."""
     gpus = require_gpus(1)
     flags = CMDBUF_OFF if world == 3 else CMDBUF_ON
-    return launch_once((script, worker, world), lambda: run_workers(
-        script, [worker], world, gpu_env(gpus, world, {"XLA_FLAGS": flags}), timeout=480))
+    args = [worker, "--phases", ",".join(phases)] if phases else [worker]
+    return launch_once((script, worker, world, phases), lambda: run_workers(
+        script, args, world, gpu_env(gpus, world, {"XLA_FLAGS": flags}), timeout=480))
+
+
+def worker_phases(argv: list[str], default) -> list[str]:
+    """The phases a worker runs: ``--phases a,b`` on its command line, else
+    ``default``."""
+    return argv[argv.index("--phases") + 1].split(",") if "--phases" in argv else list(default)
 
 
 # --- what the tests assert --------------------------------------------------------
@@ -259,7 +268,8 @@ def expected_routes(env: dict, platform: str) -> set[str]:
     """The routes a phase with ``env`` may take (Endpoint.route); on the CPU
     the host device side uses the shm carrier's mapping, whatever the CUDA
     settings say."""
-    proxy = env.get("JAX_ARX_TRANSPORT") == "tcp"
+    # In a ring the links are the carrier's, even on one host: through the proxy.
+    proxy = env.get("JAX_ARX_TRANSPORT") == "tcp" or env.get("JAX_ARX_TOPOLOGY") == "ring"
     if platform == "cpu":
         return {PROXY if proxy else HOST_INBOXES}
     if proxy or env.get("JAX_ARX_CUDA_DIRECT") == "0":
@@ -284,6 +294,16 @@ def assert_route(run: Run, reports: dict, env: dict, summary_line) -> str:
         assert why, f"the route fell back to host inboxes without the log line {NO_GPU_INBOXES_LINE!r}"
         summary_line(f"GPU inboxes are not used here, the direct route took host inboxes: {why[0]}")
     return route
+
+
+def assert_relays(reports: dict, env: dict) -> None:
+    """In a ring of 4 every rank relayed its previous rank's puts to the
+    rank two away (Endpoint.stats()["relayed"]); nowhere else did any."""
+    for rank, r in reports.items():
+        if env.get("JAX_ARX_TOPOLOGY") == "ring" and r["world"] == 4:
+            assert all(n > 0 for n in r["relayed"].values()), (rank, r["relayed"])
+        else:
+            assert not any(r["relayed"].values()), (rank, r["relayed"])
 
 
 def stats_sum(ran: dict, group: str) -> dict:
@@ -416,4 +436,5 @@ class GpuWorker(suites._Worker):
         emit(phase=self.phase_name, platform=self.platform, world=self.world,
              ranks=[self.rank_of(d) for d in self.jax.local_devices()],
              routes={le.rank: le.endpoint.route for le in eps}, cases=self.cases, digest=self.crc,
+             relayed={le.rank: le.endpoint.stats()["relayed"] for le in eps},
              xla_flags=os.environ.get("XLA_FLAGS", ""), **extra)

@@ -18,7 +18,14 @@ gpu_inboxes   the defaults                     direct, GPU inboxes where every r
 host_inboxes  JAX_ARX_CUDA_PEER_MEMORY=0       direct
 proxy         JAX_ARX_CUDA_DIRECT=0            proxy (shm carrier)
 tcp           JAX_ARX_TRANSPORT=tcp            proxy (tcp carrier)
+ring          JAX_ARX_TOPOLOGY=ring            proxy (shm carrier), links to prev and next only;
+                                               at world 4 every rank relays
+ring_tcp      JAX_ARX_TOPOLOGY=ring,           proxy (tcp carrier), likewise
+              JAX_ARX_TRANSPORT=tcp
 ============  ===============================  =================================================
+
+The ring phases run in a launch of their own per world (``test_bulk_ring``;
+``python3 -m pytest -m gpu -k ring tests`` runs them alone).
 
 Each phase runs tests/test_prefill_cpu.py's cases as they are, without their
 comparisons with jax.lax (on GPUs that is NCCL, which refuses ranks sharing a
@@ -61,18 +68,28 @@ PHASES = {
     "host_inboxes": {"JAX_ARX_CUDA_PEER_MEMORY": "0"},
     "proxy": {"JAX_ARX_CUDA_DIRECT": "0"},
     "tcp": {"JAX_ARX_TRANSPORT": "tcp"},
+    "ring": {"JAX_ARX_TOPOLOGY": "ring"},
+    "ring_tcp": {"JAX_ARX_TOPOLOGY": "ring", "JAX_ARX_TRANSPORT": "tcp"},
 }
-SMOKE_PHASES = ("gpu_inboxes", "tcp")  # --cpu-smoke: the host device side's two routes
+RING_PHASES = ("ring", "ring_tcp")  # a launch of their own
+MESH_PHASES = tuple(p for p in PHASES if p not in RING_PHASES)  # the default launch's
+SMOKE_PHASES = ("gpu_inboxes", "tcp", "ring")  # --cpu-smoke: the host device side's two routes, and a ring
 CASES = ["gather", "scatter", "moe", "zeros", "mixed", "loop"]
 FIRST_CASES = ["envelope", "python_loop", "replay"]  # the first phase's own
 
 
 # --- the tests -------------------------------------------------------------------
 
-@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("phase", MESH_PHASES)
 @pytest.mark.parametrize("world", gpu_common.WORLDS)
 def test_bulk(world, phase, summary_line):
     check_phase(gpu_common.world_launch(THIS, "bulk", world), phase, world, summary_line)
+
+
+@pytest.mark.parametrize("phase", RING_PHASES)
+@pytest.mark.parametrize("world", gpu_common.WORLDS)
+def test_bulk_ring(world, phase, summary_line):
+    check_phase(gpu_common.world_launch(THIS, "bulk", world, RING_PHASES), phase, world, summary_line)
 
 
 def check_phase(run, phase, world, summary_line):
@@ -85,6 +102,7 @@ def check_phase(run, phase, world, summary_line):
     # (each gets its own block), so there is no digest to compare.
     gpu_common.assert_correct(reports, CASES + (FIRST_CASES if phase == next(iter(PHASES)) else []),
                               same_everywhere=False)
+    gpu_common.assert_relays(reports, PHASES[phase])
     for r in reports.values():
         # One bulk collective per call of the cases' programs, each run once.
         gpu_common.assert_ran(r["ran"], r["lowered"], "calls")
@@ -193,7 +211,7 @@ def worker(argv):
 
     smoke = "--cpu-smoke" in argv
     w = gpu_common.GpuWorker(smoke)
-    for name in SMOKE_PHASES if smoke else PHASES:
+    for name in gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else MESH_PHASES):
         error = w.phase(name, PHASES[name])
         if error:
             w.report(init_error=error)

@@ -24,7 +24,18 @@ host_inboxes           JAX_ARX_CUDA_PEER_MEMORY=0; LL to 16 KiB     direct
 proxy                  JAX_ARX_CUDA_DIRECT=0,                       proxy (shm carrier)
                        JAX_ARX_ONESHOT_MAX_BYTES=64 KiB
 tcp                    JAX_ARX_TRANSPORT=tcp; pieces of 16 KiB      proxy (tcp carrier)
+ring                   JAX_ARX_TOPOLOGY=ring                        proxy (shm carrier), links to
+                                                                    prev and next only; at world 4
+                                                                    every rank relays (Endpoint.
+                                                                    stats()["relayed"])
+ring_tcp               JAX_ARX_TOPOLOGY=ring, JAX_ARX_TRANSPORT=    proxy (tcp carrier), likewise
+                       tcp; pieces of 16 KiB
 =====================  ===========================================  ==============================
+
+The ring phases run in a launch of their own per world (``test_psum_ring``;
+``python3 -m pytest -m gpu -k ring tests`` runs them alone): ranks that
+share one GPU, cabled as a ring, the one-shot and the two-shot through the
+proxy, relayed at world 4, with the same bits as the mesh (numpy's).
 
 Each phase runs, in one process per rank:
 
@@ -81,17 +92,27 @@ PHASES = {
     "host_inboxes": ({"JAX_ARX_CUDA_PEER_MEMORY": "0"}, {"cuda_ll_max_bytes": 16384}),
     "proxy": ({"JAX_ARX_CUDA_DIRECT": "0", "JAX_ARX_ONESHOT_MAX_BYTES": "65536"}, {}),
     "tcp": ({"JAX_ARX_TRANSPORT": "tcp"}, {"cuda_chunk_bytes": 16384}),
+    "ring": ({"JAX_ARX_TOPOLOGY": "ring"}, {}),
+    "ring_tcp": ({"JAX_ARX_TOPOLOGY": "ring", "JAX_ARX_TRANSPORT": "tcp"}, {"cuda_chunk_bytes": 16384}),
 }
-SMOKE_PHASES = ("gpu_inboxes", "tcp")  # --cpu-smoke: the host device side's two routes
+RING_PHASES = ("ring", "ring_tcp")  # a launch of their own
+MESH_PHASES = tuple(p for p in PHASES if p not in RING_PHASES)  # the default launch's
+SMOKE_PHASES = ("gpu_inboxes", "tcp", "ring")  # --cpu-smoke: the host device side's two routes, and a ring
 CASES = ["sizes", "graph", "loop", "aliased"]
 
 
 # --- the tests -------------------------------------------------------------------
 
-@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("phase", MESH_PHASES)
 @pytest.mark.parametrize("world", gpu_common.WORLDS)
 def test_psum(world, phase, summary_line):
     check_phase(gpu_common.world_launch(THIS, "psum", world), phase, world, summary_line)
+
+
+@pytest.mark.parametrize("phase", RING_PHASES)
+@pytest.mark.parametrize("world", gpu_common.WORLDS)
+def test_psum_ring(world, phase, summary_line):
+    check_phase(gpu_common.world_launch(THIS, "psum", world, RING_PHASES), phase, world, summary_line)
 
 
 def test_gpu_inboxes_across_two_devices():
@@ -133,6 +154,7 @@ def check_phase(run, phase, world, summary_line):
         return reports
     route = gpu_common.assert_route(run, reports, env, summary_line)
     gpu_common.assert_correct(reports, CASES + (["prefetch"] if phase == next(iter(PHASES)) else []))
+    gpu_common.assert_relays(reports, env)
     # What ran: each size of the sizes program once, by the algorithm the
     # phase's settings make of it.
     want = collections.Counter(expected_algorithm(phase, n, first, route) for n in first["sizes"])
@@ -292,8 +314,7 @@ def worker(argv):
     import jax_arx.config
 
     smoke = "--cpu-smoke" in argv
-    names = argv[argv.index("--phases") + 1].split(",") if "--phases" in argv else \
-        list(SMOKE_PHASES if smoke else PHASES)
+    names = gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else MESH_PHASES)
     w = gpu_common.GpuWorker(smoke)
     cuda = w.platform == "cuda"
     for name in names:

@@ -1,9 +1,22 @@
-"""Two hosts: two network namespaces joined by a veth pair, one process in each
-(the jax.distributed coordinator in the first), jax_arx.psum over tcp.
+"""Hosts as network namespaces, one process in each (the jax.distributed
+coordinator in the first), jax_arx over tcp (tests/workers/hosts.py checks
+psum, all_gather and psum_scatter bit for bit).
 
-The namespaces get addresses from a documentation range (198.51.100.0/24) and
-no route out of the machine. The test creates and removes them itself; it
-needs root and `ip netns`, and is skipped, saying why, where it cannot.
+- Two hosts joined by a veth pair: the automatic choice finds tcp.
+- A switchless ring of four: each namespace is joined by veth pairs to its
+  two neighbours only (no bridge, no forwarding), as boxes cabled in a ring.
+  Each box's address for jax_arx (JAX_ARX_TCP_ADDR) sits on its loopback and
+  is routed over the two links to the neighbours, so the rank two away has
+  no path at all. jax.distributed's coordinator goes over a separate
+  management network (a bridge in a fifth namespace, as the boxes' own
+  Ethernet ports to a switch), which jax_arx's traffic never takes. A mesh
+  must fail there on every rank within the timeout, saying there is no path
+  to a rank; a ring must pass, every rank relaying for its previous one.
+
+The namespaces get addresses from documentation ranges (198.51.100.0/24,
+203.0.113.0/24) and no route out of the machine. The tests create and remove
+them themselves; they need root and `ip netns`, and are skipped, saying why,
+where they cannot.
 """
 
 import json
@@ -20,8 +33,10 @@ import pytest
 import launched
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "two_hosts.py"
+WORKER = ROOT / "tests" / "workers" / "hosts.py"
 NET = "198.51.100"
+MGMT = "203.0.113"
+RING = 4
 
 pytestmark = pytest.mark.netns
 
@@ -30,30 +45,81 @@ def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+class _Namespaces:
+    """Namespaces and links made for one test, removed at the end
+    (a namespace takes its interfaces with it)."""
+
+    def __init__(self):
+        if os.geteuid() != 0:
+            pytest.skip("network namespaces need root")
+        if shutil.which("ip") is None:
+            pytest.skip("no `ip` command (apt-get install iproute2)")
+        self.tag = uuid.uuid4().hex[:6]
+        self.made: list[str] = []
+
+    def add(self, name):
+        name = f"{name}{self.tag}"
+        r = _ip("netns", "add", name, check=False)
+        if r.returncode != 0:
+            pytest.skip(f"cannot create a network namespace: {r.stderr.strip()}")
+        self.made.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    def wire(self, a, a_end, b, b_end):
+        """A veth pair, end ``a_end`` in namespace a and ``b_end`` in b, both up."""
+        a_end, b_end = f"{a_end}{self.tag}", f"{b_end}{self.tag}"
+        _ip("link", "add", a_end, "type", "veth", "peer", "name", b_end)
+        for ns, end in ((a, a_end), (b, b_end)):
+            _ip("link", "set", end, "netns", ns)
+            _ip("-n", ns, "link", "set", end, "up")
+        return a_end, b_end
+
+    def remove(self):
+        for n in self.made:
+            _ip("netns", "del", n, check=False)
+
+
 @pytest.fixture
 def two_hosts():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("no `ip` command (apt-get install iproute2)")
-    tag = uuid.uuid4().hex[:6]
-    names = [f"arxA{tag}", f"arxB{tag}"]
-    veths = [f"arxa{tag}", f"arxb{tag}"]
+    nets = _Namespaces()
     try:
-        for n in names:
-            r = _ip("netns", "add", n, check=False)
-            if r.returncode != 0:
-                pytest.skip(f"cannot create a network namespace: {r.stderr.strip()}")
-        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for i, (n, v) in enumerate(zip(names, veths)):
-            _ip("link", "set", v, "netns", n)
+        names = [nets.add("arxA"), nets.add("arxB")]
+        ends = nets.wire(names[0], "arxa", names[1], "arxb")
+        for i, (n, v) in enumerate(zip(names, ends)):
             _ip("-n", n, "addr", "add", f"{NET}.{i + 1}/24", "dev", v)
-            _ip("-n", n, "link", "set", v, "up")
-            _ip("-n", n, "link", "set", "lo", "up")
         yield names
     finally:
-        for n in names:
-            _ip("netns", "del", n, check=False)
+        nets.remove()
+
+
+@pytest.fixture
+def ring_of_four():
+    """RING namespaces; returns (names, each one's jax_arx address, the
+    coordinator's address)."""
+    nets = _Namespaces()
+    try:
+        names = [nets.add(f"arxR{i}") for i in range(RING)]
+        addr = [f"{NET}.{11 + i}" for i in range(RING)]
+        for i, n in enumerate(names):
+            _ip("-n", n, "addr", "add", f"{addr[i]}/32", "dev", "lo")
+        for i in range(RING):  # link i: rank i's next port to rank i + 1's prev port
+            j = (i + 1) % RING
+            out, into = nets.wire(names[i], f"arn{i}", names[j], f"arp{j}")
+            _ip("-n", names[i], "route", "add", f"{addr[j]}/32", "dev", out, "src", addr[i])
+            _ip("-n", names[j], "route", "add", f"{addr[i]}/32", "dev", into, "src", addr[j])
+        hub = nets.add("arxM")
+        _ip("-n", hub, "link", "add", f"arbr{nets.tag}", "type", "bridge")
+        _ip("-n", hub, "link", "set", f"arbr{nets.tag}", "up")
+        for i, n in enumerate(names):
+            end, port = nets.wire(n, f"arm{i}", hub, f"arh{i}")
+            _ip("-n", n, "addr", "add", f"{MGMT}.{i + 1}/24", "dev", end)
+            _ip("-n", hub, "link", "set", port, "master", f"arbr{nets.tag}")
+        for n in names:  # nothing is forwarded: the rank two away stays out of reach
+            subprocess.run(["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=0"], check=True)
+        yield names, addr, f"{MGMT}.1"
+    finally:
+        nets.remove()
 
 
 def _free_port():
@@ -62,21 +128,24 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_psum_across_two_hosts_over_tcp(two_hosts):
+def _run_hosts(names, coordinator, args=(), env_of=lambda i: {}, timeout=300):
+    """tests/workers/hosts.py in each namespace, process i in names[i];
+    returns each one's JSON line, after checking that every process exited 0."""
     port = _free_port()
     procs = []
-    for i, ns in enumerate(two_hosts):
+    for i, ns in enumerate(names):
         # A clean environment (no jax/XLA settings of the test process), and
         # no JAX_ARX_TRANSPORT: the automatic choice must find tcp.
-        env = launched.clean_env(dict(JAX_COORDINATOR_ADDRESS=f"{NET}.1:{port}", JAX_NUM_PROCESSES="2",
-                                      JAX_PROCESS_ID=str(i), JAX_PLATFORMS="cpu", JAX_ARX_TIMEOUT_S="60",
-                                      PYTHONUNBUFFERED="1"))
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(WORKER)], env=env,
+        env = launched.clean_env({"JAX_COORDINATOR_ADDRESS": f"{coordinator}:{port}",
+                                  "JAX_NUM_PROCESSES": str(len(names)), "JAX_PROCESS_ID": str(i),
+                                  "JAX_PLATFORMS": "cpu", "JAX_ARX_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1",
+                                  **env_of(i)})
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(WORKER), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=300)
+            out, _ = p.communicate(timeout=timeout)
             outs.append(out)
     finally:
         for p in procs:
@@ -87,6 +156,38 @@ def test_psum_across_two_hosts_over_tcp(two_hosts):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
         line = [l for l in out.splitlines() if l.startswith("{")][-1]
         results.append(json.loads(line))
+    return results
+
+
+CHECKED = {"psum": 12, "all_gather": 12, "psum_scatter": 12}
+
+
+def test_psum_across_two_hosts_over_tcp(two_hosts):
+    results = _run_hosts(two_hosts, f"{NET}.1")
     for r in results:
-        assert r["ok"] and r["checked"] == 12, results
-        assert r["transport"] == ["tcp"], r
+        assert r["ok"] and r["checked"] == CHECKED, results
+        assert r["transport"] == ["tcp"] and r["topology"] == "mesh", r
+
+
+def test_switchless_ring_of_four(ring_of_four, summary_line):
+    names, addr, coordinator = ring_of_four
+    env_of = lambda timeout: lambda i: {"JAX_ARX_TCP_ADDR": addr[i], "JAX_ARX_TIMEOUT_S": timeout}
+    # A mesh dials the rank two away, which has no path: every rank fails
+    # initialize within its timeout (10 s), saying so and what to set.
+    results = _run_hosts(names, coordinator, ["--topology", "mesh"], env_of("10"))
+    for r in results:
+        assert not r["ok"], results
+        rank2 = (r["process"] + 2) % RING
+        assert f"could not connect to rank {rank2}" in r["init_error"], r
+        assert "no path to that rank" in r["init_error"] and "JAX_ARX_TOPOLOGY=ring" in r["init_error"], r
+        assert r["seconds"] < 10 + 20, r  # the timeout, and start-up
+    summary_line(f"netns ring of 4, mesh: every rank failed in {max(r['seconds'] for r in results):.1f} s at most; "
+                 f"rank 0: {results[0]['init_error'][:600]}")
+    # A ring: everything passes, and every rank relays for its previous one.
+    results = _run_hosts(names, coordinator, ["--topology", "ring"], env_of("60"))
+    for r in results:
+        assert r["ok"] and r["checked"] == CHECKED, results
+        assert r["transport"] == ["tcp"] and r["topology"] == "ring", r
+        assert r["relayed"] > 0, r
+    summary_line(f"netns ring of 4, ring: {results[0]['checked']} checked per rank, relayed "
+                 f"{[r['relayed'] for r in results]} puts")

@@ -65,7 +65,7 @@ _connecting = {}
 OPTION_KEYS = {"slot_bytes", "send_bytes", "bulk_bytes", "oneshot_max_bytes", "timeout_s", "idle_spin_ms",
                "idle_nap_us", "stall_report_s", "cuda_direct", "cuda_peer_memory", "cuda_chunk_bytes",
                "cuda_ll_max_bytes", "ib_chunk_bytes", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ibverbs_lib",
-               "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index", "verbose"}
+               "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index", "verbose", "topology"}
 
 def version(): return "fake"
 def has_cuda(): return False
@@ -259,12 +259,34 @@ def test_config_endpoint_options_are_strings_the_core_accepts():
     assert "tcp_addr" not in config.Config().endpoint_options(None)
 
 
+def test_config_topology():
+    assert config.load({}).topology == "mesh" and "topology" not in config.Config().endpoint_options(None)
+    cfg = config.load({"JAX_ARX_TOPOLOGY": "Ring"})
+    assert cfg.topology == "ring" and cfg.endpoint_options(None)["topology"] == "ring"
+    # initialize's argument overrides the variable, either way.
+    assert config.with_topology(cfg, None) is cfg
+    assert config.with_topology(cfg, "mesh").topology == "mesh"
+    assert config.with_topology(config.load({}), "RING").topology == "ring"
+    for bad in ("star", "", 4, True):
+        with pytest.raises(jax_arx.ConfigError, match=r"initialize\(topology=.* is not accepted: use one of 'mesh', "
+                                                      r"'ring', or None for JAX_ARX_TOPOLOGY"):
+            config.with_topology(cfg, bad)
+    # The real core takes the option, and refuses what Python would not hand it.
+    core = pytest.importorskip("jax_arx._core", reason="needs the built C++ module")
+    core.Endpoint(1, 0, 0, 4, "tcp", "cpu", "t", b"s" * 32, cfg.endpoint_options(None)).close()
+    with pytest.raises(RuntimeError, match="neither 'mesh' nor 'ring'"):
+        core.Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, {"topology": "star"})
+    with pytest.raises(RuntimeError, match=r"5 ranks; a ring \(JAX_ARX_TOPOLOGY=ring\) takes 2 to 4"):
+        core.Endpoint(1, 0, 0, 5, "tcp", "cpu", "t", b"s" * 32, {"topology": "ring"})
+
+
 @pytest.mark.parametrize("name,value,accepted", [
     ("JAX_ARX_TIMEOUT_S", "soon", "positive number"),
     ("JAX_ARX_TIMEOUT_S", "-1", "positive number"),
     ("JAX_ARX_IDLE_SPIN_MS", "1.5", "non-negative integer"),
     ("JAX_ARX_IDLE_NAP_US", "-3", "non-negative integer"),
     ("JAX_ARX_TRANSPORT", "rdma", "shm, tcp, verbs"),
+    ("JAX_ARX_TOPOLOGY", "torus", "mesh, ring"),
     ("JAX_ARX_FALLBACK", "warn", "lax, error"),
     ("JAX_ARX_ON_FAILURE", "exit", "raise, abort"),
     ("JAX_ARX_SLOT_BYTES", "1MB", "binary suffix"),
@@ -1076,6 +1098,38 @@ def test_initialize_uses_the_mesh_in_context(fake_core):
     with jax.set_mesh(mesh):
         jax_arx.initialize()
     assert _comm.communicator("tp") is not None
+
+
+@needs_4_devices
+def test_initialize_topology(fake_core, monkeypatch):
+    # The argument reaches every endpoint, and overrides JAX_ARX_TOPOLOGY.
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)), topology="ring")
+    assert {e.options.get("topology") for e in fake_core.endpoints} == {"ring"}
+    assert _comm.communicator("tp").topology == "ring"
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)), topology="ring")  # the same: nothing to do
+    with pytest.raises(jax_arx.InitializationError, match=r"'tp' is already set up as a ring; this call asks for a "
+                                                          r"mesh .*Call jax_arx.shutdown\(\)"):
+        jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+    jax_arx.shutdown()
+    monkeypatch.setenv("JAX_ARX_TOPOLOGY", "ring")
+    jax_arx.initialize(_auto_mesh((4,), ("tp",)), topology="mesh")
+    assert all("topology" not in e.options for e in fake_core.endpoints[4:])
+    jax_arx.shutdown()
+    jax_arx.initialize(_auto_mesh((2, 2), ("dp", "tp")))  # every axis a ring of 2
+    assert {e.options.get("topology") for e in fake_core.endpoints[8:]} == {"ring"}
+    with pytest.raises(jax_arx.ConfigError, match="topology='torus'"):
+        jax_arx.initialize(_auto_mesh((4,), ("sp",)), topology="torus")
+    assert _comm.communicator("sp") is None
+
+
+def test_a_ring_past_four_is_refused_before_anything_is_set_up():
+    ring = config.Config(topology="ring")
+    _comm._check_ring_size(ring, "tp", 4)
+    _comm._check_ring_size(config.Config(), "tp", 8)  # a mesh of 8 is fine
+    with pytest.raises(jax_arx.InitializationError,
+                       match=r"axis 'tp' has 5 devices, but a ring .* takes 2 to 4: .*more than one relay. Cable "
+                             r"the boxes through a switch and use topology='mesh'"):
+        _comm._check_ring_size(ring, "tp", 5)
 
 
 @needs_4_devices

@@ -12,11 +12,14 @@ and says what is missing when verbs is asked for.
 
 test_verbs_soft_roce boots a VM with four soft-RoCE devices on two veth pairs
 (tests/verbs/rxe_vm.sh; about 10 s to boot under TCG) and runs the two-rank
-carrier test inside it: two roots per rank, then one. test_psum_soft_roce
-boots it again and runs jax_arx.psum between two processes over the carrier
-(tests/workers/verbs_psum.py). Both are skipped, with the reason, where the VM
-cannot start: not root, or the VM's packages (qemu, a Debian kernel, ...)
-not installed. The tests never install them: `.ci/run` does, and so does
+carrier test inside it: two roots per rank, then one, then a ring of 2 (each
+rank's list: the port facing prev, then the port facing next).
+test_psum_soft_roce boots it again and runs jax_arx.psum between two
+processes over the carrier (tests/workers/verbs_psum.py), a ring of 2 among
+its phases; test_ring_of_four_soft_roce boots it with eight devices on four
+wires and runs jax_arx.psum in a ring of four processes. All are skipped,
+with the reason, where the VM cannot start: not root, or the VM's packages
+(qemu, a Debian kernel, ...) not installed. The tests never install them: `.ci/run` does, and so does
 `tests/verbs/rxe_vm.sh --prepare` run by hand as root.
 RXE_VM_NDEV=2 runs the one-root half only.
 """
@@ -93,7 +96,7 @@ def test_verbs_host_only(tmp_path):
         rc, out = _run([binary, "--host-only"], timeout=120)
         print(out)
         assert rc == 0 and "ALL PASSED" in out, out
-        for check in ("sysfs-gid", "hca-list", "gid-text", "load-failure", "no-devices"):
+        for check in ("sysfs-gid", "hca-list", "gid-text", "load-failure", "no-devices", "ring-device-list"):
             assert f"PASS {check}" in out, out
         if name == "no-headers":
             assert "compiled without rdma-core's headers" in out
@@ -199,16 +202,21 @@ def test_verbs_soft_roce(tmp_path):
     if rc == CANNOT_START:
         pytest.skip(out.strip().splitlines()[-1])
     assert rc == 0, out[-6000:]
-    runs = 2 if ndev == "4" else 1
+    runs = 3 if ndev == "4" else 1  # two roots, one root, a ring of 2
     assert "FAIL" not in out, out
     assert out.count("test_verbs_transport: ALL PASSED") == runs, out
     for rank in (0, 1):
         for check in ("construct", "gid-discovery", "bad-details", "connect", "pattern", "burst", "large", "bounds"):
             assert out.count(f"[rank {rank}] PASS {check} ") == runs, (rank, check)
-    for check in ("bad-hca", "bad-gid-index", "peer-close", "peer-exit"):
+    for check in ("bad-hca", "bad-gid-index", "peer-close", "silent-peer", "peer-exit"):
         assert out.count(f"[rank 0] PASS {check} ") == runs, check
     if ndev == "4":
         assert "[rank 0] PASS construct rxe0,rxe2: 2 roots" in out
+        # The ring: rank 0's ports (prev rxe2, next rxe0), two roots each; a
+        # peer that never connects fails connect() naming it and the port.
+        assert "[rank 0] PASS construct rxe2,rxe2,rxe0,rxe0: 2 roots" in out
+        assert re.search(r"PASS silent-peer connect failed in [0-9.]+ s: .*no answer from rank 1 .*the port facing "
+                         r"(prev|next) \(rank 1\)", out), out
     assert "[rank 0] PASS construct rxe0: 1 root" in out
     # A lost peer surfaces as an error naming it, within the QP's retry budget.
     detect = [float(s) for s in re.findall(r"PASS peer-(?:close|exit) detected in ([0-9.]+) s", out)]
@@ -249,13 +257,15 @@ def test_psum_soft_roce(summary_line):
         pytest.skip(out.strip().splitlines()[-1])
     assert rc == 0, out[-8000:]
     assert "FAIL" not in out, out[-8000:]
-    phases = (["two-roots"] if ndev == "4" else []) + ["one-root", "auto-verbs", "auto-tcp"]
+    phases = (["two-roots", "ring"] if ndev == "4" else []) + ["one-root", "auto-verbs", "auto-tcp"]
     for phase in phases:
         for rank in (0, 1):
             assert f"verbs_psum: [rank {rank}] PASS {phase}: " in out, (phase, rank)
-    for phase in ("two-roots", "one-root", "auto-verbs"):
+    for phase in ("two-roots", "ring", "one-root", "auto-verbs"):
         if phase in phases:
             assert re.search(rf"PASS {phase}: \d+ psum calls over verbs", out), phase
+    if ndev == "4":  # a ring of 2, two roots per port: rank 0's prev port rxe2, next port rxe0
+        assert "psum calls over verbs (JAX_ARX_IB_HCA=rxe2,rxe2,rxe0,rxe0)" in out, out[-4000:]
     assert re.search(r"PASS auto-tcp: \d+ psum calls over tcp", out)
     assert out.count("psum calls over verbs (JAX_ARX_IB_HCA=rxe0,rxe2)") == (1 if ndev == "4" else 0)
     # The lost peer: rank 0's psum fails, naming rank 1, long before the timeout.
@@ -269,6 +279,45 @@ def test_psum_soft_roce(summary_line):
         if line.startswith("verbs_psum: [rank 0] PASS"):
             summary_line(line if len(line) < 400 else line[:400] + " ...")
     summary_line(f"soft-RoCE psum test: {wall:.1f} s wall, veth0 sent {sent.group(1)} packets")
+
+
+# A ring of four in the VM: eight soft-RoCE devices on four wires, wire k
+# from rank k's next port (rxe 2k) to rank k + 1's prev port (rxe 2k + 1).
+RING_OF_FOUR = "/".join(f"rxe{(2 * r - 1) % 8},rxe{2 * r}" for r in range(4))
+
+
+@pytest.mark.verbs
+@pytest.mark.slow
+def test_ring_of_four_soft_roce(summary_line):
+    """jax_arx.psum in a ring of four processes over soft-RoCE in the VM
+    (RXE_VM_NDEV=8), each rank's device list its prev port, then its next
+    port: every result bit for bit against numpy, every rank relaying what
+    its previous rank sends two ranks on. Uses this interpreter, as
+    test_psum_soft_roce does."""
+    _prepare_vm()
+    probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
+                           cwd="/", timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first)")
+    # Four jax processes under TCG: more memory, and hang guards no load reaches.
+    env = dict(os.environ, RXE_VM_NDEV="8", RXE_VM_MEM="4096", RXE_VM_TIMEOUT="2400")
+    phase = f"name=ring-of-4 transport=verbs topology=ring hca={RING_OF_FOUR} expect=verbs calls=4"
+    t0 = time.monotonic()
+    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER, "--ranks", "4", "--phase", phase], timeout=2500,
+                   env=env)
+    wall = time.monotonic() - t0
+    print(out)
+    if rc == CANNOT_START:
+        pytest.skip(out.strip().splitlines()[-1])
+    assert rc == 0, out[-8000:]
+    assert "FAIL" not in out, out[-8000:]
+    for rank in range(4):
+        m = re.search(rf"verbs_psum: \[rank {rank}\] PASS ring-of-4: \d+ psum calls over verbs .* (\d+) puts relayed",
+                      out)
+        assert m and int(m.group(1)) > 0, (rank, out[-4000:])
+    sent = re.search(r"psum over verbs: veth0 sent (\d+) packets", out)
+    assert sent and int(sent.group(1)) > 1000, sent
+    summary_line(f"soft-RoCE ring of four: {wall:.1f} s wall, veth0 sent {sent.group(1)} packets")
 
 
 # --- configuration and the automatic choice (no RDMA needed) ----------------

@@ -54,7 +54,7 @@ std::string trim(const std::string& s) {
 
 }  // namespace
 
-Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out) {
+Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out, size_t max_entries) {
   out.clear();
   std::string t = trim(text);
   if (!t.empty() && t[0] == '=') t = t.substr(1);  // NCCL's "exact names" prefix: names are always exact here
@@ -84,9 +84,14 @@ Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out) {
                                 text.c_str(), item.c_str()));
     out.push_back(spec);
   }
-  if (out.size() > 2)
+  if (out.size() > max_entries && max_entries <= 2)
     return Status::Error(strf("jax_arx: JAX_ARX_IB_HCA=%s lists %zu devices; the verbs carrier takes one or two, "
-                              "the devices of root 0 and root 1 (e.g. the two PCIe functions of one port on GB10)",
+                              "the devices of root 0 and root 1 (e.g. the two PCIe functions of one port on GB10; "
+                              "four, two ports of two, only in a ring: JAX_ARX_TOPOLOGY=ring)",
+                              text.c_str(), out.size()));
+  if (out.size() > max_entries)
+    return Status::Error(strf("jax_arx: JAX_ARX_IB_HCA=%s lists %zu devices; a ring takes at most four: the port "
+                              "facing the previous rank, then the port facing the next, each as its two functions",
                               text.c_str(), out.size()));
   return Status::Ok();
 }
@@ -265,10 +270,10 @@ void close_devices(const Api& api, std::vector<Device>& devices) {
   devices.clear();
 }
 
-Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, std::vector<Device>& out,
-                    std::string& note) {
+Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, size_t max_entries,
+                    std::vector<Device>& out, std::string& note) {
   std::vector<HcaSpec> specs;
-  ARX_RETURN_IF_ERROR(parse_hca_list(hca, specs));
+  ARX_RETURN_IF_ERROR(parse_hca_list(hca, specs, max_entries));
   int n = 0;
   errno = 0;
   ibv_device** list = api.get_device_list(&n);

@@ -4,7 +4,8 @@
 // "mlx5_0,mlx5_1", optionally with a port ("mlx5_0:1"). Each entry is one
 // root: two entries split every write over two NIC functions (GB10's two
 // PCIe roots), one sends it whole. Empty: the first one or two devices, by
-// name, that have an active port.
+// name, that have an active port. In a ring the list names two ports, the
+// one facing prev first, each as one or two entries (verbs_carrier.h).
 //
 // On RoCE the GID index is found, never assumed: the table's order depends
 // on the driver, the addresses configured and their order, so index 3 on one
@@ -35,7 +36,8 @@ struct HcaSpec {
   std::string name;
   int port = 0;
 };
-Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out);
+// At most `max_entries`: 2 in a mesh (root 0, root 1), 4 in a ring.
+Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out, size_t max_entries = 2);
 
 // One used row of a port's GID table, as sysfs shows it.
 struct GidEntry {
@@ -75,11 +77,11 @@ struct Device {
   bool gid_forced = false;
 };
 
-// Opens the devices `hca` names (or finds them, when empty) and picks each
-// one's port and GID. Errors say which device, port or GID was wrong and
+// Opens the devices `hca` names (at most `max_entries`, as parse_hca_list;
+// or finds one or two, when empty) and picks each one's port and GID. Errors say which device, port or GID was wrong and
 // which setting fixes it; on error nothing stays open.
-Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, std::vector<Device>& out,
-                    std::string& note);
+Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, size_t max_entries,
+                    std::vector<Device>& out, std::string& note);
 void close_devices(const Api& api, std::vector<Device>& devices);
 // "rxe0 port 1 GID[3] 198.51.100.1", for messages.
 std::string describe(const Device& d);

@@ -146,6 +146,7 @@ class PyEndpoint {
     d["bytes"] = bytes;
     d["algorithms"] = by_algorithm;
     d["stalls"] = st.stalls.load(std::memory_order_relaxed);
+    d["relayed"] = st.relayed.load(std::memory_order_relaxed);  // puts made for prev (a ring of 4)
     d["last_stall"] = ep_->last_stall();
     return d;
   }

@@ -4,13 +4,16 @@
 //   test_verbs_transport --host-only   (also: no devices named)
 //       device selection and GID discovery on a fake sysfs tree, and the
 //       errors a machine without RDMA devices (or libibverbs) gives.
-//   test_verbs_transport --hca0 rxe0 --hca1 rxe1 [--roots N] [--gid0 I --gid1 I]
+//   test_verbs_transport --hca0 rxe0 --hca1 rxe1 [--roots N] [--gid0 I --gid1 I] [--ring]
 //       forks rank 1; the two ranks connect over the named devices
 //       (comma-separated: two roots) and run: patterned data and flags
 //       through the protocol's two parities, thousands of back-to-back puts,
-//       a large put, bounds checks, then a peer that closes its carrier and
+//       a large put, bounds checks, then a peer that closes its carrier, a
+//       peer that never connects (the connection probe fails, naming it) and
 //       a peer that exits mid-stream, each of which must surface as an error
-//       from poll() naming the peer, within a bounded time.
+//       naming the peer, within a bounded time. --ring: the two ranks are a
+//       ring of 2 (JAX_ARX_TOPOLOGY=ring), each device list the port facing
+//       prev, then the port facing next (one or two devices each).
 // Environment instead of flags: ARX_TEST_HCA0, ARX_TEST_HCA1.
 // Prints "PASS name ..." / "FAIL name: ..." lines; exits non-zero on failure.
 #include <signal.h>
@@ -149,7 +152,8 @@ struct Rank {
   uint8_t* at(uint64_t off) { return region->base() + off; }
 };
 
-Status make_rank(Rank& r, int rank, int world, const std::string& hca, uint64_t slot_bytes, int64_t gid_index = -1) {
+Status make_rank(Rank& r, int rank, int world, const std::string& hca, uint64_t slot_bytes, int64_t gid_index = -1,
+                 bool ring = false) {
   r.config.ib_hca = hca;
   r.config.ib_gid_index = gid_index;
   r.config.timeout_s = 20;
@@ -167,6 +171,8 @@ Status make_rank(Rank& r, int rank, int world, const std::string& hca, uint64_t 
   geo.world = world;
   geo.slot_bytes = slot_bytes;
   geo.send_bytes = slot_bytes;
+  geo.topology = ring ? TopologyKind::kRing : TopologyKind::kMesh;
+  r.config.topology = geo.topology;
   r.layout = Layout::of(geo);
   ARX_RETURN_IF_ERROR(Region::create(r.layout.total, false, r.region));
   TransportContext ctx;
@@ -182,6 +188,28 @@ Status make_rank(Rank& r, int rank, int world, const std::string& hca, uint64_t 
     r.lost_peer.store(peer);
   };
   return make_verbs_transport(ctx, r.t);
+}
+
+// A ring's device list names two ports, prev's first; another count fails
+// construction, naming the rank, its neighbours and the form to use. The
+// check comes before any device is opened, so it runs without devices.
+void test_ring_device_list() {
+  bool ok = true;
+  std::string said;
+  for (const char* hca : {"rxe0,rxe1,rxe2", "", "rxe0"}) {
+    Rank r;
+    const Status st = make_rank(r, 2, 4, hca, 1 << 16, -1, true);
+    said += (said.empty() ? "" : " | ") + st.message();
+    if (contains(st.message(), "without rdma-core") || contains(st.message(), "could not load libibverbs")) continue;
+    ok = ok && !st.ok() && contains(st.message(), "rank 2 lists the port facing the previous rank (rank 1), then the "
+                                                  "port facing the next rank (rank 3)");
+  }
+  Rank five;
+  const Status st = make_rank(five, 0, 4, "a,b,c,d,e", 1 << 16, -1, true);
+  ok = ok && !st.ok() && (contains(st.message(), "a ring takes at most four") || contains(st.message(), "rdma-core") ||
+                          contains(st.message(), "libibverbs"));
+  if (ok) pass("ring-device-list", said);
+  else failed("ring-device-list", said + " | " + st.message());
 }
 
 void test_no_device_errors() {
@@ -330,6 +358,7 @@ struct Args {
   int burst = 5000;
   uint64_t slot_bytes = 4 << 20;
   double detect_limit_s = 15;
+  bool ring = false;  // a ring of 2: device lists name the port facing prev, then next
 };
 
 // The carrier's details of rank 0 and rank 1, exchanged over the socket.
@@ -377,7 +406,7 @@ void expect_peer_lost(Rank& r, const std::string& name, double limit_s) {
 void run_rank(int rank, const Args& a) {
   const int peer = 1 - rank;
   Rank r;
-  Status st = make_rank(r, rank, 2, a.hca[rank], a.slot_bytes);
+  Status st = make_rank(r, rank, 2, a.hca[rank], a.slot_bytes, -1, a.ring);
   if (!st.ok()) {
     failed("construct", st.message());
     return;
@@ -394,7 +423,7 @@ void run_rank(int rank, const Args& a) {
     std::vector<verbs::Device> devs;
     std::string note;
     st = verbs::load("", api);
-    if (st.ok()) st = verbs::open_devices(*api, a.hca[rank], -1, devs, note);
+    if (st.ok()) st = verbs::open_devices(*api, a.hca[rank], -1, 4, devs, note);
     if (!st.ok()) failed("gid-discovery", st.message());
     else if (devs[0].gid_index == a.gid[rank])
       pass("gid-discovery", "found the VM's RoCE v2 IPv4 GID: " + verbs::describe(devs[0]));
@@ -549,10 +578,36 @@ void run_rank(int rank, const Args& a) {
   barrier();
   r.t.reset();
 
-  // 6. A peer process that exits mid-stream: fresh carriers, one exchange to
+  // 6. A peer that never connects: its queue pairs stay in INIT and take no
+  // write, so rank 0's connection probe fails, naming rank 1 (and in a ring
+  // the port), within the QP's retry budget instead of at the first put.
+  {
+    Rank r1;
+    st = make_rank(r1, rank, 2, a.hca[rank], 1 << 16, -1, a.ring);
+    std::string mine = r1.t ? r1.t->details() : "", theirs;
+    if (!st.ok() || !send_str(mine) || !recv_str(theirs)) {
+      failed("silent-peer", "setting up: " + st.message());
+      return;
+    }
+    if (rank == 0) {
+      std::vector<std::string> all = {mine, theirs};
+      const double t0 = now_s();
+      const Status c = r1.t->connect(all, 30);
+      const double dt = now_s() - t0;
+      if (!c.ok() && contains(c.message(), "no answer from rank 1") && contains(c.message(), "connection probe") &&
+          (!a.ring || contains(c.message(), "the port facing")) && dt < a.detect_limit_s)
+        pass("silent-peer", strf("connect failed in %.2f s: %s", dt, c.message().c_str()));
+      else
+        failed("silent-peer", strf("after %.2f s: %s", dt, c.ok() ? "connected to a peer that never did" :
+                                                                    c.message().c_str()));
+    }
+    barrier();
+  }
+
+  // 7. A peer process that exits mid-stream: fresh carriers, one exchange to
   // show the link is up, then rank 1 exits and its kernel tears its QPs down.
   Rank r2;
-  st = make_rank(r2, rank, 2, a.hca[rank], 1 << 16);
+  st = make_rank(r2, rank, 2, a.hca[rank], 1 << 16, -1, a.ring);
   if (st.ok()) st = connect_pair(r2, rank);
   if (st.ok()) st = exchange(r2, rank, peer, 1, 4096);
   if (!st.ok()) {
@@ -633,9 +688,10 @@ int main(int argc, char** argv) {
     else if (k == "--burst") a.burst = std::stoi(val());
     else if (k == "--slot-bytes") a.slot_bytes = std::stoull(val());
     else if (k == "--detect-limit") a.detect_limit_s = std::stod(val());
+    else if (k == "--ring") a.ring = true;
     else {
       fprintf(stderr, "usage: %s --host-only | --hca0 DEV[,DEV] --hca1 DEV[,DEV] [--roots N] [--gid0 I --gid1 I] "
-                      "[--burst N] [--slot-bytes B] [--detect-limit S]\n", argv[0]);
+                      "[--burst N] [--slot-bytes B] [--detect-limit S] [--ring]\n", argv[0]);
       return 2;
     }
   }
@@ -647,6 +703,7 @@ int main(int argc, char** argv) {
   if (host_only) {
     test_load_failure();  // first: a forked child inherits a library already loaded
     test_no_device_errors();
+    test_ring_device_list();
   } else {
 #if ARX_HAVE_VERBS
     // Wrong settings fail construction with what to set.
@@ -658,7 +715,7 @@ int main(int argc, char** argv) {
       else
         failed("bad-hca", st.ok() ? "accepted" : st.message());
       Rank r2;
-      const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250);
+      const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250, a.ring);
       if (!st2.ok() && contains(st2.message(), "JAX_ARX_IB_GID_INDEX")) pass("bad-gid-index", st2.message());
       else failed("bad-gid-index", st2.ok() ? "accepted" : st2.message());
     }

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Stage 2: PID 1 inside the VM (root = the host's / read-only under a RAM
-# overlay). Sets up 2 or 4 soft-RoCE devices over veth pairs, runs the
+# overlay). Sets up 2, 4 or 8 soft-RoCE devices over veth pairs, runs the
 # user's script, records its exit code in the per-run share, powers off.
 # Under TCG every exec costs ~0.1 s, so this prefers builtins and batch modes.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
@@ -20,10 +20,11 @@ echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6
 echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6
 
 read CMDLINE < /proc/cmdline
-NDEV=2; case " $CMDLINE " in *" rxe_ndev=4 "*) NDEV=4;; esac
+NDEV=2; case " $CMDLINE " in *" rxe_ndev=4 "*) NDEV=4;; *" rxe_ndev=8 "*) NDEV=8;; esac
 
 # RFC 5737 TEST-NET-2; the VM has no NIC (-nic none), so nothing here leaves it.
-# Pair k (k = 0, 1): vethX <-> vethY with addresses X_IP, Y_IP. Both ends stay
+# Pair k (k = 0 .. NDEV/2 - 1): veth(2k) <-> veth(2k+1) with addresses
+# .(2k+1), .(2k+2), rxe(i) on veth(i). Both ends stay
 # in the initial network namespace: the 6.1 kernel's rxe sends and receives
 # only there. Policy routing makes traffic between the two local addresses
 # really cross the wire: locally generated packets to an address use a
@@ -57,17 +58,13 @@ link set lo up
 rule add pref 1000 lookup local
 rule del pref 0
 EOF
-A=198.51.100.1 B=198.51.100.2 C=198.51.100.3 D=198.51.100.4
-pair veth0 veth1 $A $B 100
-[ $NDEV = 4 ] && pair veth2 veth3 $C $D 102
-{
-  echo "link add rxe0 type rxe netdev veth0"
-  echo "link add rxe1 type rxe netdev veth1"
-  if [ $NDEV = 4 ]; then
-    echo "link add rxe2 type rxe netdev veth2"
-    echo "link add rxe3 type rxe netdev veth3"
-  fi
-} | rdma -b - || finish 126
+NET=198.51.100
+A=$NET.1 B=$NET.2 C=$NET.3 D=$NET.4
+k=0; while [ $((2 * k)) -lt $NDEV ]; do
+  pair veth$((2 * k)) veth$((2 * k + 1)) $NET.$((2 * k + 1)) $NET.$((2 * k + 2)) $((100 + 2 * k))
+  k=$((k + 1))
+done
+i=0; while [ $i -lt $NDEV ]; do echo "link add rxe$i type rxe netdev veth$i"; i=$((i + 1)); done | rdma -b - || finish 126
 
 # The RoCE v2 GID holding the device's IPv4 address (the table fills
 # asynchronously). jax_arx finds the same one by itself; the test checks that.
@@ -85,14 +82,19 @@ EOF
   done
 }
 n=0; while [ $n -lt 100 ]; do
-  gid_index rxe0 $A; ga=$GID; gid_index rxe1 $B; gb=$GID; gc=x; gd=x
-  if [ $NDEV = 4 ]; then gid_index rxe2 $C; gc=$GID; gid_index rxe3 $D; gd=$GID; fi
-  [ -n "$ga" ] && [ -n "$gb" ] && [ -n "$gc" ] && [ -n "$gd" ] && break
+  ok=1; dv=0  # not i: gid_index sets i (sh functions share the caller's variables)
+  while [ $dv -lt $NDEV ]; do
+    gid_index rxe$dv $NET.$((dv + 1)); [ -n "$GID" ] || ok=0
+    export RXE_DEV_$dv=rxe$dv RXE_IP_$dv=$NET.$((dv + 1)) RXE_GID_$dv=$GID
+    dv=$((dv + 1))
+  done
+  [ $ok = 1 ] && break
   sleep 0.1; n=$((n+1))
 done
-[ -n "$ga" ] && [ -n "$gb" ] && [ -n "$gc" ] && [ -n "$gd" ] || { echo "no RoCE v2 IPv4 GID on the rxe devices"; finish 126; }
-export RXE_NDEV=$NDEV RXE_DEV_A=rxe0 RXE_DEV_B=rxe1 RXE_IP_A=$A RXE_IP_B=$B RXE_GID_A=$ga RXE_GID_B=$gb
-[ $NDEV = 4 ] && export RXE_DEV_C=rxe2 RXE_DEV_D=rxe3 RXE_IP_C=$C RXE_IP_D=$D RXE_GID_C=$gc RXE_GID_D=$gd
+[ $ok = 1 ] || { echo "no RoCE v2 IPv4 GID on the rxe devices"; finish 126; }
+export RXE_NDEV=$NDEV RXE_DEV_A=rxe0 RXE_DEV_B=rxe1 RXE_IP_A=$A RXE_IP_B=$B RXE_GID_A=$RXE_GID_0 RXE_GID_B=$RXE_GID_1
+[ $NDEV -ge 4 ] && export RXE_DEV_C=rxe2 RXE_DEV_D=rxe3 RXE_IP_C=$C RXE_IP_D=$D RXE_GID_C=$RXE_GID_2 \
+  RXE_GID_D=$RXE_GID_3
 rdma link
 env | grep ^RXE_
 read T3 _ < /proc/uptime

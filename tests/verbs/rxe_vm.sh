@@ -13,10 +13,12 @@
 #
 # Inside SCRIPT (all in the VM's initial network namespace: the 6.1 kernel's
 # rxe only sends and receives there):
-#   RXE_NDEV      2 or 4
+#   RXE_NDEV      2, 4 or 8
 #   rank A side:  RXE_DEV_A=rxe0 (veth0, RXE_IP_A=198.51.100.1, RoCE v2 GID index RXE_GID_A)
 #   rank B side:  RXE_DEV_B=rxe1 (veth1, RXE_IP_B=198.51.100.2, RXE_GID_B)
 #   with 4:       RXE_DEV_C=rxe2 (veth2, .3, RXE_GID_C) pairs with RXE_DEV_D=rxe3 (veth3, .4, RXE_GID_D)
+#   every device: RXE_DEV_i=rxe<i> on veth<i>, RXE_IP_i=198.51.100.<i+1>, RXE_GID_i; rxe(2k) and
+#                 rxe(2k+1) are the two ends of wire k (with 8: four wires, a ring of four hosts)
 # veth0<->veth1 and veth2<->veth3 are wires: policy routing sends traffic
 # between the two addresses of a pair across its wire (see guest_stage2.sh).
 #
@@ -26,7 +28,7 @@
 # rdma_rxe, no qemu. 125: the VM ended without an exit code.
 #
 # Environment (all optional):
-#   RXE_VM_NDEV     2 (default) or 4 rxe devices
+#   RXE_VM_NDEV     2 (default), 4 or 8 rxe devices
 #   RXE_VM_MEM      guest RAM in MiB (default 2048)
 #   RXE_VM_CPUS     guest vCPUs (default 4: steadier than 2 even on a 2-core host)
 #   RXE_VM_TIMEOUT  wall-clock limit for the whole VM in seconds (default 900)
@@ -56,7 +58,7 @@ if [[ $PREPARE == 0 ]]; then
 fi
 [[ $(id -u) == 0 ]] || cannot "must run as root (it installs packages and reads /boot/vmlinuz-*)"
 NDEV=${RXE_VM_NDEV:-2}
-[[ $NDEV == 2 || $NDEV == 4 ]] || { echo "RXE_VM_NDEV must be 2 or 4" >&2; exit 2; }
+[[ $NDEV == 2 || $NDEV == 4 || $NDEV == 8 ]] || { echo "RXE_VM_NDEV must be 2, 4 or 8" >&2; exit 2; }
 
 # ---------- 1. packages (idempotent) ----------
 PKGS=(qemu-system-x86 linux-image-amd64 rdma-core ibverbs-utils ibverbs-providers

@@ -12,6 +12,8 @@ the environment the phase asks for:
 
   name       the phase's name in the PASS line
   transport  verbs | tcp | shm | auto (JAX_ARX_TRANSPORT unset: the automatic choice)
+  topology   mesh (default) | ring (jax_arx.initialize's topology: links to the
+             neighbours only; each rank's hca then lists its prev port, then its next)
   hca        JAX_ARX_IB_HCA per rank, '/'-separated; '-' leaves it unset for that rank
   expect     the carrier every endpoint must end up on
   calls      back-to-back calls per dtype and size (default 16)
@@ -95,7 +97,8 @@ def run_phase(phase, mesh, f):
     me, world = jax.process_index(), mesh.shape["x"]
     hca = set_phase_env(phase, me)
     t0 = time.monotonic()
-    jax_arx.initialize(mesh, _tuning={"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk") else None)
+    jax_arx.initialize(mesh, topology=phase.get("topology"),
+                       _tuning={"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk") else None)
     transports = sorted({ep.transport for ep in jax_arx._comm.communicator("x").endpoints})
     if transports != [phase["expect"]]:
         say(f"FAIL {phase['name']}: carrier {transports}, expected {phase['expect']}")
@@ -121,11 +124,12 @@ def run_phase(phase, mesh, f):
                         return False
                 checked += 1
     jax_arx.check()
+    relayed = sum(le.endpoint.stats()["relayed"] for le in jax_arx._comm.communicator("x").endpoints)
     jax_arx.shutdown()
     say(f"PASS {phase['name']}: {checked} psum calls over {transports[0]} "
         f"(JAX_ARX_IB_HCA={hca if hca != '-' else 'unset'}), bit-identical to the fp32 rank-order reference "
         f"(bf16, f16, f32; n = {', '.join(map(str, SIZES))}; {calls} back to back per dtype and size) "
-        f"in {time.monotonic() - t0:.1f} s")
+        f"in {time.monotonic() - t0:.1f} s; {relayed} puts relayed for the previous rank")
     return True
 
 
