@@ -16,6 +16,8 @@ place for sizes and algorithms). Anything else goes to ``jax.lax``:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -35,6 +37,19 @@ REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(
 
 _logged_reasons: set = set()
 _logged_lock = threading.Lock()
+# What the calls being decided are, when not the user's own (jax_arx/_grad.py):
+# said in their fallback messages.
+_note = contextvars.ContextVar("jax_arx_fallback_note", default="")
+
+
+@contextlib.contextmanager
+def noting(note: str):
+    """Within it, fallback messages end with ``note`` (in parentheses)."""
+    token = _note.set(note)
+    try:
+        yield
+    finally:
+        _note.reset(token)
 
 
 def fallback(op: str, key: tuple, why: str) -> None:
@@ -43,6 +58,9 @@ def fallback(op: str, key: tuple, why: str) -> None:
     concerns) come up; or raises JaxArxFallbackError when
     JAX_ARX_FALLBACK=error."""
     lax_name = f"jax.lax.{'psum_scatter' if op == 'moe_combine_psum_scatter' else op}"
+    note = _note.get()
+    if note:
+        why, key = f"{why} ({note})", (*key, note)
     if _config.load().fallback == "error":
         raise JaxArxFallbackError(f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to "
                                   f"{lax_name} (unset it to fall back)")
