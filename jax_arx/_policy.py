@@ -36,6 +36,7 @@ logger = logging.getLogger("jax_arx")
 REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
 _logged_reasons: set = set()
+_fallbacks: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced that fell back (jax_arx.stats())
 _logged_lock = threading.Lock()
 # What the calls being decided are, when not the user's own (jax_arx/_grad.py):
 # said in their fallback messages.
@@ -67,9 +68,19 @@ def fallback(op: str, key: tuple, why: str) -> None:
     with _logged_lock:
         first = (op, key) not in _logged_reasons
         _logged_reasons.add((op, key))
+        reasons = _fallbacks.setdefault(op, {})
+        reasons[why] = reasons.get(why, 0) + 1
     if first:
         logger.warning("jax_arx.%s: %s; using %s", op, why, lax_name)
     return None
+
+
+def fallback_counts() -> dict[str, dict[str, int]]:
+    """How many calls of each op fell back to jax.lax, by reason, since
+    jax_arx was imported (a copy): counted when a call is traced or
+    lowered, not each time a compiled program runs."""
+    with _logged_lock:
+        return {op: dict(reasons) for op, reasons in _fallbacks.items()}
 
 
 def check_axes_bound(op: str, axes: tuple) -> None:
