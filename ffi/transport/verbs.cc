@@ -56,15 +56,19 @@ constexpr int kChain = 16;          // WRs per ibv_post_send call
 constexpr uint64_t kMaxChunk = 1ull << 30;
 
 constexpr uint32_t kWireMagic = 0x56585241;  // "ARXV"
-constexpr uint32_t kWireVersion = 2;
+constexpr uint32_t kWireVersion = 3;
 
 // What this rank tells its peers (details()). Raw bytes: every rank runs the
 // same jax_arx (the endpoint's fingerprint checks the version), and the
-// targets are all little-endian.
+// targets are all little-endian. The details travel through the rendezvous
+// store, which anyone who reaches the coordinator reads: they hold nothing
+// derived from the communicator's secret (version 2 held a 64-bit hash of
+// it, against which JAX_ARX_SECRET could be guessed offline). That the
+// details are this communicator's is the endpoint fingerprint's check
+// (communicator id and name, comm/fingerprint.cc).
 struct Wire {
   uint32_t magic, version;
   int32_t rank, world, roots, pad0;
-  uint64_t secret_hash;  // details of another communicator are refused
   uint64_t region_addr, region_bytes;
   uint64_t inbox_lo, inbox_hi;  // offsets from region_addr that peers may write: flags and psum slots
   uint64_t bulk_lo, bulk_hi;    // and the bulk slots (empty when the endpoint has none)
@@ -80,12 +84,6 @@ struct Wire {
   } root[kRoots];
   uint32_t qpn[kMaxWorld][kRoots];  // this rank's QP to rank j over root r
 };
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
 
 // A queue-pair setting from Config, checked again here: Config::parse
 // checks what Python hands over, but C++ callers fill Config in directly.
@@ -216,7 +214,6 @@ Status VerbsTransport::open() {
   wire_.rank = ctx_.rank;
   wire_.world = ctx_.world;
   wire_.roots = roots();
-  wire_.secret_hash = fnv1a(ctx_.secret);
   wire_.region_addr = (uint64_t)(uintptr_t)region->base();
   wire_.region_bytes = region->size();
   wire_.inbox_lo = lay.inbox_lo();
@@ -348,9 +345,8 @@ Status VerbsTransport::connect(const std::vector<std::string>& details, double t
       return labelled(strf("jax_arx: rank %d's connection details are not a verbs carrier's (magic 0x%x, version "
                            "%u; expected 0x%x, %u)",
                            j, p.magic, p.version, kWireMagic, kWireVersion));
-    if (p.rank != j || p.world != ctx_.world || p.secret_hash != wire_.secret_hash)
-      return labelled(strf("jax_arx: rank %d's connection details belong to rank %d of %d of %s communicator", j,
-                           p.rank, p.world, p.secret_hash == wire_.secret_hash ? "this" : "another"));
+    if (p.rank != j || p.world != ctx_.world)
+      return labelled(strf("jax_arx: rank %d's connection details belong to rank %d of %d", j, p.rank, p.world));
     if (p.roots != roots())
       return labelled(strf("jax_arx: rank %d has %d verbs root%s (%s%s%s) and this rank has %d (%s%s%s): every rank "
                            "must name as many devices in JAX_ARX_IB_HCA",
