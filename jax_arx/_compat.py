@@ -192,6 +192,8 @@ def unreduced_axes(aval) -> frozenset:
 
 
 # jax's invariant -> varying cast (no data moves); its transpose is a psum.
+# (pvary_p and ad.linear_transpose2, used by override_linear_transpose, are
+# as here in jax 0.10.0 and 0.10.2.)
 lax_pvary_p = _core.pvary_p
 
 

@@ -57,7 +57,7 @@ def _runs_axis(axis) -> bool:
 
 def _pvary_transpose(ct, x, *, axes):
     # jax's rule: ct varies over `axes` and the result does not, one psum.
-    if _config.load().grad_sums == "lax" or not any(_runs_axis(a) for a in axes):
+    if not any(_runs_axis(a) for a in axes) or _config.load().grad_sums == "lax":
         return (_compat.lax_psum_bind(ct, axes=tuple(axes), invariant=True),)
     # Summing over the axes one after the other is the same sum, and jax
     # orders `axes` as the mesh does, so every rank takes the same steps.

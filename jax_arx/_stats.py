@@ -42,8 +42,10 @@ def stats() -> dict:
       program replayed from a CUDA graph runs no handler and is not
       counted); ``bytes``, their bytes per rank (a psum's partial, an
       all_gather's input, a psum_scatter's or the combine's output);
-      ``failed``, the calls whose handler failed (the CPU backend; on GPUs a
-      kernel's failure shows in ``failure`` only); ``algorithms``, the calls
+      ``failed``, the calls whose handler failed (in ``calls`` too, but for
+      one refused because another collective was running on the endpoint,
+      which counts here only; the CPU backend: on GPUs a kernel's failure
+      shows in ``failure`` only); ``algorithms``, the calls
       by the algorithm that ran them: ``one_shot``, ``two_shot`` (GPUs,
       past the one-shot limit), ``ll`` (GPUs, small psums with their flags in
       the data), ``bulk`` (the prefill ops), each listed once it has run.
