@@ -15,7 +15,9 @@ def stats() -> dict:
     collective, and what it left to ``jax.lax``. Cheap, non-blocking and
     local: it reads counters; call it between steps, or after a failure.
 
-    Returns a dict of plain Python values::
+    Returns a dict of plain Python values:
+
+    .. code-block:: text
 
         {"communicators": {axis_name: {
              "transport": "shm" | "tcp" | "verbs",
