@@ -141,6 +141,12 @@ def communicator(axis_name: Hashable) -> Communicator | None:
     return _communicators.get(axis_name)
 
 
+def communicators() -> dict[Hashable, Communicator]:
+    """Every communicator set up in this process, by mesh axis (a copy)."""
+    with _lock:
+        return dict(_communicators)
+
+
 def transport(axis_name: Hashable) -> str | None:
     """The carrier jax_arx.initialize chose for mesh axis ``axis_name`` in
     this process: ``"shm"``, ``"tcp"`` or ``"verbs"`` (several, joined by

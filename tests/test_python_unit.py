@@ -288,6 +288,7 @@ def test_config_topology():
     ("JAX_ARX_TRANSPORT", "rdma", "shm, tcp, verbs"),
     ("JAX_ARX_TOPOLOGY", "torus", "mesh, ring"),
     ("JAX_ARX_FALLBACK", "warn", "lax, error"),
+    ("JAX_ARX_GRAD_SUMS", "off", "jax_arx, lax"),
     ("JAX_ARX_ON_FAILURE", "exit", "raise, abort"),
     ("JAX_ARX_SLOT_BYTES", "1MB", "binary suffix"),
     ("JAX_ARX_SLOT_BYTES", "100", "multiple of 16"),
@@ -520,6 +521,32 @@ def test_vmap_axis_name_defers_to_lax(caplog):
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
         np.testing.assert_array_equal(f(x), jax.vmap(lambda r: jax.lax.psum(r, "i"), axis_name="i")(x))
         assert "jax_arx" not in str(jax.make_jaxpr(f)(x))
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter"])
+def test_several_vmap_names_defer_to_lax_silently(monkeypatch, caplog, op):
+    # Names bound by nested jax.vmap, no mesh axis among them: jax.lax's
+    # collective (its result, or its error: jax 0.10 gathers and scatters
+    # over one vmap name only), with no warning, and no JaxArxFallbackError
+    # with JAX_ARX_FALLBACK=error (once an "unsupported multi-axis" fallback).
+    monkeypatch.setenv("JAX_ARX_FALLBACK", "error")
+
+    def outcome(fn):
+        nested = jax.vmap(jax.vmap(lambda r: fn(r, ("i", "j")), axis_name="j"), axis_name="i")
+        try:
+            return np.asarray(nested(jnp.arange(2 * 3 * 6.0).reshape(2, 3, 6))), str(jax.make_jaxpr(nested)(
+                jnp.zeros((2, 3, 6))))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", ""
+
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        (ours, jaxpr), (theirs, _) = outcome(getattr(jax_arx, op)), outcome(getattr(jax.lax, op))
+    if isinstance(theirs, str):
+        assert ours == theirs
+    else:
+        np.testing.assert_array_equal(ours, theirs)
+        assert "jax_arx" not in jaxpr
     assert not caplog.records
 
 

@@ -44,6 +44,13 @@ inline void count_call(Endpoint& ep, Stats::Kind kind, uint64_t bytes, const Pla
   ep.stats.count(kind, bytes, (int)plan.algorithm);
 }
 
+// Counts a call that failed where the host sees it (Endpoint::stats) and
+// passes its error on.
+inline ffi::Error failed_call(Endpoint& ep, Stats::Kind kind, ffi::Error e) {
+  ep.stats.count_failure(kind);
+  return e;
+}
+
 // The attributes of a psum call, the same on both platforms: comm_id, site
 // (the call site's tag, default 0) and prefetch (how many of the operands,
 // the last ones, are weights to prefetch; default 0). Taken as a dictionary,
