@@ -1,0 +1,364 @@
+"""The driver side of examples/bench_psum.py and examples/bench_prefill.py:
+configurations, the jobs that run them, and the document a run writes per
+world. (The processes of a job: examples/bench_worker.py; what a run
+prints: examples/bench_report.py.)
+
+A configuration is what one job (a set of processes started by
+``python -m jax_arx.launch``) runs:
+
+- ``arx``: jax_arx, its series set by ``JAX_ARX_*`` variables and the private
+  ``_tuning`` argument of ``jax_arx.initialize``. Both are read when
+  jax_arx.initialize() runs, so the worker sets them itself, phase by phase
+  (initialize, run, shutdown): one process can run several.
+- ``lax``: ``jax.lax``'s collectives; NCCL and XLA read their variables
+  once per process, so these go into the job's environment.
+- ``floor``: the pinned-copy floor (examples/pinned_copy.py).
+
+The driver drops the variables that define jax_arx series from the
+environment it passes on (a series is its own settings, never the
+caller's), and the retired ones (``jax_arx.config.RETIRED``). A full run
+gives each configuration a job of its own; ``--check-only`` runs every
+configuration that needs no environment of its own in one job per world,
+which saves the start-up of the others.
+
+Ranks: rank r runs on GPU r % G of the G GPUs there are (nvidia-smi's,
+narrowed to CUDA_VISIBLE_DEVICES), so a world larger than G shares GPUs
+(time-sliced: the results are checked, the times mean nothing). NCCL
+refuses two ranks on one GPU, so ``lax`` configurations are skipped there.
+A configuration with ``one_process`` runs one process driving the world's
+GPUs (``--world`` of them).
+
+Per world a run writes ``{bench}.json`` at world 2 (the README's tables) or
+``{bench}_world{N}.json``, ``_check`` before the world for --check-only:
+{"meta": how it ran (command, sizes, K, configurations' settings),
+"results": {config: {size: {series: us}}}, "checks": {config: {size:
+{series: {...}}}} (exact / close, planned, ran, as_intended), "skipped"
+(the same keys, why), "baselines", "runs": {config: {route, transport,
+errors, job_failed, logged, skipped}}, "ratios"}.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+from bench_common import parse_size
+from bench_report import check_summary, latency_table, ratio_tables
+
+# The variables that define a jax_arx series (set per phase by the worker).
+SERIES_VARIABLES = ("JAX_ARX_TRANSPORT", "JAX_ARX_SLOT_BYTES", "JAX_ARX_SEND_BYTES", "JAX_ARX_ONESHOT_MAX_BYTES",
+                    "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_CUDA_DIRECT", "JAX_ARX_CUDA_PEER_MEMORY",
+                    "JAX_ARX_FALLBACK")
+NCCL_SHARED_GPU = "NCCL refuses two ranks on one GPU: it needs a GPU per rank"
+
+
+# --- configurations ---------------------------------------------------------------
+
+def arx_config(env, tuning=None, *, gpu_only=False, note=""):
+    """jax_arx with ``env`` (JAX_ARX_*) and ``_tuning``; ``gpu_only``: its
+    settings mean nothing on the CPU backend (skipped there)."""
+    return dict(kind="arx", env=dict(env), tuning=dict(tuning or {}), process_env={}, gpu_only=gpu_only,
+                one_process=False, watch=None, note=note)
+
+
+def lax_config(process_env=None, *, gpu_only=False, one_process=False, watch=None, note=""):
+    """jax.lax with ``process_env`` (NCCL_*, XLA_FLAGS: XLA_FLAGS is added
+    to the caller's); ``watch``: a regular expression of stderr lines to
+    record (what XLA logged about its choice)."""
+    return dict(kind="lax", env={}, tuning={}, process_env=dict(process_env or {}), gpu_only=gpu_only,
+                one_process=one_process, watch=watch, note=note)
+
+
+def floor_config(note=""):
+    return dict(kind="floor", env={}, tuning={}, process_env={}, gpu_only=True, one_process=False, watch=None,
+                note=note)
+
+
+def select(text, configs, default):
+    """The configurations ``--configs`` names (``all``: every one), in the
+    order given; raises ValueError naming the unknown ones."""
+    names = list(configs) if text == "all" else [c for c in (text or ",".join(default)).split(",") if c]
+    unknown = [c for c in names if c not in configs]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; known: {', '.join(configs)} (or all)")
+    return names
+
+
+def parse_worlds(text):
+    worlds = [int(w) for w in str(text).split(",") if w]
+    if not worlds or any(w < 2 for w in worlds):
+        raise ValueError(f"--world takes ranks counts of at least 2, e.g. 2 or 2,3,4; got {text!r}")
+    return worlds
+
+
+# --- where the ranks go --------------------------------------------------------------
+
+def visible_gpus():
+    """The GPUs a run may use: those nvidia-smi lists, narrowed to
+    CUDA_VISIBLE_DEVICES where it is set (its entries up to the first
+    invalid one, as CUDA reads it)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    listed = [str(i) for i, _ in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return listed
+    chosen = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        chosen.append(entry)
+    return chosen[:len(listed)]
+
+
+# --- jobs (the driver) -------------------------------------------------------------------
+
+def plan_jobs(names, configs, world, gpus, cpu, check_only):
+    """The jobs that run configurations ``names`` at ``world`` ranks, and
+    the configurations skipped here with the reason: ([job], {name: why}).
+    A job: {"configs": [...], "process_env": {...}, "nprocs": n}."""
+    jobs, skipped, grouped = [], {}, {}
+    shared = not cpu and world > len(gpus)
+    for name in names:
+        spec = configs[name]
+        if cpu and spec["gpu_only"]:
+            skipped[name] = "a GPU series (its settings mean nothing on the CPU backend)"
+        elif spec["one_process"] and (cpu or world > len(gpus)):
+            skipped[name] = f"one process driving {world} GPUs: needs {world} GPUs"
+        elif spec["kind"] == "lax" and shared:
+            skipped[name] = f"{NCCL_SHARED_GPU} ({world} ranks, {len(gpus)} GPU(s))"
+        else:
+            nprocs = 1 if spec["one_process"] else world
+            key = (json.dumps(spec["process_env"], sort_keys=True), nprocs)
+            if check_only and key in grouped:
+                grouped[key]["configs"].append(name)
+                continue
+            job = dict(configs=[name], process_env=spec["process_env"], nprocs=nprocs)
+            grouped[key] = job
+            jobs.append(job)
+    return jobs, skipped
+
+
+_dropped_told = set()
+
+
+def job_environment(process_env, cpu, watch):
+    """The environment of a job's processes: the caller's without the
+    variables that define jax_arx series and the retired ones (each
+    dropped one said once), with the configuration's."""
+    from jax_arx.config import RETIRED
+
+    env = dict(os.environ)
+    for name in (*SERIES_VARIABLES, *RETIRED):
+        if name in env:
+            value = env.pop(name)
+            if name not in _dropped_told:
+                _dropped_told.add(name)
+                print(f"note: {name}={value} is not passed on: each series sets its own settings", flush=True)
+    for name, value in process_env.items():
+        env[name] = f"{env.get(name, '')} {value}".strip() if name == "XLA_FLAGS" else value
+    if not cpu:
+        env["JAX_PLATFORMS"] = "cuda"  # never a silent run on the CPU
+    if watch:
+        # What XLA says about its choices (its VLOG lines are INFO lines).
+        env.setdefault("TF_CPP_VMODULE", "collective_kernel_thunk=3,all_reduce_thunk=3")
+        env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    return env
+
+
+def run_job(script, job, configs, out_dir, tag, timeout):
+    """Runs ``script --worker JOBFILE`` in ``job["nprocs"]`` local
+    processes, its output shown as it comes; returns (the JSON its process
+    0 wrote or None, the stderr lines that matched the configurations'
+    ``watch``, why it failed or None)."""
+    spec_path = os.path.join(out_dir, f"{tag}.job.json")
+    job["out"] = os.path.join(out_dir, f"{tag}.json")
+    with open(spec_path, "w") as f:
+        json.dump(job, f)
+    watch = next((configs[c]["watch"] for c in job["configs"] if configs[c]["watch"]), None)
+    env = job_environment(job["process_env"], job["cpu"], watch)
+    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(job["nprocs"]),
+           *(["--cpu-devices", "1"] if job["cpu"] else []), script, "--worker", spec_path]
+    label = ", ".join(job["configs"])
+    print(f"[{tag}] {label}: starting {job['nprocs']} process(es)", flush=True)
+    t = time.time()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err_tail = collections.deque(maxlen=60)
+    watched = []
+
+    def read_stderr():
+        for line in p.stderr:
+            err_tail.append(line)
+            if watch and re.search(watch, line) and len(watched) < 50:
+                watched.append(line.rstrip())
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout, p.terminate)  # the launcher then stops its ranks
+    timer.start()
+    try:
+        for line in p.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        p.wait()
+    finally:
+        timer.cancel()
+    reader.join(timeout=5)
+    doc = None
+    if os.path.exists(job["out"]):
+        with open(job["out"]) as f:
+            doc = json.load(f)
+    if p.returncode != 0:
+        sys.stderr.write("".join(err_tail))
+        why = f"the job exited with status {p.returncode}" + (f" (after the {timeout:g} s limit)"
+                                                              if time.time() - t >= timeout else "")
+        print(f"[{tag}] {label}: failed: {why}", flush=True)
+        return doc, watched, why
+    print(f"[{tag}] {label}: {time.time() - t:.0f} s", flush=True)
+    return doc, watched, None
+
+
+def describe_where(world, gpus, cpu, device):
+    """'3 ranks on 1 x NVIDIA H200 (3 per GPU)', '2 ranks on the CPU'."""
+    if cpu:
+        return f"{world} ranks on the CPU"
+    used = min(world, len(gpus))
+    sharing = f" ({-(-world // used)} per GPU, time-sliced)" if world > used else ""
+    return f"{world} ranks on {used} x {device or 'GPU'}{sharing}"
+
+
+def add_arguments(ap, configs_help, sizes_help):
+    """The options both benchmarks take."""
+    import argparse
+
+    ap.add_argument("--out", default="bench_out", help="directory for the JSON (and plots)")
+    ap.add_argument("--world", default="2", help="ranks, one process each; a list runs each in turn: 2,3,4")
+    ap.add_argument("--configs", help=configs_help)
+    ap.add_argument("--sizes", help=sizes_help)
+    ap.add_argument("--check-only", action="store_true",
+                    help="check every series, time nothing; the configurations that need no environment of "
+                         "their own share one job")
+    ap.add_argument("--check-repeats", type=int, default=2, help="runs of each check program")
+    ap.add_argument("--cpu", action="store_true", help="the CPU backend (GPU-only configurations are skipped)")
+    ap.add_argument("--k", type=int, help="dependent calls per timed program")
+    ap.add_argument("--samples", type=int, help="samples per timing (the median is kept)")
+    ap.add_argument("--reps", type=int, help="programs per sample, back to back")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def finish_arguments(ap, args, configs, default, sizes):
+    """Parses and checks what add_arguments added (``sizes``: the default
+    sizes); ap.error on bad input; finds the GPUs."""
+    try:
+        args.worlds = parse_worlds(args.world)
+        args.names = select(args.configs, configs, default)
+        args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else sizes
+    except ValueError as e:
+        ap.error(str(e))
+    if any(s < 16 or s % 16 for s in args.sizes):
+        ap.error("--sizes: multiples of 16 bytes")
+    if min(args.k, args.samples, args.reps, args.check_repeats) < 1:
+        ap.error("--k, --samples, --reps and --check-repeats must be at least 1")
+    args.gpus = [] if args.cpu else visible_gpus()
+    if not args.cpu and not args.gpus:
+        ap.error("no NVIDIA GPU here (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); --cpu runs on "
+                 "the CPU backend")
+
+
+def run_world(args, world, bench):
+    """Every job of one world, the tables, the JSON and the plot; returns
+    whether every job ran and every check passed. ``bench``: name, script,
+    configs, job (the fields a job adds), meta, rows(doc), ratios,
+    plot(doc, rows, path, title), label_width."""
+    configs = bench["configs"]
+    jobs, skipped = plan_jobs(args.names, configs, world, args.gpus, args.cpu, args.check_only)
+    outputs = []
+    for i, job in enumerate(jobs):
+        job.update(world=world, gpus=args.gpus, cpu=args.cpu, sizes=args.sizes, k=args.k, samples=args.samples,
+                   reps=args.reps, check_only=args.check_only, check_repeats=args.check_repeats, **bench["job"])
+        tag = f"bench_{bench['name']}_world{world}_job{i}"
+        outputs.append((job, run_job(bench["script"], job, configs, args.out, tag, args.timeout)))
+    merged = merge(outputs, skipped)
+    meta = dict(bench=bench["name"], world=world, gpus=len(args.gpus), cpu=args.cpu, check_only=args.check_only,
+                sizes=args.sizes, dtype="bfloat16", k=args.k, samples=args.samples, reps=args.reps,
+                check_repeats=args.check_repeats, command=" ".join(["python", *sys.argv]),
+                configs={n: {key: configs[n][key] for key in ("kind", "env", "tuning", "process_env")}
+                         for n in args.names},
+                method="K dependent calls in one jitted program minus the same program without the collective, "
+                       "/ K; median of samples of back-to-back runs", **bench["meta"])
+    doc = dict(meta=meta, **merged)
+    rows = bench["rows"](doc)
+    where = describe_where(world, args.gpus, args.cpu, doc["device"])
+    text = ""
+    if not args.check_only:
+        text = (f"\nper-call latency, us (bf16, {where}; '!': not the reference, '?': not the algorithm asked "
+                f"for)\n" + latency_table(doc, args.sizes, rows, bench["label_width"]))
+        ratios_text, doc["ratios"] = ratio_tables(doc, args.sizes, bench["ratios"])
+        text += "\n" + ratios_text
+    summary, ok = check_summary(doc)
+    path = json_path(args.out, f"bench_{bench['name']}", world, args.check_only)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    if not args.check_only:
+        bench["plot"](doc, rows, path[:-5] + ".png", f"{where}: K dependent calls in one jit, minus baseline")
+    print(f"{text}\n\nchecks, {where}: {summary}\nwrote {path}", flush=True)
+    return ok
+
+
+def main(parse_args, worker, bench_of, argv):
+    """A benchmark's entry point: the worker (``--worker JOBFILE``), or the
+    driver over every world; exit status 0 when all went well."""
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker).run()
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    results = [run_world(args, world, bench_of(args, world)) for world in args.worlds]
+    return 0 if all(results) else 1
+
+
+def json_path(out_dir, bench, world, check_only):
+    """bench_psum.json at world 2 (the README's tables), bench_psum_world4.json
+    at 4; with _check for --check-only runs, whose times mean nothing."""
+    return os.path.join(out_dir, f"{bench}{'_check' if check_only else ''}"
+                                 f"{'' if world == 2 else f'_world{world}'}.json")
+
+
+def merge(outputs, skipped):
+    """One world's document from its jobs' (doc, watched, failure) and the
+    configurations skipped before any job: results / checks / skipped /
+    baselines / runs, each by configuration."""
+    merged = dict(results={}, checks={}, skipped={}, baselines={}, runs={}, device=None, platform=None)
+    for job, (doc, watched, failure) in outputs:
+        for name in job["configs"]:
+            run = dict((doc or {}).get("runs", {}).get(name, {}))
+            if failure:
+                run["job_failed"] = failure
+            if watched:
+                run["logged"] = watched
+            merged["runs"][name] = run
+            for key in ("results", "checks", "skipped"):
+                if doc and name in doc.get(key, {}):
+                    merged[key][name] = doc[key][name]
+            if doc:
+                merged["baselines"][name] = doc.get("baselines", {})
+        if doc:
+            merged["device"] = merged["device"] or doc.get("device")
+            merged["platform"] = merged["platform"] or doc.get("platform")
+    for name, why in skipped.items():
+        merged["runs"][name] = {"skipped": why}
+    return merged
+
+
