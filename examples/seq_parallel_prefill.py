@@ -54,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_arx._prefill import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
+from jax_arx import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
 
 from bench_common import (  # noqa: E402  (beside this file)
     RATIO_NOTE, combine_rows, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)

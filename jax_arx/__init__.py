@@ -45,7 +45,7 @@ Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 """
 
 from jax_arx._comm import check, initialize, shutdown, transport
-from jax_arx._prefill import all_gather, moe_combine_psum_scatter, psum_scatter
+from jax_arx._bulk import all_gather, moe_combine, moe_combine_psum_scatter, psum_scatter
 from jax_arx._psum import psum
 from jax_arx import errors
 from jax_arx.errors import (
@@ -78,6 +78,7 @@ __all__ = [
     "distributed_initialize",
     "errors",
     "initialize",
+    "moe_combine",
     "moe_combine_psum_scatter",
     "psum",
     "psum_scatter",

@@ -14,6 +14,13 @@ namespaced by a per-process generation counter (bumped by every initialize()
 that sets something up), so shutdown() then initialize() again never reads a
 stale key. Every process must call initialize() and shutdown() the same
 number of times, with the same meshes: they are collective.
+
+The store is readable and writable by anyone who reaches the coordinator's
+port, so nothing secret goes through it: each group's first process
+publishes a random nonce, and every member derives the group's shared
+secret from it and JAX_ARX_SECRET (``group_secret``); the tcp carrier adds
+a key pair per endpoint, whose public half travels in its details. Every
+process removes what it published once set-up is over.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -232,8 +240,14 @@ def initialize(mesh=None, *, _tuning=None) -> None:
         core = _core(required=True)
         _generation += 1
         store = _Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
-        _check_same_mesh_everywhere(store, mesh, wanted)
-        _communicators.update(_set_up(core, cfg, store, mesh, wanted, _tuning))
+        try:
+            _check_same_mesh_everywhere(store, mesh, wanted)
+            _communicators.update(_set_up(core, cfg, store, mesh, wanted, _tuning))
+        finally:
+            # On success every process has read everything (the set-up ends
+            # at a barrier); on failure, peers waiting for our keys time out
+            # as they would without them.
+            store.remove_published()
 
 
 def _resolve_mesh(mesh):
@@ -288,7 +302,24 @@ class _Plan:
     group: int
     members: list  # devices, by rank
     transport: str
+    nonce: bytes = b""
     secret: bytes = b""
+
+
+def group_secret(user_secret: str | None, nonce: bytes, comm_id: int, group: int) -> bytes:
+    """The 32-byte secret every endpoint of one group is given: HMAC-SHA256
+    under JAX_ARX_SECRET (empty when unset) of the group's nonce, communicator
+    id and group index.
+
+    The tcp carrier keys each pair's handshake with it and a Diffie-Hellman
+    key of that pair (ffi/transport/tcp_auth.h). Without JAX_ARX_SECRET it is
+    computable from the store, so it only binds a run and a group, and the
+    pair keys stay secret through their Diffie-Hellman half; with it, even
+    someone who rewrites the store cannot make a key a rank accepts."""
+    key = user_secret.encode() if user_secret else b""
+    msg = (b"jax_arx group secret v2\0" + bytes(nonce) + int(comm_id).to_bytes(8, "little")
+           + int(group).to_bytes(4, "little"))
+    return hmac.new(key, msg, hashlib.sha256).digest()
 
 
 def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Communicator]:
@@ -309,16 +340,17 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
            ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
 
     # Every process publishes all it owns before waiting for anything, so no
-    # process waits on one that is itself waiting.
+    # process waits on one that is itself waiting. The nonce is public.
     for p in plans:
         if p.members[0].process_index == me:
-            p.secret = os.urandom(32)
-            store.set(f"{p.comm_id}/{p.group}/secret", p.secret)
+            p.nonce = os.urandom(16)
+            store.set(f"{p.comm_id}/{p.group}/nonce", p.nonce)
     for p in plans:
-        if not p.secret:
-            p.secret = store.get(f"{p.comm_id}/{p.group}/secret",
-                                 f"the secret of axis {p.axis!r} group {p.group} from process "
-                                 f"{p.members[0].process_index}")
+        if not p.nonce:
+            p.nonce = store.get(f"{p.comm_id}/{p.group}/nonce",
+                                f"the set-up nonce of axis {p.axis!r} group {p.group} from process "
+                                f"{p.members[0].process_index}")
+        p.secret = group_secret(cfg.secret, p.nonce, p.comm_id, p.group)
 
     tcp_addr = None
     if any(p.transport == "tcp" for p in plans):
@@ -596,12 +628,27 @@ class _Store:
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._local: dict[str, bytes] = {}
+        self._published: list[str] = []
 
     def set(self, key: str, value: bytes) -> None:
+        self._published.append(key)
         if self._client is None:
             self._local[key] = bytes(value)
         else:
             self._client.key_value_set_bytes(self._prefix + key, bytes(value))
+
+    def remove_published(self) -> None:
+        """Deletes every key this process set. Best effort: a coordinator
+        that is gone has nothing left to delete."""
+        keys, self._published = self._published, []
+        for key in keys:
+            if self._client is None:
+                self._local.pop(key, None)
+                continue
+            try:
+                self._client.key_value_delete(self._prefix + key)
+            except Exception as e:  # jax's runtime error type differs between versions
+                logger.debug("jax_arx: could not remove %s from the key-value store: %s", key, e)
 
     def get(self, key: str, waiting_for: str) -> bytes:
         if self._client is None:
@@ -640,7 +687,10 @@ def shutdown() -> None:
     reach shutdown() too: a proxy closed early could leave a peer waiting
     for the last partial it had still to send. A program traced before
     shutdown() fails when run afterwards, until initialize() is called again
-    with the same mesh. Also runs at interpreter exit; there, when the
+    with the same mesh; on GPUs, a program XLA had captured as a CUDA graph
+    (command buffers) keeps returning NaN even then, so call
+    ``jax.clear_caches()`` after that initialize() to have it compiled
+    again. Also runs at interpreter exit; there, when the
     process is ending on an uncaught exception, it closes at once without
     waiting for the others. Idempotent.
     """

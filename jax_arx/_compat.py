@@ -107,7 +107,7 @@ def lax_psum_bind(x, *, axes: tuple, invariant: bool):
 
 
 # jax's own all_gather and psum_scatter (reduce_scatter) primitives, for
-# jax_arx.all_gather / psum_scatter (jax_arx/_prefill.py): their typing
+# jax_arx.all_gather / psum_scatter (jax_arx/_bulk.py): their typing
 # rules, batching rules and lowerings. Their params: all_gather_dimension /
 # scatter_dimension, axis_name (a tuple), axis_index_groups, axis_size, tiled.
 lax_all_gather_p = _parallel.all_gather_p

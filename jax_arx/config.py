@@ -26,6 +26,11 @@ JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the bulk ops        32 MiB
                            (all_gather output, psum_scatter input,
                            world x the largest slice; 0: none, they
                            fall back to jax.lax)
+JAX_ARX_SECRET             a secret every process of the job        unset
+                           shares (16+ characters): the tcp
+                           carrier's pair keys need it, so even
+                           someone who rewrites jax.distributed's
+                           key-value store cannot pose as a rank
 JAX_ARX_TCP_ADDR           IPv4 address the tcp carrier listens on  the one
                            and advertises                           routing to
                                                                     the
@@ -105,6 +110,8 @@ class Config:
     # output (or scattered input) per call. An endpoint pins 4x this.
     bulk_bytes: int = 32 << 20
     tcp_addr: str | None = None  # None: the address that routes to the coordinator
+    # JAX_ARX_SECRET; never printed (repr=False). See _comm.group_secret.
+    secret: str | None = dataclasses.field(default=None, repr=False)
     ib_hca: str | None = None
     ib_gid_index: int | None = None  # None: the verbs carrier finds it
     # The verbs queue-pair settings; None: the carrier's defaults (ffi/comm/config.h:
@@ -186,6 +193,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         send_bytes=send_bytes,
         bulk_bytes=_size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.bulk_bytes),
         tcp_addr=_ipv4(env, "JAX_ARX_TCP_ADDR"),
+        secret=_secret(env, "JAX_ARX_SECRET"),
         ib_hca=_string(env, "JAX_ARX_IB_HCA") or _string(env, "NCCL_IB_HCA"),
         ib_gid_index=_nonnegative_int(env, "JAX_ARX_IB_GID_INDEX", None),
         ib_timeout=_int_in(env, "JAX_ARX_IB_TIMEOUT", 1, 31, "NCCL_IB_TIMEOUT"),
@@ -220,6 +228,20 @@ def _raw(env: Mapping[str, str], name: str) -> str | None:
 
 def _string(env, name):
     return _raw(env, name)
+
+
+_MIN_SECRET_CHARS = 16
+
+
+def _secret(env, name):
+    value = _raw(env, name)
+    if value is not None and len(value) < _MIN_SECRET_CHARS:
+        # The value itself stays out of the message: it is meant to be secret.
+        raise ConfigError(
+            f"{name} is {len(value)} characters long; use at least {_MIN_SECRET_CHARS} random ones (e.g. "
+            "python3 -c 'import secrets; print(secrets.token_hex(32))'), the same on every process: someone "
+            "who can reach the ranks could otherwise guess it")
+    return value
 
 
 def _positive_float(env, name, default):

@@ -11,7 +11,10 @@ Usage:
 Each rank gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``,
 ``JAX_NUM_PROCESSES=N``, ``JAX_PROCESS_ID=<rank>`` and
 ``PYTHONUNBUFFERED=1``; the program calls
-``jax_arx.distributed_initialize()`` first. Every line a rank prints comes
+``jax_arx.distributed_initialize()`` first. Unless ``JAX_ARX_SECRET`` is in
+the environment already (set it empty to go without), the ranks also share a
+fresh random one, so that nobody who reaches jax.distributed's coordinator
+can pose as a rank (the README's "Failures and security"). Every line a rank prints comes
 out prefixed with ``[rank k] `` (stdout to stdout, stderr to stderr).
 
 ``--cpu-devices K`` runs every rank on the CPU backend with K devices
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
     command = [sys.executable, "-u", *program]
 
     address = f"127.0.0.1:{_free_port()}"
+    secret = None if "JAX_ARX_SECRET" in os.environ else secrets.token_hex(32)
     procs = []
     pumps = []
     stderr_pumps = []  # by rank
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
         env = dict(os.environ)
         env.update({_ENV_ADDRESS: address, _ENV_NUM: str(args.nprocs), _ENV_ID: str(rank),
                     "PYTHONUNBUFFERED": "1"})
+        if secret is not None:
+            env["JAX_ARX_SECRET"] = secret
         if args.cpu_devices is not None:
             env["JAX_PLATFORMS"] = "cpu"
             env["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)

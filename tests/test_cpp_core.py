@@ -4,6 +4,10 @@
   with ranks as threads, over shm and tcp, against an independent reference.
 - tests/cpp/test_bulk.cc: the bulk collectives (all-gather, reduce-scatter,
   the fused MoE combine) over the channels, the same way; test_layout.cc: the layout.
+- tests/cpp/test_tcp_transport.cc, test_tcp_auth.cc, test_tcp_fuzz.cc: the tcp
+  carrier alone: exchanges, sends bounded by the timeout, who may connect, and
+  adversarial bytes (seeded, a few seconds). tests/cpp/test_region.cc: shared
+  memory leaves nothing in /dev/shm however its process ends.
 - The same under ThreadSanitizer (tcp only: see the note in test_core.cc), with
   no report allowed.
 - The core cross-compiled for aarch64 (the first users run it on ARM CPUs).
@@ -77,6 +81,10 @@ def test_core_under_thread_sanitizer(tsan_build):
     out = _run([str(tsan_build / "test_bulk"), "--quick", "tcp"], timeout=900)
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
+    for cmd in (["test_tcp_transport"], ["test_tcp_auth", "--quick"], ["test_tcp_fuzz", "--iterations", "60"]):
+        out = _run([str(tsan_build / cmd[0]), *cmd[1:]], timeout=900)
+        assert "ThreadSanitizer" not in out, out[-6000:]
+        assert "all passed" in out, out[-6000:]
 
 
 def test_layout(core_build):
@@ -84,7 +92,7 @@ def test_layout(core_build):
     assert "layout: ok" in out
 
 
-@pytest.mark.parametrize("name", ["test_tcp_transport"])
+@pytest.mark.parametrize("name", ["test_tcp_transport", "test_tcp_auth", "test_tcp_fuzz", "test_region"])
 def test_carrier_unit_tests(core_build, name):
     exe = core_build / name
     if not exe.exists():

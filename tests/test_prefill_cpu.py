@@ -9,8 +9,8 @@ bit for bit with references computed here with numpy (and ml_dtypes),
 independently of jax and of jax_arx:
 
 - all_gather: the ranks' blocks stacked / concatenated along the axis;
-- psum_scatter: ``acc = float32 zeros; for r in ranks: acc += x_r`` rounded
-  once, this rank's block of it;
+- psum_scatter: ``acc = x_0 as float32; for r in ranks 1..: acc += x_r``
+  rounded once, this rank's block of it;
 - the fused MoE combine: each rank's rows ``shared + sum_k w * y[pos]``
   (float32, rounded once to bfloat16, zero past T), then the rank-order sum
   above. The routing weights and e4m3 scales here have 8-bit mantissas, so
@@ -42,7 +42,7 @@ runs one, the program is compiled first and started together everywhere.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
 otherwise. The worker suites do not depend on the backend:
-tests/test_gpu_prefill.py runs them on GPUs (``run_worker``).
+tests/test_gpu_bulk.py runs most of them on GPUs.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_moe_combine_reference_is_the_documented_arithmetic(e4m3):
     the documented sum, clamps pos and zeroes the rows past T."""
     import jax
     import jax.numpy as jnp
-    from jax_arx import _prefill
+    from jax_arx import _bulk
 
     rng = np.random.default_rng(0)
     T, R, H, topk = 37, 50, 256, 5
@@ -117,7 +117,7 @@ def test_moe_combine_reference_is_the_documented_arithmetic(e4m3):
     pos = jnp.asarray(rng.integers(-3, R + 3, size=(T, topk)), jnp.int32)
     w = jnp.asarray(_bf16_valued(rng.normal(size=(T, topk))))
     shared = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
-    got = jax.jit(lambda *a: _prefill.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
+    got = jax.jit(lambda *a: _bulk.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
     want = reference_combine(np.asarray(y), np.asarray(pos), np.asarray(w), np.asarray(shared),
                              None if y_scale is None else np.asarray(y_scale), 40)
     assert got.shape == (40, H) and got.dtype == jnp.bfloat16
@@ -175,9 +175,10 @@ def reference_gather(parts, axis, tiled):
 
 
 def reference_sum(parts):
-    """The float32 rank-order sum of ``parts``, rounded once (what psum gives)."""
-    acc = np.zeros(parts[0].shape, np.float32)
-    for p in parts:
+    """The float32 rank-order sum of ``parts``, rounded once (what psum gives):
+    from rank 0's element, not from +0.0, so that negative zeros sum to -0.0."""
+    acc = parts[0].astype(np.float32)
+    for p in parts[1:]:
         acc += p.astype(np.float32)
     return acc.astype(parts[0].dtype)
 
@@ -212,6 +213,10 @@ def reference_combine(y, pos, w, shared, y_scale, tpad):
 # --- the worker -------------------------------------------------------------------
 
 class _Worker(launched.MeshWorker):
+    # Whether the cases also compare with jax.lax's collectives (on GPUs those
+    # are NCCL's, which refuses ranks that share a GPU: tests/gpu_common.py).
+    against_lax = True
+
     def __init__(self):
         super().__init__("sp")
 
@@ -271,6 +276,10 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
         if n != len(specs):
             w.fail("gather", f"{name}: {n} jax_arx all_gathers for {len(specs)} calls")
         outs = f(*xs)
+        lax = None
+        if w.against_lax and name in ("float32", "bfloat16", "int8", "bool"):
+            lax = w.smap(_lift(partial(body, gather=jax.lax.all_gather)), (P("sp"),) * len(xs),
+                         (P("sp"),) * len(specs))(*xs)
         for k, (i, a, t) in enumerate(specs):
             want = reference_gather(parts[i], a, t)
             for r, got in w.mine(outs[k]).items():
@@ -304,10 +313,15 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         if n != len(specs):
             w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
         outs = f(*xs)
+        lax = w.smap(_lift(partial(body, scatter=jax.lax.psum_scatter)), (P("sp"),) * len(xs),
+                     (P("sp"),) * len(xs))(*xs) if w.against_lax else None
+        tol = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}[name]
         for k, (shape, d, t) in enumerate(specs):
             for r, got in w.mine(outs[k]).items():
                 what = f"{name} {shape} dimension {d} tiled {t} rank {r}"
                 w.check("scatter", got, reference_scatter(parts[k], d, t, r), what)
+                if lax is not None:
+                    w.close("scatter", got, w.mine(lax[k])[r], what, rtol=tol, atol=tol)
 
 
 def case_sizes(w: _Worker):
@@ -507,6 +521,8 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         if fused != want_fused:
             w.fail("moe", f"e4m3={e4m3}: {fused} fused calls, expected {want_fused}")
         outs = f(*args)
+        lax = w.smap(_lift(partial(body, lax=True)), (P("sp"),) * len(args),
+                     (P("sp"),) * len(cases))(*args) if w.against_lax else None
         for k, (T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
             tpad = -(-T // n) * n
             combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
@@ -514,6 +530,8 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
             for r, got in w.mine(outs[k]).items():
                 what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
                 w.check("moe", got, reference_scatter(combined, 0, True, r), what)
+                if lax is not None:
+                    w.close("moe", got, w.mine(lax[k])[r], what, rtol=2e-2, atol=2e-2)
 
 
 _FULL_CASES = ["gather", "scatter", "sizes", "mixed", "loop", "python_loop", "grad", "moe"]
@@ -577,7 +595,7 @@ SUITES = {"full": _suite_full, "quick": _suite_quick}
 
 def run_worker(suite, suites=SUITES):
     """Runs worker suite ``suite`` on this process's devices, whatever the
-    backend (tests/test_gpu_prefill.py runs the same suites on GPUs), and
+    backend (tests/test_gpu_bulk.py runs the same cases on GPUs), and
     prints the RESULT line. ``suite``: "failures", or names of ``suites``
     joined by "+", run in that order in one launch."""
     w = _Worker()

@@ -70,6 +70,11 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
     else if (k == "ib_sl") ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 15, c.ib_sl));
     else if (k == "ib_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.ib_chunk_bytes));
     else if (k == "ibverbs_lib") c.ibverbs_lib = v;
+    else if (k == "topology") {
+      if (v != "mesh" && v != "ring")
+        return Status::Error(strf("jax_arx: topology '%s' (JAX_ARX_TOPOLOGY) is neither 'mesh' nor 'ring'", v.c_str()));
+      c.topology = v == "ring" ? TopologyKind::kRing : TopologyKind::kMesh;
+    }
     else if (k == "cuda_direct") c.cuda_direct = v == "1" || v == "true";
     else if (k == "cuda_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.cuda_chunk_bytes));
     else if (k == "cuda_ll_max_bytes") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.cuda_ll_max_bytes));

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "base/status.h"
+#include "base/topology.h"
 
 namespace arx {
 
@@ -35,6 +36,9 @@ struct Config {
   int64_t ib_sl = 0;              // JAX_ARX_IB_SL: service level, 0..15
   uint64_t ib_chunk_bytes = 0;    // tuning: split verbs data writes into pieces of at most this; 0 = whole
   std::string ibverbs_lib;        // JAX_ARX_IBVERBS_LIB: the libibverbs to load; empty = the usual names
+  // JAX_ARX_TOPOLOGY: mesh (every rank reaches every other), or ring (prev
+  // and next only; base/topology.h).
+  TopologyKind topology = TopologyKind::kMesh;
   bool cuda_direct = true;         // JAX_ARX_CUDA_DIRECT: GPUs of one host write the peers' inboxes themselves
   // tuning: the pieces of a one-shot psum (comm/plan.cc); 0: built in.
   uint64_t cuda_chunk_bytes = 0;

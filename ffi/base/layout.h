@@ -16,9 +16,17 @@
 //   bulk_recv  bulk inbox: [2 parities][world sources][bulk_lane]
 //   bulk_send  bulk staging: [2 parities][world destinations][bulk_lane]
 //   ll_recv    LL inbox: [2 parities][world sources][kLLSlotBytes]
+//   relay      a ring of 4 only (base/topology.h): what prev sends to the
+//              rank two away, for this rank's proxy to put on to it: psum
+//              [2 parities][slot_bytes], bulk [2 parities][bulk_lane], the
+//              headers of those [families][2 parities], and kRoots rings of
+//              kRing records (comm/relay.h); then this
+//              rank's own outgoing records, staged for the carrier
+//              [kRoots][kRing] (written by this rank only)
 // Peers write only their own parts of the inbox: their flag words, their
-// psum slots recv[*][src] and their bulk lanes bulk_recv[*][src] (a carrier
-// checks every remote write with Layout::src_may_write). ll_recv is written
+// psum slots recv[*][src] and their bulk lanes bulk_recv[*][src], and, for a
+// relay, the relayed source's (a carrier checks every remote write with
+// Layout::may_write; prev alone writes the relay area). ll_recv is written
 // only by the peers' kernels, through a mapping of this region (the direct
 // channel on one host), never by a carrier; control, ring and the staging
 // buffers only by this rank.
@@ -32,11 +40,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define ARX_HD __host__ __device__ __forceinline__
-#else
-#define ARX_HD inline
-#endif
+#include "base/topology.h"  // ARX_HD too
 
 namespace arx {
 
@@ -118,6 +122,7 @@ ARX_HD uint64_t describe(const Descriptor& d) {
 //   [kHeaderWordBase, + kHeaderWords)  the exact descriptors ("Headers")
 //   [kNoticeWordBase, + kMaxWorld)  a source's notice that it gave up
 //                                   (comm/proxy.cc, "Notices")
+//   [kRelayWordBase, + kRoots)      records prev put into the relay rings, per root
 //   kPeerMemory*Word                the GPU inbox exchange (peer_memory.cc)
 //   [kHandshakeWord, + kMaxWorld)   the carriers' set-up handshake
 // Heard: where the flag words that kernels wait on live in GPU memory (psum
@@ -141,7 +146,8 @@ constexpr int kDescriptorWords = 4;
 constexpr int kHeaderWordBase = kHeardWordBase + kFamilies * kMaxWorld;
 constexpr int kHeaderWords = kFamilies * 2 * kMaxWorld * kDescriptorWords;
 constexpr int kNoticeWordBase = kHeaderWordBase + kHeaderWords;
-constexpr int kPeerMemoryOfferWord = kNoticeWordBase + kMaxWorld;
+constexpr int kRelayWordBase = kNoticeWordBase + kMaxWorld;
+constexpr int kPeerMemoryOfferWord = kRelayWordBase + kRoots;
 constexpr int kPeerMemoryBytesWord = kPeerMemoryOfferWord + 1;
 constexpr int kPeerMemoryResultWord = kPeerMemoryOfferWord + 2;
 constexpr uint64_t kPeerMemoryNone = ~0ull;
@@ -153,6 +159,7 @@ ARX_HD int header_word(Family f, int parity, int src) {
   return kHeaderWordBase + (((int)f * 2 + parity) * kMaxWorld + src) * kDescriptorWords;
 }
 ARX_HD int notice_word(int src) { return kNoticeWordBase + src; }
+ARX_HD int relay_word(int root) { return kRelayWordBase + root; }
 
 ARX_HD int heard_word(Family f, int src) { return kHeardWordBase + (int)f * kMaxWorld + src; }
 
@@ -309,6 +316,14 @@ struct alignas(64) Trigger {
 static_assert(sizeof(Trigger) == 64, "Trigger is written by kernels and read by the proxy: keep its layout fixed");
 static_assert(offsetof(Trigger, tag) == 56, "Trigger layout");
 
+// A relay record (comm/relay.h): a put that prev asks this rank to make on
+// its behalf to the rank two away. `from` is in this rank's region;
+// flag_offset may be Transport's kNoFlag (~0).
+struct alignas(64) RelayRecord {
+  uint64_t from, len, dst, flag_offset, value, pad[3];
+};
+static_assert(sizeof(RelayRecord) == 64, "RelayRecord crosses the wire: keep its layout fixed");
+
 // ---- the LL one-shot psum (direct channel on one host) ------------------------
 //
 // A one-shot psum of at most kLLMaxPayload bytes whose flags travel inside
@@ -348,19 +363,24 @@ struct Geometry {
   uint64_t slot_bytes = 0;  // psum: per source per parity (a one-shot partial, a two-shot chunk)
   uint64_t send_bytes = 0;  // psum: per parity (a two-shot partial)
   uint64_t bulk_bytes = 0;  // bulk: per parity, every lane together (a whole gathered output; 0: none)
+  TopologyKind topology = TopologyKind::kMesh;
 };
 
 struct Layout {
   int world = 0;
+  Topology topo;
   uint64_t slot_bytes = 0, send_bytes = 0;
   uint64_t bulk_lane = 0;  // bulk: one source's (or destination's) part, the largest slice a bulk op takes
-  uint64_t control = 0, flags = 0, recv = 0, send = 0, ring = 0, bulk_recv = 0, bulk_send = 0, ll_recv = 0, total = 0;
+  uint64_t control = 0, flags = 0, recv = 0, send = 0, ring = 0, bulk_recv = 0, bulk_send = 0, ll_recv = 0;
+  uint64_t relay = 0, relay_bulk = 0, relay_headers = 0, relay_ring = 0, relay_out = 0, total = 0;  // relay*: empty
+                                                                                                  // unless topo.relays()
 
   static uint64_t page_up(uint64_t x) { return (x + kPage - 1) / kPage * kPage; }
 
   static Layout of(const Geometry& g) {
     Layout l;
     l.world = (int)g.world;
+    l.topo = Topology{(int)g.world, g.topology == TopologyKind::kRing};
     l.slot_bytes = g.slot_bytes;
     l.send_bytes = g.send_bytes;
     // A lane holds a world-th of bulk_bytes, rounded up to 16 bytes so that
@@ -374,7 +394,13 @@ struct Layout {
     l.bulk_recv = page_up(l.ring + kRing * sizeof(Trigger));
     l.bulk_send = page_up(l.bulk_recv + 2 * (uint64_t)g.world * l.bulk_lane);
     l.ll_recv = page_up(l.bulk_send + 2 * (uint64_t)g.world * l.bulk_lane);
-    l.total = page_up(l.ll_recv + 2 * (uint64_t)g.world * kLLSlotBytes);
+    l.relay = page_up(l.ll_recv + 2 * (uint64_t)g.world * kLLSlotBytes);
+    const bool relays = l.topo.relays();
+    l.relay_bulk = page_up(l.relay + (relays ? 2 * g.slot_bytes : 0));
+    l.relay_headers = page_up(l.relay_bulk + (relays ? 2 * l.bulk_lane : 0));
+    l.relay_ring = page_up(l.relay_headers + (relays ? kPage : 0));
+    l.relay_out = page_up(l.relay_ring + (relays ? (uint64_t)kRoots * kRing * sizeof(RelayRecord) : 0));
+    l.total = page_up(l.relay_out + (relays ? (uint64_t)kRoots * kRing * sizeof(RelayRecord) : 0));
     return l;
   }
   ARX_HD uint64_t flag_offset(int index) const { return flags + 8 * (uint64_t)index; }
@@ -403,6 +429,48 @@ struct Layout {
   ARX_HD uint64_t ll_recv_offset(int parity, int src) const {
     return ll_recv + ((uint64_t)parity * world + src) * kLLSlotBytes;
   }
+  // The relay area (topo.relays() only): where prev's bytes for the rank two
+  // away wait, by family and parity; the record ring of each root.
+  ARX_HD uint64_t relay_offset(Family f, int parity) const {
+    return f == Family::kPsum ? relay + (uint64_t)parity * slot_bytes : relay_bulk + (uint64_t)parity * bulk_lane;
+  }
+  ARX_HD uint64_t relay_lane_bytes(Family f) const { return f == Family::kPsum ? slot_bytes : bulk_lane; }
+  ARX_HD uint64_t relay_header_offset(Family f, int parity) const {
+    return relay_headers + ((uint64_t)f * 2 + parity) * kDescriptorWords * 8;
+  }
+  ARX_HD uint64_t relay_record_offset(int root, uint64_t index) const {
+    return relay_ring + ((uint64_t)root * kRing + index % kRing) * sizeof(RelayRecord);
+  }
+  ARX_HD uint64_t relay_out_offset(int root, uint64_t index) const {
+    return relay_out + ((uint64_t)root * kRing + index % kRing) * sizeof(RelayRecord);
+  }
+  // The inbox lane of `src` a put to `offset` lands in: its family and
+  // parity (false if none), for a relay to stage it in the same place.
+  ARX_HD bool lane_of(int src, uint64_t offset, Family& f, int& parity, uint64_t& lane_start) const {
+    for (int p = 0; p < 2; ++p) {
+      const uint64_t a = recv_offset(p, src), b = bulk_recv_offset(p, src);
+      if (offset >= a && offset < a + slot_bytes) { f = Family::kPsum; parity = p; lane_start = a; return true; }
+      if (bulk_lane && offset >= b && offset < b + bulk_lane) { f = Family::kBulk; parity = p; lane_start = b; return true; }
+    }
+    return false;
+  }
+  // Whether the rank `carrier` may write [offset, offset + len) of rank
+  // `at`'s region, or store the flag word at `flag_offset` there: inside the
+  // slots of a source it carries to `at` (its own over a link, or the one it
+  // relays: base/topology.h), or, for prev of a relay, its relay area and
+  // relay words. A carrier checks every remote write with these.
+  ARX_HD bool may_write(int carrier, int at, uint64_t offset, uint64_t len) const {
+    for (int src = 0; src < world; ++src)
+      if (src != at && topo.carries(carrier, src, at) && src_may_write(src, offset, len)) return true;
+    if (topo.relayed_source(at) != carrier || relay_out == relay) return false;
+    return offset >= relay && offset <= relay_out && len <= relay_out - offset;
+  }
+  ARX_HD bool may_flag(int carrier, int at, uint64_t flag_offset) const {
+    for (int src = 0; src < world; ++src)
+      if (src != at && topo.carries(carrier, src, at) && src_may_flag(src, flag_offset)) return true;
+    if (topo.relayed_source(at) != carrier) return false;
+    return flag_offset == this->flag_offset(relay_word(0)) || flag_offset == this->flag_offset(relay_word(kRoots - 1));
+  }
   // Whether `src` may write [offset, offset + len) of a peer's region: inside
   // one of its own inbox slots (recv[p][src], bulk_recv[p][src]).
   ARX_HD bool src_may_write(int src, uint64_t offset, uint64_t len) const {
@@ -422,12 +490,15 @@ struct Layout {
     if (offset < flags || offset >= flags + 8 * kFlagWords || (offset - flags) % 8) return false;
     return src_owns_word(src, (int)((offset - flags) / 8), world);
   }
-  // The whole inbox, [flags, end of recv) and bulk_recv: what any peer may
-  // write at all (the verbs carrier registers these for remote writes).
+  // The whole inbox, [flags, end of recv), bulk_recv and the relay area:
+  // what any peer may write at all (the verbs carrier registers these for
+  // remote writes).
   uint64_t inbox_lo() const { return flags; }
   uint64_t inbox_hi() const { return send; }
   uint64_t bulk_inbox_lo() const { return bulk_recv; }
   uint64_t bulk_inbox_hi() const { return bulk_send; }
+  uint64_t relay_lo() const { return relay; }
+  uint64_t relay_hi() const { return relay_out; }
 };
 
 }  // namespace arx

@@ -44,10 +44,15 @@ Status Endpoint::create(const EndpointSpec& spec, std::shared_ptr<Endpoint>& out
   if (spec.rank < 0 || spec.rank >= spec.world)
     return Status::Error(strf("jax_arx: rank %d is outside communicator '%s' of %d ranks", spec.rank,
                               spec.name.c_str(), spec.world));
+  if (spec.config.topology == TopologyKind::kRing && spec.world > kMaxRingWorld)
+    return Status::Error(strf("jax_arx: communicator '%s' has %d ranks; a ring (JAX_ARX_TOPOLOGY=ring) takes 2 to %d: "
+                              "past that, what a rank sends would go through more than one relay. Connect the "
+                              "boxes through a switch and use JAX_ARX_TOPOLOGY=mesh",
+                              spec.name.c_str(), spec.world, kMaxRingWorld));
   std::shared_ptr<Endpoint> ep(new Endpoint());
   ep->spec_ = spec;
   ep->layout_ = Layout::of(Geometry{(uint32_t)spec.world, spec.config.slot_bytes, spec.config.send_bytes,
-                                    spec.config.bulk_bytes});
+                                    spec.config.bulk_bytes, spec.config.topology});
   ep->label_ = strf("communicator '%s' rank %d of %d", spec.name.c_str(), spec.rank, spec.world);
   ARX_RETURN_IF_ERROR(Region::create(ep->layout_.total, spec.transport == TransportKind::kShm, ep->region_));
   TransportContext ctx;
@@ -89,7 +94,9 @@ Status Endpoint::connect(const std::vector<std::string>& all) {
   if (!region_->name().empty())
     ARX_RETURN_IF_ERROR(windows_.open(shared, spec_.rank, layout_, *region_, spec_.config.timeout_s, label_));
   ARX_RETURN_IF_ERROR(transport_->connect(carrier, spec_.config.timeout_s));
-  route_.direct = windows_.mapped();
+  // In a ring the peers' memory may be mapped (one host, in tests) but the
+  // links are the carrier's: everything goes through the proxy.
+  route_.direct = windows_.mapped() && !layout_.topo.ring;
   proxy_ = std::make_unique<Proxy>(*this);
   proxy_->start();
   connected_ = true;

@@ -43,6 +43,7 @@ struct Stats {
   std::atomic<uint64_t> bytes[kKinds] = {};
   std::atomic<uint64_t> by_algorithm[5] = {};
   std::atomic<uint64_t> stalls{0};
+  std::atomic<uint64_t> relayed{0};  // puts this rank made for prev (a ring of 4: comm/relay.h)
   void count(Kind k, uint64_t n, int algorithm) {
     calls[k].fetch_add(1, std::memory_order_relaxed);
     bytes[k].fetch_add(n, std::memory_order_relaxed);

@@ -27,7 +27,7 @@ struct Fingerprint {
   uint64_t cuda_chunk_bytes;
   int64_t cuda_ll_max_bytes;
   uint32_t cuda_direct;
-  uint32_t transport, platform;
+  uint32_t transport, platform, topology;
   uint32_t layout_bytes;  // the shared blocks' sizes, so builds that disagree on them do not talk
 };
 constexpr char kMagic[8] = {'J', 'A', 'X', 'A', 'R', 'X', 0, 2};
@@ -50,6 +50,7 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.cuda_direct = s.config.cuda_direct;
   f.transport = (uint32_t)s.transport;
   f.platform = (uint32_t)s.platform;
+  f.topology = (uint32_t)s.config.topology;
   f.layout_bytes = sizeof(Control) + sizeof(Trigger) * kRing + (uint32_t)kFlagWords;
   return f;
 }
@@ -105,6 +106,9 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
   if (mine.transport != theirs.transport)
     return strf("rank %d uses the %s carrier, this rank %s; set JAX_ARX_TRANSPORT the same everywhere", j,
                 transport_name((TransportKind)theirs.transport), transport_name((TransportKind)mine.transport));
+  if (mine.topology != theirs.topology)
+    return strf("rank %d is cabled as a %s, this rank as a %s; set JAX_ARX_TOPOLOGY the same everywhere", j,
+                theirs.topology ? "ring" : "mesh", mine.topology ? "ring" : "mesh");
   if (mine.platform != theirs.platform)
     return strf("rank %d runs on %s, this rank on %s; a communicator spans one platform", j,
                 platform_name((Platform)theirs.platform), platform_name((Platform)mine.platform));

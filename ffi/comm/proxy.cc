@@ -6,6 +6,7 @@
 
 #include "base/atomics.h"
 #include "comm/endpoint.h"
+#include "comm/relay.h"
 
 namespace arx {
 namespace {
@@ -52,8 +53,9 @@ bool take(Control* ctl, Trigger* ring, uint64_t& consumed, Trigger& t) {
 }
 
 // One entry: its bytes to every peer it names, in send order, each root's
-// part followed by its flag word.
-Status post(Endpoint& ep, const Trigger& t) {
+// part followed by its flag word; to a peer with no link (a ring of 4),
+// through the relay (comm/relay.h).
+Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
   const Layout& L = ep.layout();
   Transport* carrier = ep.transport();
   const int rank = ep.spec().rank, world = ep.spec().world, roots = carrier->roots();
@@ -83,6 +85,15 @@ Status post(Endpoint& ep, const Trigger& t) {
   }
   for (int i = 0; i < n; ++i) {
     const int peer = peer_in_send_order(rank, world, t.dest, i);
+    if (!L.topo.linked(rank, peer)) {
+      if (t.family & kTriggerHeader) ARX_RETURN_IF_ERROR(relay.header(t, peer, header));
+      for (int root = 0; root < roots; ++root) {
+        uint64_t off, len;
+        root_split(t.len, root, roots, off, len);
+        ARX_RETURN_IF_ERROR(relay.data(t, peer, root, off, len));
+      }
+      continue;
+    }
     // The exact Descriptor first, on root 0: the piece's flag on that root
     // comes after it on the same ordered channel (layout.h, "Headers").
     if (t.family & kTriggerHeader)
@@ -173,31 +184,46 @@ class Watchdog {
 // peers' notice words and turns one into its endpoint's failure, which
 // aborts every wait. A peer that had finished the collective before the
 // notice arrived fails at its next one: agreement on the outcome of the
-// very collective would need one more round trip on every call.
-void send_notices(Endpoint& ep) {
+// very collective would need one more round trip on every call. The
+// notice's descriptor carries the family and why the wait gave up, so that
+// every rank's error names the same cause (a mismatch, a timeout).
+void send_notices(Endpoint& ep, Relay& relay) {
   const Control* ctl = ep.control();
   const uint64_t seq = load_acquire(&ctl->failed_seq);
-  const uint64_t value = flag_word(seq ? seq : 1, seq ? load_relaxed(&ctl->failed_family) + 1 : 0);
+  const uint64_t desc = seq ? (load_relaxed(&ctl->failed_family) + 1) | load_relaxed(&ctl->failed_kind) << 8 : 0;
+  const uint64_t value = flag_word(seq ? seq : 1, desc);
   const Layout& L = ep.layout();
   const int rank = ep.spec().rank;
-  for (int j = 0; j < ep.spec().world; ++j)
-    if (j != rank)
+  for (int j = 0; j < ep.spec().world; ++j) {
+    if (j == rank) continue;
+    if (L.topo.linked(rank, j))
       ep.transport()->put(j, 0, ep.base() + L.recv_offset(0, rank), L.recv_offset(0, rank), 0,
                           L.flag_offset(notice_word(rank)), value);
+    else
+      relay.notice(j, L.flag_offset(notice_word(rank)), value);
+  }
 }
 
-// A peer's notice, as a failure message; "" when no peer sent one.
+// A peer's notice, as a failure message; "" when no peer sent one. The
+// message keeps the words errors.classify() reads ("issued a different
+// collective", "timed out after"), so every rank raises the same class.
 std::string notice_from_peers(const Endpoint& ep) {
   for (int j = 0; j < ep.spec().world; ++j) {
     if (j == ep.spec().rank) continue;
     const uint64_t v = load_acquire(ep.flags() + notice_word(j));
     if (v == 0) continue;
-    const uint64_t family = flag_desc(v);
-    return strf("jax_arx: %s: rank %d gave up on %s #%llu and said so; this rank fails it too (or, if it had "
-                "finished it, the collective after it), as every rank does. The first failure, on rank %d, says "
-                "why: see its log",
-                ep.label().c_str(), j, family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
-                (unsigned long long)flag_seq(v), j);
+    const uint64_t family = flag_desc(v) & 0xff;
+    const auto kind = static_cast<FailureKind>(flag_desc(v) >> 8);
+    const std::string what = strf("%s #%llu", family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
+                                  (unsigned long long)flag_seq(v));
+    const std::string cause =
+        kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
+        : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for a peer timed out after its "
+                                               "JAX_ARX_TIMEOUT_S", what.c_str())
+                                        : strf("gave up on %s", what.c_str());
+    return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
+                "collective after it), as every rank does. Rank %d's own error says more: see its log",
+                ep.label().c_str(), j, cause.c_str(), j);
   }
   return "";
 }
@@ -224,26 +250,32 @@ void Proxy::loop(uint64_t consumed) {
   Trigger* ring = reinterpret_cast<Trigger*>(ep_.base() + ep_.layout().ring);
   IdleNap nap(cfg.idle_spin_ms, cfg.idle_nap_us);
   Watchdog watchdog(ep_);
+  Relay relay(ep_);
   bool failure_seen = false;
   while (!stop_.load(std::memory_order_relaxed)) {
     Status s = ep_.transport()->poll();
     Trigger t{};
     if (s.ok() && take(ctl, ring, consumed, t)) {
-      s = post(ep_, t);
+      s = post(ep_, relay, t);
       nap.busy();
     }
+    // Prev's records, every turn: relays must not wait on this rank's own
+    // collectives (prev's progress may be what they wait for).
+    bool relayed = false;
+    if (s.ok() && !failure_seen) s = relay.forward(relayed);
+    if (relayed) nap.busy();
     if (!s.ok()) {
       ep_.fail(s.message());
-      send_notices(ep_);
+      send_notices(ep_, relay);
       return;
     }
-    if (t.tag) continue;
+    if (t.tag || relayed) continue;
     // A failure the device side recorded (a kernel that gave up) becomes
     // the endpoint's sticky failure here, so JAX_ARX_ON_FAILURE=abort acts
     // even when no host code of ours runs (replayed CUDA graphs).
     if (!failure_seen && ep_.failed()) {
       failure_seen = true;
-      send_notices(ep_);
+      send_notices(ep_, relay);
     }
     if (!failure_seen && watchdog.look()) {
       const std::string notice = notice_from_peers(ep_);

@@ -99,7 +99,7 @@ Status attach(Endpoint& ep) {
   c.psum_proxy = make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base);
   c.bulk_proxy = make_proxy_channel(L, Family::kBulk, rank, ep.roots(), base);
   Endpoint::Route route;
-  route.direct = ep.windows().mapped() && ep.spec().config.cuda_direct;
+  route.direct = ep.route().direct && ep.spec().config.cuda_direct;  // the host's choice: mapped peers, no ring
   if (route.direct) {
     uint8_t* peers[kMaxWorld] = {};
     for (int p = 0; p < world; ++p) {

@@ -52,6 +52,10 @@ __device__ __forceinline__ unsigned long long tagged_arrive(unsigned long long* 
 // sees it; then nothing is written to the peers nor waited for, and the
 // output is NaN), and the ring position of its first trigger. Thread 0 of
 // each block tags the family's finished counter (settle counts on it).
+// Under `prior` a kernel touches nothing but its DeviceWords and its output:
+// no channel, no Control block. A closed endpoint keeps only its words,
+// marked failed (state.h), and a graph replayed after it closed relies on
+// this.
 struct SeqStart {
   uint64_t seq;
   int par;

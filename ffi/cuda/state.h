@@ -43,8 +43,17 @@ struct DeviceState {
     // at process exit the CUDA runtime may already be gone.
     DeviceScope scope(device);
     cudaDeviceSynchronize();
+    // A CUDA graph captured earlier (XLA's command buffers) may still launch
+    // this endpoint's kernels, with these very arguments, after it is gone:
+    // the handler does not run on a replay. So the words stay, marked
+    // failed, for the life of the process (256 bytes per closed endpoint);
+    // a kernel that finds `failed` touches nothing but its words and its
+    // output (grid.cuh, begin), so the region and the mappings may go.
+    if (words) {
+      const unsigned long long one = 1;
+      cudaMemcpy(&words->failed, &one, sizeof one, cudaMemcpyHostToDevice);
+    }
     peer_memory.reset();
-    if (words) cudaFree(words);
     for (void* p : registered) cudaHostUnregister(p);
   }
 };

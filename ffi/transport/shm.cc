@@ -35,8 +35,8 @@ class ShmTransport final : public Transport {
     // A peer's slots hold for every carrier, this one included: a protocol
     // bug must not scribble over a peer's staging buffers or control block.
     uint8_t* base = ctx_.windows ? ctx_.windows->base(peer) : nullptr;
-    if (!base || !ctx_.layout.src_may_write(ctx_.rank, offset, len) ||
-        (flag_offset != kNoFlag && !ctx_.layout.src_may_flag(ctx_.rank, flag_offset)))
+    if (!base || !ctx_.layout.may_write(ctx_.rank, peer, offset, len) ||
+        (flag_offset != kNoFlag && !ctx_.layout.may_flag(ctx_.rank, peer, flag_offset)))
       return Status::Error(strf("jax_arx: %s: refused a put to rank %d at [%llu, +%llu) flag %llu: outside this "
                                 "rank's slots in its inbox",
                                 ctx_.label.c_str(), peer, (unsigned long long)offset, (unsigned long long)len,

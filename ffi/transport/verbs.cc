@@ -490,8 +490,8 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
   // same layout), and through the window (MR) that holds them.
   const bool bulk = offset >= l.bulk_lo && offset < l.bulk_hi;
   const bool with_flag = flag_offset != kNoFlag;
-  if (!ctx_.layout.src_may_write(ctx_.rank, offset, len) ||
-      (with_flag && (!ctx_.layout.src_may_flag(ctx_.rank, flag_offset) || flag_offset < l.inbox_lo ||
+  if (!ctx_.layout.may_write(ctx_.rank, peer, offset, len) ||
+      (with_flag && (!ctx_.layout.may_flag(ctx_.rank, peer, flag_offset) || flag_offset < l.inbox_lo ||
                      flag_offset + 8 > l.inbox_hi)) ||
       (bulk ? len > l.bulk_hi - offset : (offset < l.inbox_lo || len > l.inbox_hi - offset)))
     return labelled(strf("jax_arx: verbs put() to %s: %llu bytes at offset %llu and a flag at %llu do not lie inside "

@@ -97,8 +97,16 @@ void ref_store(DType t, uint8_t* p, float f) {
 // ---- rigs -------------------------------------------------------------------
 
 
+// The topology the rigs take: the suite runs in a mesh, then again in a
+// ring (main), where at world 4 every op's pieces for the rank two away go
+// through the relay: the all-gather's from the relay's inbox, the
+// reduce-scatter's and the combine's (one destination each) through its
+// relay lanes.
+TopologyKind g_topology = TopologyKind::kMesh;
+
 Config test_config() {
   Config c;
+  c.topology = g_topology;
   c.bulk_bytes = 8 << 20;
   c.slot_bytes = 64 << 10;
   c.send_bytes = 64 << 10;
@@ -349,6 +357,11 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
          calls - calls / 4);
   EXPECT(load_acquire(&ctl->done[(int)Family::kPsum]) == (uint64_t)(calls / 4), "psum seq after %d psums",
          calls / 4);
+  // Every call of a ring of 4 relays; the rings wrapped several times.
+  if (rig.eps[0]->layout().topo.relays())
+    for (int r = 0; r < world; ++r)
+      EXPECT(rig.eps[r]->stats.relayed.load() > (uint64_t)kRing * 2, "%s ring of 4: rank %d relayed %llu puts",
+             transport_name(kind), r, (unsigned long long)rig.eps[r]->stats.relayed.load());
 }
 
 // A producer that publishes its triggers in any order of time, at fixed
@@ -508,5 +521,13 @@ int main(int argc, char** argv) {
     test_timeout(k);
     test_mismatch(k);
     test_too_big(k);
+    g_topology = TopologyKind::kRing;
+    for (int world : {2, 3, 4}) {
+      test_all_gather(k, world, ag_sizes);
+      test_reduce_scatter(k, world, DType::kBF16, rs_counts);
+      test_moe(k, world, moe);
+      test_back_to_back(k, world, quick ? 200 : 1000);
+    }
+    g_topology = TopologyKind::kMesh;
   });
 }

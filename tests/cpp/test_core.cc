@@ -97,9 +97,10 @@ void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt1993
     }
 }
 
-void test_allreduce(TransportKind kind, int world, DType dtype, const std::vector<uint64_t>& counts, int repeats) {
+void test_allreduce(TransportKind kind, int world, DType dtype, const std::vector<uint64_t>& counts, int repeats,
+                    const Config& cfg = Config()) {
   Rig rig;
-  if (!make_rig(kind, world, rig, Config())) {
+  if (!make_rig(kind, world, rig, cfg)) {
     EXPECT(false, "rig %s world %d", transport_name(kind), world);
     return;
   }
@@ -170,9 +171,9 @@ void test_signed_zero(TransportKind kind) {
 }
 
 // Thousands of back-to-back calls: parity reuse under load.
-void test_back_to_back(TransportKind kind, int world, int calls) {
+void test_back_to_back(TransportKind kind, int world, int calls, const Config& cfg = Config()) {
   Rig rig;
-  if (!make_rig(kind, world, rig, Config())) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, world, rig, cfg)) { EXPECT(false, "rig"); return; }
   std::vector<int> bad(world, 0);
   on_ranks(world, [&](int r) {
     std::vector<float> in(97), out(97);
@@ -187,6 +188,49 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
   });
   for (int r = 0; r < world; ++r) EXPECT(bad[r] == 0, "%s back-to-back: rank %d wrong at call %d", transport_name(kind), r, bad[r]);
   for (auto& ep : rig.eps) ep->close();
+}
+
+// A ring (base/topology.h): the same bits as a mesh, and at world 4 through
+// the relays, which each rank must have used; back-to-back calls reuse the
+// relay rings many times over (tests/cpp/test_bulk.cc relays the bulk ops,
+// whose puts to one destination go through the relay lanes). The carriers
+// refuse any direct put between ranks that are not neighbours, so a relay
+// the proxy forgot fails the call instead of going round it.
+void test_ring(TransportKind kind, bool quick) {
+  Config ring;
+  ring.topology = TopologyKind::kRing;
+  const std::vector<uint64_t> counts = {1, 9, 1000, 4097, quick ? 20000ull : 200000ull};
+  for (int world : {2, 3, 4}) {
+    test_allreduce(kind, world, DType::kF32, counts, 2, ring);
+    test_allreduce(kind, world, DType::kBF16, counts, 1, ring);
+    test_back_to_back(kind, world, quick ? 200 : 1000, ring);
+  }
+  Rig rig;
+  if (!make_rig(kind, 4, rig, ring)) { EXPECT(false, "ring rig"); return; }
+  std::vector<float> in(4 * 3000), out(4 * 3000);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = (float)(i % 3000 % 17);
+  std::vector<Status> sts(4);
+  on_ranks(4, [&](int r) { sts[r] = host::psum(*rig.eps[r], DType::kF32, in.data() + r * 3000, out.data() + r * 3000, 3000, 0); });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT(sts[r].ok() && out[r * 3000 + 5] == 4 * 5.0f, "%s ring of 4, rank %d: %s", transport_name(kind), r,
+           sts[r].message().c_str());
+    EXPECT(rig.eps[r]->stats.relayed.load() > 0, "%s ring of 4: rank %d relayed nothing for its prev",
+           transport_name(kind), r);
+  }
+  // A direct put to the rank two away is refused by every carrier.
+  const uint64_t at = rig.eps[0]->layout().recv_offset(0, 0);
+  const Status direct = rig.eps[0]->transport()->put(2, 0, rig.eps[0]->base() + at, at, 16, kNoFlag, 0);
+  if (kind == TransportKind::kShm)  // (tcp's receiver refuses it, and closes the link: not here)
+    EXPECT(!direct.ok(), "%s ring of 4: a direct put from rank 0 to rank 2 was let through", transport_name(kind));
+  EndpointSpec s;
+  s.world = 5;
+  s.rank = 0;
+  s.name = "five";
+  s.config = ring;
+  std::shared_ptr<Endpoint> ep;
+  const Status st = Endpoint::create(s, ep);
+  EXPECT(!st.ok() && st.message().find("a ring (JAX_ARX_TOPOLOGY=ring) takes 2 to 4") != std::string::npos,
+         "a ring of 5 is refused with a reason: %s", st.message().c_str());
 }
 
 // A peer that never arrives: the call fails within the timeout, names it,
@@ -251,7 +295,8 @@ void test_fail_everywhere(TransportKind kind) {
   while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   const std::string why = rig.eps[1]->failure();
-  EXPECT(why.find("rank 0 gave up on psum #1") != std::string::npos, "%s: rank 1 was told: '%s'",
+  EXPECT(why.find("rank 0 gave up on psum #1") != std::string::npos && why.find("timed out after") != std::string::npos,
+         "%s: rank 1 was told why: '%s'",
          transport_name(kind), why.c_str());
   const Status s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
   EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: the late rank's call fails with NaN instead of completing: %s",
@@ -281,12 +326,18 @@ void test_descriptor_collision(TransportKind kind) {
     if (r == 0) s0 = host::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), a, 0);
     else s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), b, 0);
   });
+  // Every rank says it was a different collective; the one that compared
+  // the headers first names both (a rank told by its notice may point to it).
+  auto names_both = [&](const Status& s) {
+    return s.message().find(strf("%llu f32", (unsigned long long)a)) != std::string::npos &&
+           s.message().find(strf("%llu f32", (unsigned long long)b)) != std::string::npos;
+  };
   for (const Status* s : {&s0, &s1})
-    EXPECT(!s->ok() && s->message().find("different collective") != std::string::npos &&
-               s->message().find(strf("%llu f32", (unsigned long long)a)) != std::string::npos &&
-               s->message().find(strf("%llu f32", (unsigned long long)b)) != std::string::npos,
-           "%s: psum of %llu and of %llu floats (same 24-bit descriptor) must be a mismatch naming both: %s",
+    EXPECT(!s->ok() && s->message().find("different collective") != std::string::npos,
+           "%s: psum of %llu and of %llu floats (same 24-bit descriptor) must be a mismatch: %s",
            transport_name(kind), (unsigned long long)a, (unsigned long long)b, s->message().c_str());
+  EXPECT(names_both(s0) || names_both(s1), "%s: no rank named both collectives: '%s' / '%s'", transport_name(kind),
+         s0.message().c_str(), s1.message().c_str());
   EXPECT(std::isnan(o0[0]) && std::isnan(o1[b - 1]), "colliding calls give NaN, never a sum");
   for (auto& ep : rig.eps) ep->close();
 }
@@ -360,6 +411,7 @@ int main(int argc, char** argv) {
       test_allreduce(k, world, DType::kF16, {1, 3, 64}, quick ? 1 : 2);
       test_back_to_back(k, world, quick ? 300 : 2000);
     }
+    test_ring(k, quick);
     test_signed_zero(k);
     test_timeout(k);
     test_mismatch(k);

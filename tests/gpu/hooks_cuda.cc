@@ -1,5 +1,5 @@
 // Test hooks for the CUDA device side's waits, on one GPU with no peer at
-// all (tests/test_gpu_psum.py): an endpoint that is created, attached and
+// all (tests/test_gpu_waits.py): an endpoint that is created, attached and
 // registered for the handlers but never connected, so no proxy runs and the
 // test itself plays the peers: it writes (or withholds) their slots, lines
 // and flag words in the region, stale, late or never, and reads the Control
@@ -18,6 +18,7 @@
 
 #include "base/atomics.h"
 #include "comm/endpoint.h"
+#include "comm/plan.h"
 #include "cuda/device_side.h"
 #include "cuda/state.h"
 
@@ -111,6 +112,19 @@ ARX_TESTING_API int arx_testing_layout(int64_t comm_id, int device_ordinal, uint
                           L.slot_bytes, L.send_bytes, L.total, (uint64_t)roots, (uint64_t)w.stride,
                           (uint64_t)w.pieces};
   std::memcpy(out, v, sizeof v);
+  return 0;
+}
+
+// What the psum handler runs for a `bytes`-byte partial on this endpoint
+// (comm/plan.h, the handler's own call): out[0] = the Algorithm, out[1] = the
+// pieces of a one-shot, which its descriptor carries (oneshot.cu, pieces_tag)
+// and whose flag words the test must store.
+ARX_TESTING_API int arx_testing_plan(int64_t comm_id, int device_ordinal, uint64_t bytes, int64_t* out) {
+  auto ep = find(comm_id, device_ordinal);
+  if (!ep) return -1;
+  const arx::Plan p = arx::plan_psum(*ep, bytes);
+  out[0] = (int64_t)p.algorithm;
+  out[1] = p.pieces;
   return 0;
 }
 

@@ -1,5 +1,6 @@
-"""The prefill-sized collectives: ``jax_arx.all_gather``, ``jax_arx.psum_scatter``
-and the fused MoE combine ``jax_arx.moe_combine_psum_scatter``.
+"""The bulk collectives: ``jax_arx.all_gather``, ``jax_arx.psum_scatter`` and
+the fused MoE combine ``jax_arx.moe_combine_psum_scatter`` -- tens of MB per
+call (sequence-parallel prefill), sent in pieces.
 
 Laid out like jax's ``jax/_src/lax/parallel.py``: the public functions, then
 what jax_arx runs and what it leaves to jax.lax, then the rules, then one
@@ -8,24 +9,20 @@ registration block per primitive.
 ``all_gather_p`` and ``psum_scatter_p`` carry the params of jax's own
 ``all_gather_p`` / ``reduce_scatter_p`` (so jax's typing rules type them,
 errors included) plus the communicator id. Each lowers to one call of an XLA
-FFI target, ordered after the program's previous jax_arx call by the
-mechanism of ``_psum.py`` ("ordering", ``emit_ordered_call``), with attributes: the communicator
-id, the call site's tag, and the gathered / scattered dimension (the handler
-does the strided copies a dimension other than the first needs: no
-transposes around the call). They transpose to each other, as jax's do.
+FFI target, ordered after the program's previous jax_arx call
+(``jax_arx/_ordering.py``), with attributes: the communicator id, the call
+site's tag, and the gathered / scattered dimension (the handler does the
+strided copies a dimension other than the first needs: no transposes around
+the call). They transpose to each other, as jax's do.
 
-Each call is one prefill op of the endpoint (see ffi/comm/layout.h,
-"Prefill-sized ops"): sent in pieces through the work ring, with its own
-sequence numbers, up to ``JAX_ARX_PREFILL_SLOT_BYTES`` per call (the
+Each call is one bulk collective of the endpoint (ffi/base/layout.h), with
+its own sequence numbers, up to ``JAX_ARX_PREFILL_SLOT_BYTES`` per call (the
 gathered output, or the scattered input). What jax_arx does not run falls
-back to ``jax.lax`` with one log line per distinct reason, or raises
-``JaxArxFallbackError`` when ``JAX_ARX_FALLBACK=error``, as for psum.
+back to ``jax.lax`` as ``jax_arx/_policy.py`` says, as for psum.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from functools import partial
 from typing import NamedTuple
 
@@ -33,19 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_arx import _comm
 from jax_arx import _compat
-from jax_arx import _psum
-from jax_arx import config as _config
+from jax_arx import _ordering
+from jax_arx import _policy
 from jax_arx.errors import JaxArxFallbackError
-
-logger = logging.getLogger("jax_arx")
 
 ALL_GATHER_TARGET = "jax_arx_all_gather"
 PSUM_SCATTER_TARGET = "jax_arx_psum_scatter"
 MOE_COMBINE_TARGET = "jax_arx_moe_combine_psum_scatter"
 
-SCATTER_DTYPES = _psum.SUPPORTED_DTYPES  # the reducing ops: float32, bfloat16, float16
+SCATTER_DTYPES = _policy.REDUCING_DTYPES  # the reducing ops: float32, bfloat16, float16
 MAX_TOPK = 16  # experts per token the fused combine takes (the CUDA kernel keeps them in shared memory)
 
 
@@ -88,7 +82,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     axes = _axes(axis_name)
     if not axes:
         return x
-    _psum.check_axes_bound("all_gather", axes)
+    _policy.check_axes_bound("all_gather", axes)
 
     def leaf_fn(leaf):
         lax = partial(jax.lax.all_gather, leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis,
@@ -141,7 +135,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     axes = _axes(axis_name)
     if not axes:
         return x
-    _psum.check_axes_bound("psum_scatter", axes)
+    _policy.check_axes_bound("psum_scatter", axes)
 
     def leaf_fn(leaf):
         lax = partial(jax.lax.psum_scatter, leaf, axis_name, scatter_dimension=scatter_dimension,
@@ -229,7 +223,7 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     T, topk = (int(d) for d in np.shape(pos)) if np.ndim(pos) == 2 else (None, None)
     R, H = (int(d) for d in np.shape(y)) if np.ndim(y) == 2 else (None, None)
     _check_moe_shapes(y, pos, w, shared, y_scale)  # the arguments' own errors first, wherever it is called
-    _psum.check_axes_bound("moe_combine_psum_scatter", axes)
+    _policy.check_axes_bound("moe_combine_psum_scatter", axes)
     world = _axis_size(axes)
     tpad = _padded(T, world, padded_tokens)
 
@@ -248,10 +242,9 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     elif R == 0 or T == 0:
         return unfused()  # nothing to combine, or no rows to point at
     if why is not None:
-        _fallback("moe_combine_psum_scatter", *why, lax_name="moe_combine + jax_arx.psum_scatter")
+        _policy.fallback("moe_combine_psum_scatter", *why)
         return unfused()
-    decision = _decide("moe_combine_psum_scatter", aval, axes, None, gathered=False, nbytes=tpad * H * 2,
-                       lax_name="moe_combine + jax_arx.psum_scatter")
+    decision = _decide("moe_combine_psum_scatter", aval, axes, None, gathered=False, nbytes=tpad * H * 2)
     if decision is None:
         return unfused()
     operands = [y] + ([y_scale] if y_scale is not None else []) + [pos, w, shared]
@@ -350,61 +343,29 @@ class _Decision(NamedTuple):
     world: int
 
 
-def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None, lax_name=None) -> _Decision | None:
+def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> _Decision | None:
     """How to run ``op`` on ``aval`` over ``axes``: a decision to run it with
-    jax_arx, or None for jax.lax. ``gathered``: the op's buffer is world
-    times ``aval`` (all_gather), else ``aval`` itself; ``nbytes`` overrides.
-    Falling back for a reason the user should know about goes through
-    ``_fallback`` (log once, or raise)."""
-    lax_name = lax_name or f"jax.lax.{op}"
-    fallback = partial(_fallback, op, lax_name=lax_name)
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = set(mesh.manual_axes)
-    if len(axes) == 1 and axes[0] not in manual:
-        return None  # a name bound by vmap, or none: jax.lax has the semantics and the error message
-    if axis_index_groups is not None:
-        return fallback(("axis_index_groups",), "axis_index_groups is not supported")
-    if len(axes) != 1:
-        return fallback(("axes", axes), f"a collective over several axes at once {axes} is not supported")
-    axis, = axes
-    world = mesh.shape[axis]
-    if world == 1:
-        return None  # nothing to communicate
-    dtype = np.dtype(aval.dtype)
-    if op == "psum_scatter" and dtype not in SCATTER_DTYPES:
-        return fallback(("dtype", str(dtype)), f"dtype {dtype} is not supported (float32, bfloat16 and float16 are)")
-    if op == "all_gather" and (jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
-                               or jax.dtypes.itemsize_bits(aval.dtype) < 8):
-        return fallback(("dtype", str(aval.dtype)), f"dtype {aval.dtype} is not supported (it is not whole bytes)")
-    comm = _psum.axis_communicator(op, axis, mesh, aval, fallback)
-    if comm is None:
+    jax_arx, or None for jax.lax (``_policy.decide``). ``gathered``: the op's
+    buffer is world times ``aval`` (all_gather), else ``aval`` itself;
+    ``nbytes`` overrides. The plan's envelope is about one rank's lane: its
+    slice of the gathered output, or of the scattered input."""
+
+    def dtype_refusal(aval):
+        if op == "moe_combine_psum_scatter":
+            return None  # _check_moe_shapes has checked y's dtype; the sum is bfloat16 rows
+        if op != "all_gather":
+            return _policy.reducing_dtype_refusal(aval)
+        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or jax.dtypes.itemsize_bits(aval.dtype) < 8:
+            return f"dtype {aval.dtype} is not supported (it is not whole bytes)"
         return None
-    if nbytes is None:
-        nbytes = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize * (world if gathered else 1)
-    # One rank's lane: its slice of the gathered output, or of the scattered input.
-    algorithm, why_not = comm.plan(op, nbytes // world)
-    if not algorithm:
-        return fallback(("size", axis, op), f"{'gathered from ' if gathered else ''}{aval.str_short()}: {why_not}")
-    return _Decision(comm.comm_id, world)
 
+    def lane_bytes(world):
+        total = nbytes if nbytes is not None else int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(
+            aval.dtype).itemsize * (world if gathered else 1)
+        return total // world
 
-_logged_reasons: set = set()
-_logged_lock = threading.Lock()
-
-
-def _fallback(op: str, key: tuple, why: str, *, lax_name: str) -> None:
-    """Falls back (returns None), logging ``why`` the first time this ``op``
-    and ``key`` come up; or raises JaxArxFallbackError when
-    JAX_ARX_FALLBACK=error. The policy of ``_psum._fallback``."""
-    if _config.load().fallback == "error":
-        raise JaxArxFallbackError(f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to "
-                                  f"{lax_name} (unset it to fall back)")
-    with _logged_lock:
-        first = (op, key) not in _logged_reasons
-        _logged_reasons.add((op, key))
-    if first:
-        logger.warning("jax_arx.%s: %s; using %s", op, why, lax_name)
-    return None
+    comm = _policy.decide(op, aval, axes, axis_index_groups, dtype_refusal=dtype_refusal, lane_bytes=lane_bytes)
+    return None if comm is None else _Decision(comm.comm_id, comm.endpoints[0].world)
 
 
 ### rules
@@ -422,31 +383,17 @@ def _psum_scatter_abstract_eval(aval, **params):
     return _compat.lax_collective_abstract_eval(_compat.lax_reduce_scatter_p, aval, **_lax_params(params))
 
 
-def _lowering_fallback(ctx, op, comm_id, axes):
-    """Why this call cannot run with jax_arx after all, found at lowering
-    time, or None."""
-    comm = _comm.communicator_by_id(comm_id)
-    if comm is None:
-        return (("lowering_uninitialized", axes), f"mesh axis {axes[0]!r} was shut down (jax_arx.shutdown()) "
-                "between tracing and lowering; call jax_arx.initialize(mesh) again")
-    device_ids = _compat.lowering_mesh_device_ids(ctx)
-    if device_ids is not None and device_ids != comm.device_ids:
-        return (("lowering_devices", axes), f"this shard_map's mesh has devices {device_ids} where "
-                f"jax_arx.initialize set axis {axes[0]!r} up for devices {comm.device_ids}")
-    return None
-
-
 def _collective_lowering(target, lax_prim, dimension_param, op, ctx, x, **params):
     # has_side_effect (in emit_ordered_call): XLA must neither merge two identical
     # calls nor drop an unused one; every rank issues the same calls in the
     # same order. The attributes carry no pointers: every process lowers
     # the same HLO.
-    why = _lowering_fallback(ctx, op, params["comm_id"], params["axis_name"])
+    why = _policy.lowering_refusal(ctx, params["comm_id"], params["axis_name"])
     if why is not None:
-        _fallback(op, *why, lax_name=f"jax.lax.{op}")
+        _policy.fallback(op, *why)
         return _compat.lax_collective_lowering(lax_prim, ctx, x, **_lax_params(params))
-    attributes = dict(comm_id=params["comm_id"], site=_psum.call_site_tag(ctx), dimension=params[dimension_param])
-    return _psum.emit_ordered_call(ctx, target, [x], attributes)
+    attributes = dict(comm_id=params["comm_id"], site=_ordering.call_site_tag(ctx), dimension=params[dimension_param])
+    return _ordering.emit_ordered_call(ctx, target, [x], attributes)
 
 
 def _all_gather_transpose(ct, x, *, all_gather_dimension, axis_name, tiled, **params):
@@ -510,13 +457,13 @@ def _moe_abstract_eval(y, *rest, axis_name, axis_size, padded_tokens, scaled, co
 
 
 def _moe_lowering(ctx, *operands, axis_name, axis_size, padded_tokens, scaled, comm_id):
-    why = _lowering_fallback(ctx, "moe_combine_psum_scatter", comm_id, axis_name)
+    why = _policy.lowering_refusal(ctx, comm_id, axis_name)
     if why is not None:
         # The unfused computation cannot be built here without the tracing
         # context; such a program must be traced again.
         raise JaxArxFallbackError(f"jax_arx.moe_combine_psum_scatter: {why[1]}; trace the function again")
-    attributes = dict(comm_id=comm_id, site=_psum.call_site_tag(ctx), scaled=int(scaled))
-    return _psum.emit_ordered_call(ctx, MOE_COMBINE_TARGET, list(operands), attributes)
+    attributes = dict(comm_id=comm_id, site=_ordering.call_site_tag(ctx), scaled=int(scaled))
+    return _ordering.emit_ordered_call(ctx, MOE_COMBINE_TARGET, list(operands), attributes)
 
 
 ### registration

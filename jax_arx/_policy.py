@@ -1,0 +1,159 @@
+"""What jax_arx runs and what it leaves to ``jax.lax``: the one decide and
+fallback policy of every collective.
+
+A call is run by jax_arx when it is a collective over one mesh axis that
+``jax_arx.initialize`` set up, inside a ``shard_map`` manual over every mesh
+axis of size > 1, on a dtype the op takes, within the size envelope that the
+C++ core's plan decides (``Communicator.plan``, ffi/comm/plan.h: the one
+place for sizes and algorithms). Anything else goes to ``jax.lax``:
+
+- silently where there is nothing for jax_arx to do or jax.lax owns the
+  semantics: names bound by ``jax.vmap`` rather than a mesh, axes of size 1,
+  constants (the callers check those);
+- otherwise with one log line per distinct reason on the ``"jax_arx"``
+  logger, or ``JaxArxFallbackError`` when ``JAX_ARX_FALLBACK=error``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jax_arx import _comm
+from jax_arx import _compat
+from jax_arx import config as _config
+from jax_arx.errors import JaxArxFallbackError
+
+logger = logging.getLogger("jax_arx")
+
+# The reducing ops' element types (psum, psum_scatter, the MoE combine's sums).
+REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
+
+_logged_reasons: set = set()
+_logged_lock = threading.Lock()
+
+
+def fallback(op: str, key: tuple, why: str) -> None:
+    """Falls back to ``jax.lax.{op}`` (returns None), logging ``why`` the
+    first time this ``op`` and ``key`` (a kind of reason and what it
+    concerns) come up; or raises JaxArxFallbackError when
+    JAX_ARX_FALLBACK=error."""
+    lax_name = f"jax.lax.{'psum_scatter' if op == 'moe_combine_psum_scatter' else op}"
+    if _config.load().fallback == "error":
+        raise JaxArxFallbackError(f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to "
+                                  f"{lax_name} (unset it to fall back)")
+    with _logged_lock:
+        first = (op, key) not in _logged_reasons
+        _logged_reasons.add((op, key))
+    if first:
+        logger.warning("jax_arx.%s: %s; using %s", op, why, lax_name)
+    return None
+
+
+def check_axes_bound(op: str, axes: tuple) -> None:
+    """Raises NameError for the first of ``axes`` that nothing binds where
+    ``jax_arx.op`` is traced, naming it, the mesh's axes and the names that
+    are bound; jax.lax's collectives fail there on a bare AssertionError."""
+    bound = _compat.bound_axis_names()
+    for axis in axes:
+        if axis not in bound:
+            mesh_axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+            raise NameError(
+                f"jax_arx.{op}: axis name {axis!r} is not bound here: the mesh's axes are {mesh_axes}, and the names "
+                f"bound where it is called are {tuple(bound)}. Name an axis of the mesh the enclosing jax.shard_map "
+                "runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map.")
+
+
+def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Callable[[object], str | None],
+           lane_bytes: Callable[[int], int]) -> _comm.Communicator | None:
+    """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
+    None for jax.lax (after ``fallback`` for a reason the user should know
+    about). ``dtype_refusal(aval)``: why the op does not take this dtype, or
+    None. ``lane_bytes(world)``: the bytes one rank moves, what the plan's
+    envelope is about (a psum's partial, a bulk collective's slice)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    ours = [a for a in axes if a in manual]
+    if not ours:
+        # Names bound by vmap (or not bound at all): jax.lax has the
+        # semantics, and the error message.
+        return None
+    if axis_index_groups is not None:
+        return fallback(op, ("axis_index_groups",), "axis_index_groups is not supported")
+    if len(axes) != 1:
+        other = [a for a in axes if a not in manual]
+        why = (f"a collective over several mesh axes at once {tuple(ours)} is not supported (call jax_arx.{op} "
+               "once per axis to run each with jax_arx)" if len(ours) > 1 else
+               f"mesh axis {ours[0]!r} together with names bound by jax.vmap {tuple(other)} is not supported")
+        return fallback(op, ("axes", axes), why)
+    axis, = axes
+    world = mesh.shape[axis]
+    if world == 1:
+        return None  # nothing to communicate
+    refusal = dtype_refusal(aval)
+    if refusal:
+        return fallback(op, ("dtype", str(aval.dtype)), refusal)
+    comm = _axis_communicator(op, axis, mesh, aval)
+    if comm is None:
+        return None
+    algorithm, why_not = comm.plan(op, lane_bytes(world))
+    if not algorithm:
+        return fallback(op, ("size", axis), f"{aval.str_short()}: {why_not}")
+    return comm
+
+
+def reducing_dtype_refusal(aval) -> str | None:
+    """The reducing ops' dtype check (for ``decide``)."""
+    if np.dtype(aval.dtype) in REDUCING_DTYPES:
+        return None
+    return f"dtype {aval.dtype} is not supported (float32, bfloat16 and float16 are)"
+
+
+def _axis_communicator(op: str, axis, mesh, aval) -> _comm.Communicator | None:
+    """The communicator jax_arx.initialize set up for mesh axis ``axis``, if
+    ``op`` on ``aval`` can run on it inside this shard_map; else None, after
+    ``fallback``. The axis is set up, for this very mesh, the shard_map is
+    manual over every axis of size > 1, and the input is not typed
+    unreduced."""
+    comm = _comm.communicator(axis)
+    if comm is None:
+        return fallback(op, ("uninitialized", axis),
+                        f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
+                        f"process before tracing functions that use jax_arx.{op}")
+    if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (comm.mesh_axis_names, comm.mesh_shape):
+        return fallback(op, ("mesh", axis),
+                        f"this shard_map's mesh {_describe(mesh.axis_names, mesh.axis_sizes)} is not the mesh "
+                        f"jax_arx.initialize set axis {axis!r} up for, "
+                        f"{_describe(comm.mesh_axis_names, comm.mesh_shape)}")
+    manual = set(mesh.manual_axes)
+    auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1 and n not in manual]
+    if auto:
+        return fallback(op, ("partial_manual", axis),
+                        f"the shard_map is not manual over mesh axes {auto}; jax_arx runs in shard_maps manual "
+                        "over every mesh axis of size > 1")
+    if axis in _compat.unreduced_axes(aval):
+        return fallback(op, ("unreduced", axis),
+                        f"the input is typed unreduced or reduced over {axis!r}, which only jax.lax handles")
+    return comm
+
+
+def lowering_refusal(ctx, comm_id: int, axes: tuple) -> tuple[tuple, str] | None:
+    """Why a call decided at trace time cannot run with jax_arx after all,
+    found at lowering time: (key, why) for ``fallback``, or None."""
+    comm = _comm.communicator_by_id(comm_id)
+    if comm is None:
+        return (("lowering_uninitialized", axes), f"mesh axis {axes[0]!r} was shut down (jax_arx.shutdown()) "
+                "between tracing and lowering; call jax_arx.initialize(mesh) again")
+    device_ids = _compat.lowering_mesh_device_ids(ctx)
+    if device_ids is not None and device_ids != comm.device_ids:
+        return (("lowering_devices", axes), f"this shard_map's mesh has devices {device_ids} where "
+                f"jax_arx.initialize set axis {axes[0]!r} up for devices {comm.device_ids}")
+    return None
+
+
+def _describe(names, sizes):
+    return "(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes)) + ")"

@@ -1,0 +1,192 @@
+"""The peers of the GPU wait tests (tests/test_gpu_waits.py), played by the
+test: one endpoint on one GPU, opened through the test hooks
+(tests/gpu/hooks_cuda.cc, in a build with JAX_ARX_TESTING=ON), never
+connected, so no proxy runs and no peer process exists. The test writes the
+peers' bytes, LL lines and flag words exactly where a carrier or a peer's
+kernel would (ffi/base/layout.h), or withholds them, and reads what the
+endpoint's kernels sent, recorded and zeroed.
+
+What the test must mirror of the core, each named where it is defined: the
+OpCode and DType numbers and the flag word (ffi/base/layout.h), the tags the
+kernels mix into their descriptors (ffi/cuda/oneshot.cu ``pieces_tag``,
+ffi/cuda/ll.cu ``ll_tag``), the Control block's and a Trigger's words
+(layout.h). A mirror that is wrong makes the kernel see a mismatch: the
+tests fail, they cannot pass wrongly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+M64 = (1 << 64) - 1
+DESC_BITS = 24
+OP_PSUM, OP_PSUM_SCATTER, OP_PSUM_GATHER = 1, 2, 3  # layout.h, OpCode
+DTYPE_CODE = {"float32": 1, "bfloat16": 2, "float16": 3}  # layout.h, DType
+ALGORITHM = {1: "one_shot", 2: "two_shot", 3: "ll"}  # comm/plan.h, Algorithm
+EVERY_PEER = M64  # layout.h, kEveryPeer
+# Control's 32 words (layout.h): name -> index.
+CONTROL = {"begun": 0, "begun_bulk": 1, "done": 2, "done_bulk": 3, "failed_seq": 8, "failed_kind": 9,
+           "failed_missing": 10, "failed_flag": 11, "failed_src": 12, "failed_desc": 13, "failed_family": 14,
+           "failed_op": 15, "abort": 16, "ring_published": 24, "ring_consumed": 25}
+TRIGGER = ("src", "len", "dst", "flag", "value", "dest", "family", "tag")  # layout.h, Trigger
+RING = 256  # layout.h, kRing: the trigger ring's entries
+TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
+LL_LINE, LL_PAYLOAD = 16, 8  # layout.h, kLLLineBytes, kLLLinePayload
+
+
+def flag_word(seq, desc):
+    return (seq << DESC_BITS | (desc & ((1 << DESC_BITS) - 1))) & M64
+
+
+def pieces_tag(tag, pieces):
+    return (tag ^ (0x5851F42D4C957F2D * (pieces + 1))) & M64
+
+
+def ll_tag(tag):
+    return tag ^ 0x9E3779B97F4A7C15
+
+
+def ll_flag(seq, desc):
+    return (desc & 0xFFFFFF) << 8 | ((seq >> 1) & 0x7F) << 1 | 1
+
+
+def chunk_range(nbytes, n, j):
+    """layout.h's chunk_range: part j of n of nbytes, 16-byte steps."""
+    step = ((nbytes + n - 1) // n + 15) & ~15
+    return min(step * j, nbytes), min(step * (j + 1), nbytes)
+
+
+def raw(data: np.ndarray) -> bytes:
+    return np.ascontiguousarray(data).tobytes()
+
+
+def lines_of(data: np.ndarray, flag_lo: int, flag_hi: int, hi_garbage=False) -> np.ndarray:
+    """data as LL lines {data0, flag, data1, flag} (32-bit words), the last
+    one padded; ``hi_garbage``: the second halves' data all ones."""
+    b = np.frombuffer(raw(data), np.uint8)
+    words = np.concatenate([b, np.zeros(-len(b) % LL_PAYLOAD, np.uint8)]).view(np.uint32).reshape(-1, 2)
+    lines = np.zeros((len(words), 4), np.uint32)
+    lines[:, 0], lines[:, 2] = words[:, 0], (0xFFFFFFFF if hi_garbage else words[:, 1])
+    lines[:, 1], lines[:, 3] = flag_lo, flag_hi
+    return lines
+
+
+class FakePeer:
+    """Rank ``rank`` of ``world`` on GPU 0: its region and the hooks on it.
+    ``direct``: the direct route, looped back (what the kernels send to a
+    peer lands at this rank's own places, which its waits never read);
+    else the proxy route, whose triggers no proxy takes. ``ll_max_bytes``:
+    the LL one-shot's limit (-1 built in, 0 never)."""
+
+    def __init__(self, comm_id, rank, *, world=2, timeout_s, direct=False, ll_max_bytes=-1):
+        from jax_arx import _core
+
+        self.lib = lib = ctypes.CDLL(_core.__file__)
+        lib.arx_testing_describe.restype = ctypes.c_uint64
+        self.comm_id, self.rank, self.world, self.timeout_s = comm_id, rank, world, timeout_s
+        err = ctypes.create_string_buffer(2048)
+        rc = lib.arx_testing_open(ctypes.c_int64(comm_id), 0, rank, world, ctypes.c_double(timeout_s), int(direct),
+                                  ctypes.c_int64(ll_max_bytes), err, len(err))
+        assert rc == 0, err.value.decode()
+        out = (ctypes.c_uint64 * 12)()
+        assert lib.arx_testing_layout(self._id, 0, out) == 0
+        (self.base, self.flags, self.recv, self.send, self.ring, self.ll_recv, self.slot, self.send_bytes, self.total,
+         self.roots, self.stride, self.pieces_per_src) = list(out)
+        # ll_recv is the last area, [2 parities][world sources][an LL slot], whole pages.
+        self.ll_slot = (self.total - self.ll_recv) // (2 * world)
+
+    @property
+    def _id(self):
+        return ctypes.c_int64(self.comm_id)
+
+    # --- what the kernels expect ---
+
+    def plan(self, nbytes):
+        """(algorithm name, pieces) the psum handler runs for ``nbytes`` here."""
+        out = (ctypes.c_int64 * 2)()
+        assert self.lib.arx_testing_plan(self._id, 0, ctypes.c_uint64(nbytes), out) == 0
+        return ALGORITHM[out[0]], out[1]
+
+    def describe(self, op, dtype, count, tag):
+        return int(self.lib.arx_testing_describe(op, ctypes.c_uint64(DTYPE_CODE[dtype]), ctypes.c_uint64(count),
+                                                 ctypes.c_uint64(tag & M64)))
+
+    def oneshot_desc(self, dtype, count, pieces, tag=0):
+        return self.describe(OP_PSUM, dtype, count, pieces_tag(tag, pieces))
+
+    def ll_desc(self, dtype, count, tag=0):
+        return self.describe(OP_PSUM, dtype, count, ll_tag(tag))
+
+    def word(self, src, piece, root=0):
+        """The psum flag word (src, piece, root): layout.h, FlagWords."""
+        return src * self.stride + piece * self.roots + root
+
+    # --- playing the peers ---
+
+    def write(self, offset, data: bytes):
+        assert self.lib.arx_testing_write(self._id, 0, ctypes.c_uint64(offset), data, ctypes.c_uint64(len(data))) == 0
+
+    def slot_at(self, seq, src):
+        return self.recv + ((seq & 1) * self.world + src) * self.slot
+
+    def write_slot(self, seq, src, data: np.ndarray, offset=0):
+        self.write(self.slot_at(seq, src) + offset, raw(data))
+
+    def signal(self, src, seq, desc, pieces=(0,)):
+        """src's flag words of ``pieces`` at seq, every root, stored with
+        release after the bytes they announce, as a carrier stores them."""
+        for piece in pieces:
+            for root in range(self.roots):
+                assert self.lib.arx_testing_store_flag(self._id, 0, self.word(src, piece, root),
+                                                       ctypes.c_uint64(flag_word(seq, desc))) == 0
+
+    def lines_at(self, seq, src):
+        return self.ll_recv + ((seq & 1) * self.world + src) * self.ll_slot
+
+    def write_lines(self, seq, src, data: np.ndarray, flag, halves=(True, True), hi_garbage=False):
+        """data as src's LL lines of seq, with the flag in the halves asked
+        for. The data goes in first with both flags 0, then the flags: the
+        copy is not 8-byte atomic as a kernel's stores are, and the kernel
+        must never see a flag before its data."""
+        self.write(self.lines_at(seq, src), raw(lines_of(data, 0, 0, hi_garbage)))
+        self.write(self.lines_at(seq, src),
+                   raw(lines_of(data, flag if halves[0] else 0, flag if halves[1] else 0, hi_garbage)))
+
+    def fail(self, message):
+        assert self.lib.arx_testing_fail(self._id, 0, message.encode()) == 0
+
+    # --- reading what the kernels did ---
+
+    def read(self, offset, nbytes) -> bytes:
+        return ctypes.string_at(self.base + offset, nbytes)
+
+    def read_word(self, index) -> int:
+        return int(np.frombuffer(self.read(self.flags + 8 * index, 8), np.uint64)[0])
+
+    def read_lines(self, seq, src, n) -> np.ndarray:
+        return np.frombuffer(self.read(self.lines_at(seq, src), LL_LINE * n), np.uint32).reshape(n, 4)
+
+    def control(self) -> dict:
+        w = (ctypes.c_uint64 * 32)()
+        assert self.lib.arx_testing_control(self._id, 0, w) == 0
+        return {name: int(w[i]) for name, i in CONTROL.items()}
+
+    def trigger(self, index) -> dict:
+        """Trigger ``index`` of the ring (its fields as the kernel wrote them)."""
+        words = np.frombuffer(self.read(self.ring + 8 * len(TRIGGER) * (index % RING), 8 * len(TRIGGER)), np.uint64)
+        return {name: int(v) for name, v in zip(TRIGGER, words)}
+
+    def failure(self) -> str:
+        buf = ctypes.create_string_buffer(8192)
+        self.lib.arx_testing_failure(self._id, 0, buf, len(buf))
+        return buf.value.decode()
+
+    def waiting(self, seq) -> bool:
+        """A kernel of psum seq ``seq`` began and has not finished."""
+        c = self.control()
+        return c["begun"] == seq and c["done"] == seq - 1
+
+    def close(self):
+        self.lib.arx_testing_close(self._id, 0)
