@@ -44,41 +44,77 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from bench_common import parse_size
-from bench_report import check_summary, latency_table, ratio_tables
+from bench_report import check_summary, check_table, latency_table, ratio_tables
 
 # The variables that define a jax_arx series (set per phase by the worker).
-SERIES_VARIABLES = ("JAX_ARX_TRANSPORT", "JAX_ARX_SLOT_BYTES", "JAX_ARX_SEND_BYTES", "JAX_ARX_ONESHOT_MAX_BYTES",
-                    "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_CUDA_DIRECT", "JAX_ARX_CUDA_PEER_MEMORY",
-                    "JAX_ARX_FALLBACK")
+SERIES_VARIABLES = ("JAX_ARX_TRANSPORT", "JAX_ARX_TOPOLOGY", "JAX_ARX_SLOT_BYTES", "JAX_ARX_SEND_BYTES",
+                    "JAX_ARX_ONESHOT_MAX_BYTES", "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_CUDA_DIRECT",
+                    "JAX_ARX_CUDA_PEER_MEMORY", "JAX_ARX_FALLBACK")
 NCCL_SHARED_GPU = "NCCL refuses two ranks on one GPU: it needs a GPU per rank"
 
 
 # --- configurations ---------------------------------------------------------------
 
-def arx_config(env, tuning=None, *, gpu_only=False, note=""):
+def _config(kind, *, env=None, tuning=None, process_env=None, gpu_only=False, one_process=False, watch=None,
+            needs=None):
+    return dict(kind=kind, env=dict(env or {}), tuning=dict(tuning or {}), process_env=dict(process_env or {}),
+                gpu_only=gpu_only, one_process=one_process, watch=watch, needs=dict(needs or {}))
+
+
+def arx_config(env, tuning=None, *, gpu_only=False, needs=None):
     """jax_arx with ``env`` (JAX_ARX_*) and ``_tuning``; ``gpu_only``: its
-    settings mean nothing on the CPU backend (skipped there)."""
-    return dict(kind="arx", env=dict(env), tuning=dict(tuning or {}), process_env={}, gpu_only=gpu_only,
-                one_process=False, watch=None, note=note)
+    settings mean nothing on the CPU backend (skipped there); ``needs``:
+    {field: value} that ``jax_arx.config.load()`` must show with ``env``
+    set, or the configuration is skipped (a jax_arx that does not read a
+    variable would otherwise run its default under the configuration's
+    name)."""
+    return _config("arx", env=env, tuning=tuning, gpu_only=gpu_only, needs=needs)
 
 
-def lax_config(process_env=None, *, gpu_only=False, one_process=False, watch=None, note=""):
+def lax_config(process_env=None, *, gpu_only=False, one_process=False, watch=None):
     """jax.lax with ``process_env`` (NCCL_*, XLA_FLAGS: XLA_FLAGS is added
     to the caller's); ``watch``: a regular expression of stderr lines to
     record (what XLA logged about its choice)."""
-    return dict(kind="lax", env={}, tuning={}, process_env=dict(process_env or {}), gpu_only=gpu_only,
-                one_process=one_process, watch=watch, note=note)
+    return _config("lax", process_env=process_env, gpu_only=gpu_only, one_process=one_process, watch=watch)
 
 
-def floor_config(note=""):
-    return dict(kind="floor", env={}, tuning={}, process_env={}, gpu_only=True, one_process=False, watch=None,
-                note=note)
+def floor_config():
+    """The pinned-copy floor (GPUs only)."""
+    return _config("floor", gpu_only=True)
+
+
+SHM, TCP = {"JAX_ARX_TRANSPORT": "shm"}, {"JAX_ARX_TRANSPORT": "tcp"}
+_RING = {"JAX_ARX_TOPOLOGY": "ring"}
+# What both benchmarks run (their docstrings say what each is).
+ARX_CONFIGS = {
+    "arx-shm": arx_config(SHM),
+    "arx-shm-host": arx_config(dict(SHM, JAX_ARX_CUDA_PEER_MEMORY="0"), gpu_only=True),
+    "arx-shm-proxy": arx_config(dict(SHM, JAX_ARX_CUDA_DIRECT="0"), gpu_only=True),
+    "arx-tcp": arx_config(TCP),
+    "arx-shm-ring": arx_config(dict(SHM, **_RING), needs={"topology": "ring"}),
+    "arx-tcp-ring": arx_config(dict(TCP, **_RING), needs={"topology": "ring"}),
+}
+NCCL_CONFIGS = {
+    "nccl": lax_config(),
+    "nccl-p2p-off": lax_config({"NCCL_P2P_DISABLE": "1"}, gpu_only=True),
+}
+
+
+def parse_series(ap, text, known, option):
+    """The series a comma-separated ``text`` names, each one of ``known``;
+    ap.error naming ``option`` otherwise."""
+    chosen = [a for a in text.split(",") if a]
+    if not chosen or any(a not in known for a in chosen):
+        ap.error(f"{option} takes {', '.join(known)} (comma-separated); got {text!r}")
+    return chosen
 
 
 def select(text, configs, default):
@@ -92,8 +128,8 @@ def select(text, configs, default):
 
 
 def parse_worlds(text):
-    worlds = [int(w) for w in str(text).split(",") if w]
-    if not worlds or any(w < 2 for w in worlds):
+    worlds = [int(w) for w in str(text).split(",") if w.strip().isdigit()]
+    if not worlds or len(worlds) != len([w for w in str(text).split(",") if w]) or any(w < 2 for w in worlds):
         raise ValueError(f"--world takes ranks counts of at least 2, e.g. 2 or 2,3,4; got {text!r}")
     return worlds
 
@@ -132,7 +168,10 @@ def plan_jobs(names, configs, world, gpus, cpu, check_only):
     shared = not cpu and world > len(gpus)
     for name in names:
         spec = configs[name]
-        if cpu and spec["gpu_only"]:
+        why = unmet_needs(spec["env"], spec["needs"])
+        if why:
+            skipped[name] = why
+        elif cpu and spec["gpu_only"]:
             skipped[name] = "a GPU series (its settings mean nothing on the CPU backend)"
         elif spec["one_process"] and (cpu or world > len(gpus)):
             skipped[name] = f"one process driving {world} GPUs: needs {world} GPUs"
@@ -148,6 +187,22 @@ def plan_jobs(names, configs, world, gpus, cpu, check_only):
             grouped[key] = job
             jobs.append(job)
     return jobs, skipped
+
+
+def unmet_needs(env, needs):
+    """Why the installed jax_arx cannot run a configuration that ``needs``
+    {field: value} of ``jax_arx.config.load()`` with its ``env`` set, or
+    None."""
+    if not needs:
+        return None
+    from jax_arx import config
+
+    cfg = config.load(dict(os.environ, **env))
+    unmet = [f"{k} is {getattr(cfg, k, None)!r}, not {v!r}" for k, v in needs.items() if getattr(cfg, k, None) != v]
+    if not unmet:
+        return None
+    settings = " ".join(f"{k}={v}" for k, v in env.items())
+    return f"with {settings}, jax_arx's configuration says {'; '.join(unmet)}: this jax_arx has no such setting"
 
 
 _dropped_told = set()
@@ -214,6 +269,7 @@ def run_job(script, job, configs, out_dir, tag, timeout):
         p.wait()
     finally:
         timer.cancel()
+        stop(p)  # the driver stopped early (SIGTERM, Ctrl-C): no rank is left behind
     reader.join(timeout=5)
     doc = None
     if os.path.exists(job["out"]):
@@ -229,8 +285,20 @@ def run_job(script, job, configs, out_dir, tag, timeout):
     return doc, watched, None
 
 
+def stop(p, grace_s=30):
+    """Stops the launcher ``p`` if it still runs: SIGTERM (it stops its
+    ranks), then SIGKILL after ``grace_s``."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def describe_where(world, gpus, cpu, device):
-    """'3 ranks on 1 x NVIDIA H200 (3 per GPU)', '2 ranks on the CPU'."""
+    """'3 ranks on 1 x NVIDIA H200 (3 per GPU, time-sliced)', '2 ranks on the CPU'."""
     if cpu:
         return f"{world} ranks on the CPU"
     used = min(world, len(gpus))
@@ -238,23 +306,37 @@ def describe_where(world, gpus, cpu, device):
     return f"{world} ranks on {used} x {device or 'GPU'}{sharing}"
 
 
+def timing_caveat(world, gpus, cpu):
+    """Why the times of a run mean little, or None: ranks that share a GPU
+    take turns on it, so a time measures the scheduling of the processes;
+    on the CPU backend the host's scheduling dominates."""
+    if cpu:
+        return ("the CPU backend: the times mostly measure the host's scheduling of the ranks' threads; the "
+                "figures that matter are from GPUs")
+    if world > len(gpus):
+        return (f"{world} ranks share {len(gpus)} GPU(s), which time-slice between their processes: the timings are "
+                f"NOT meaningful (the checks are); time with a GPU per rank")
+    return None
+
+
 def add_arguments(ap, configs_help, sizes_help):
     """The options both benchmarks take."""
     import argparse
 
-    ap.add_argument("--out", default="bench_out", help="directory for the JSON (and plots)")
     ap.add_argument("--world", default="2", help="ranks, one process each; a list runs each in turn: 2,3,4")
     ap.add_argument("--configs", help=configs_help)
     ap.add_argument("--sizes", help=sizes_help)
-    ap.add_argument("--check-only", action="store_true",
-                    help="check every series, time nothing; the configurations that need no environment of "
-                         "their own share one job")
+    ap.add_argument("--check", "--check-only", dest="check_only", action="store_true",
+                    help="check every cell against the reference and time nothing; exit status 1 on any mismatch "
+                         "(the configurations that need no environment of their own share one job)")
+    ap.add_argument("--out", help="write the JSON document of each world (and a plot of a timed run) into this "
+                                  "directory; without it, only the tables are printed")
     ap.add_argument("--check-repeats", type=int, default=2, help="runs of each check program")
     ap.add_argument("--cpu", action="store_true", help="the CPU backend (GPU-only configurations are skipped)")
     ap.add_argument("--k", type=int, help="dependent calls per timed program")
     ap.add_argument("--samples", type=int, help="samples per timing (the median is kept)")
     ap.add_argument("--reps", type=int, help="programs per sample, back to back")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per job (a set of processes)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
 
 
@@ -277,55 +359,69 @@ def finish_arguments(ap, args, configs, default, sizes):
                  "the CPU backend")
 
 
-def run_world(args, world, bench):
-    """Every job of one world, the tables, the JSON and the plot; returns
-    whether every job ran and every check passed. ``bench``: name, script,
+def run_world(args, world, bench, scratch):
+    """Every job of one world, the tables, the JSON and the plot (into
+    --out, when given; the jobs' files go to ``scratch``); returns whether
+    every job ran and every check passed. ``bench``: name, script,
     configs, job (the fields a job adds), meta, rows(doc), ratios,
     plot(doc, rows, path, title), label_width."""
     configs = bench["configs"]
+    caveat = timing_caveat(world, args.gpus, args.cpu)
+    if caveat and not args.check_only:
+        print(f"NOTE: {caveat}", flush=True)
     jobs, skipped = plan_jobs(args.names, configs, world, args.gpus, args.cpu, args.check_only)
     outputs = []
     for i, job in enumerate(jobs):
         job.update(world=world, gpus=args.gpus, cpu=args.cpu, sizes=args.sizes, k=args.k, samples=args.samples,
                    reps=args.reps, check_only=args.check_only, check_repeats=args.check_repeats, **bench["job"])
         tag = f"bench_{bench['name']}_world{world}_job{i}"
-        outputs.append((job, run_job(bench["script"], job, configs, args.out, tag, args.timeout)))
-    merged = merge(outputs, skipped)
-    meta = dict(bench=bench["name"], world=world, gpus=len(args.gpus), cpu=args.cpu, check_only=args.check_only,
-                sizes=args.sizes, dtype="bfloat16", k=args.k, samples=args.samples, reps=args.reps,
-                check_repeats=args.check_repeats, command=" ".join(["python", *sys.argv]),
-                configs={n: {key: configs[n][key] for key in ("kind", "env", "tuning", "process_env")}
-                         for n in args.names},
-                method="K dependent calls in one jitted program minus the same program without the collective, "
-                       "/ K; median of samples of back-to-back runs", **bench["meta"])
-    doc = dict(meta=meta, **merged)
+        outputs.append((job, run_job(bench["script"], job, configs, scratch, tag, args.timeout)))
+    doc = dict(meta=dict(
+        bench=bench["name"], world=world, gpus=len(args.gpus), cpu=args.cpu, check_only=args.check_only,
+        sizes=args.sizes, dtype="bfloat16", k=args.k, samples=args.samples, reps=args.reps,
+        check_repeats=args.check_repeats, command=" ".join(["python", *sys.argv]),
+        shared_gpus=not args.cpu and world > len(args.gpus), timing_caveat=caveat,
+        configs={n: {key: configs[n][key] for key in ("kind", "env", "tuning", "process_env")} for n in args.names},
+        method="K dependent calls in one jitted program minus the same program without the collective, / K; "
+               "median of samples of back-to-back runs", **bench["meta"]), **merge(outputs, skipped))
     rows = bench["rows"](doc)
     where = describe_where(world, args.gpus, args.cpu, doc["device"])
-    text = ""
+    text = (f"\nchecks, {where} (the algorithm jax_arx planned and ran; '!': not the reference, '?': not the "
+            f"algorithm asked for, skip: see the JSON's \"skipped\")\n" + check_table(doc, args.sizes, rows,
+                                                                                  bench["label_width"]))
     if not args.check_only:
-        text = (f"\nper-call latency, us (bf16, {where}; '!': not the reference, '?': not the algorithm asked "
-                f"for)\n" + latency_table(doc, args.sizes, rows, bench["label_width"]))
+        text += (f"\n\nper-call latency, us (bf16, {where})" + (f"\nNOTE: {caveat}" if caveat else "") + "\n"
+                 + latency_table(doc, args.sizes, rows, bench["label_width"]))
         ratios_text, doc["ratios"] = ratio_tables(doc, args.sizes, bench["ratios"])
         text += "\n" + ratios_text
     summary, ok = check_summary(doc)
-    path = json_path(args.out, f"bench_{bench['name']}", world, args.check_only)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    if not args.check_only:
-        bench["plot"](doc, rows, path[:-5] + ".png", f"{where}: K dependent calls in one jit, minus baseline")
-    print(f"{text}\n\nchecks, {where}: {summary}\nwrote {path}", flush=True)
+    text += f"\n\nchecks, {where}: {summary}"
+    if args.out:
+        path = json_path(args.out, f"bench_{bench['name']}", world, args.check_only)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        if not args.check_only:
+            bench["plot"](doc, rows, path[:-5] + ".png", f"{where}: K dependent calls in one jit, minus baseline")
+        text += f"\nwrote {path}"
+    print(text, flush=True)
     return ok
 
 
 def main(parse_args, worker, bench_of, argv):
     """A benchmark's entry point: the worker (``--worker JOBFILE``), or the
-    driver over every world; exit status 0 when all went well."""
+    driver over every world; exit status 0 when every job ran and every
+    check passed, 1 otherwise."""
     args = parse_args(argv)
     if args.worker:
         worker(args.worker).run()
         return 0
-    os.makedirs(args.out, exist_ok=True)
-    results = [run_world(args, world, bench_of(args, world)) for world in args.worlds]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    # SIGTERM (a timeout's, a batch system's) unwinds as an exception does, so
+    # that the running job's launcher is stopped (run_job) and its ranks with it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with tempfile.TemporaryDirectory(prefix=f"bench_{os.getpid()}_") as scratch:
+        results = [run_world(args, world, bench_of(args, world), scratch) for world in args.worlds]
     return 0 if all(results) else 1
 
 

@@ -1,17 +1,20 @@
-"""Per-call latency of jax_arx.all_gather, jax_arx.psum_scatter and the fused
-MoE combine against jax.lax's (NCCL) and against the pinned-copy floor: N
-processes (--world, default 2) with one GPU each, bf16, a per-rank slice of
-1, 4, 16 and 64 MB, every result checked.
+"""Per-call latency of the bulk collectives, jax_arx.all_gather,
+jax_arx.psum_scatter and the fused MoE combine, against jax.lax's (NCCL) and
+against the pinned-copy floor, by size: N processes (--world, default 2),
+one rank each, bf16, a per-rank slice of 1, 4, 16 and 64 MB, every result
+checked before it is timed.
 
-    # Issue 17's table (2 GPUs): bench_out/bench_prefill.json and .png
+    # Timed, 2 GPUs: the tables; the JSON and a plot into bench_out/
     python examples/bench_prefill.py --out bench_out
-    # World 3 and 4 (4 GPUs; issue 18): bench_prefill_world3.json, _world4.json
-    python examples/bench_prefill.py --world 3,4 --out bench_out
-    # Every series checked at world 2, 3 and 4 (1 and 16 MB), no timing; on
-    # one GPU the ranks share it (and the jax.lax series are skipped)
-    python examples/bench_prefill.py --check-only --world 2,3,4 --out bench_check
-    # The CPU backend at small sizes (CI runs this)
-    python examples/bench_prefill.py --cpu --check-only --out /tmp/bench_cpu
+    # Checked only, no timing, at world 2, 3 and 4; exit status 1 on any
+    # mismatch. With fewer GPUs than ranks the ranks share them (and the
+    # jax.lax series are skipped: NCCL refuses two ranks on one GPU)
+    python examples/bench_prefill.py --check --world 2,3,4
+    # The CPU backend at small sizes (tests/test_bench_cpu.py runs this)
+    python examples/bench_prefill.py --cpu --check
+
+Ranks, jobs, the options shared with examples/bench_psum.py, what is
+checked and how the tables read: as there.
 
 The method of examples/bench_psum.py: K dependent calls inside one jitted
 program minus the same program without the collective, over K; the median
@@ -35,7 +38,7 @@ Series (per configuration):
   moe_combine_psum_scatter       jax_arx.moe_combine_psum_scatter: the
                                  combine fused into the reduce-scatter
   moe_combine + psum_scatter     the unfused pair: the combine in plain jax
-                                 (jax_arx._prefill.moe_combine), then
+                                 (jax_arx.moe_combine), then
                                  jax_arx.psum_scatter, or jax.lax's
   pinned_copy                    the floor: (world - 1) x the slice from GPU
                                  to pinned host memory and as much back at
@@ -43,8 +46,9 @@ Series (per configuration):
                                  driver (examples/pinned_copy.py): what a
                                  collective through host memory cannot beat
 
-Configurations (--configs; default: every one). Each is a job of its own
-processes (NCCL reads its environment once per process):
+Configurations (--configs; default: every one but arx-tcp-ring; all:
+every one). Each is a job of its own processes (NCCL reads its environment
+once per process):
 
   arx-shm        jax_arx over the shm carrier, as it comes: inboxes in GPU
                  memory where every rank can map every peer's (NVLink here)
@@ -52,6 +56,8 @@ processes (NCCL reads its environment once per process):
                  the GB10 path)
   arx-shm-proxy  through the proxy (JAX_ARX_CUDA_DIRECT=0), as over RoCE
   arx-tcp        the tcp carrier
+  arx-shm-ring   the ring topology (JAX_ARX_TOPOLOGY=ring), over shm;
+                 arx-tcp-ring over tcp (see bench_psum.py)
   nccl           jax.lax, NCCL as it comes (on --cpu: gloo)
   nccl-p2p-off   NCCL_P2P_DISABLE=1 (through host memory)
   floor          the pinned-copy floor (GPUs only)
@@ -68,12 +74,15 @@ so), bit for bit (jax.lax: within bf16 rounding). The JSON records what the
 core planned and what the handlers ran (Endpoint.plan, Endpoint.stats()),
 and each configuration's route (Endpoint.route).
 
-Writes into --out, per world: bench_prefill.json (world 2) or
-bench_prefill_world{N}.json (_check before the world for --check-only), and
-a plot (.png, matplotlib); prints the per-call latencies and the ratios of
-issue 17's targets (GPU inboxes at most 1.0 x NCCL; host inboxes at most
-1.25 x the floor). The JSON's "results" are per configuration, per size,
-per series, in us. Exit status 0 when every job ran and every check passed.
+Prints, per world: the table of the checks (a row per op and
+configuration, a column per size: 'bulk' where jax_arx ran it, 'ok' for
+jax.lax); unless --check, the per-call latencies and the ratios of the
+targets (GPU inboxes at most 1.0 x NCCL; host inboxes at most 1.25 x the
+floor); a summary of the checks. With --out DIR, it writes per world
+bench_prefill.json (world 2) or bench_prefill_world{N}.json (_check before
+the world for --check), and a plot of a timed run (.png, matplotlib). The
+JSON's "results" are per configuration, per size, per series, in us. Exit
+status 0 when every job ran and every check passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -92,7 +101,7 @@ from bench_common import combine_rows, pattern_bf16, pattern_bits, rank_order_su
 THIS = os.path.abspath(__file__)
 MB = 1 << 20
 SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB]
-QUICK_SIZES = [1 * MB, 16 * MB]  # --quick, and --check-only
+QUICK_SIZES = [1 * MB, 16 * MB]  # --quick
 CPU_SIZES = [16 << 10, 64 << 10]
 HIDDEN, TOPK = 512, 2
 GATHER, SCATTER, FUSED, UNFUSED, FLOOR = ("all_gather", "psum_scatter", "moe_combine_psum_scatter",
@@ -100,16 +109,12 @@ GATHER, SCATTER, FUSED, UNFUSED, FLOOR = ("all_gather", "psum_scatter", "moe_com
 OPS = (GATHER, SCATTER, FUSED, UNFUSED)
 PLANNED_OP = {GATHER: "all_gather", SCATTER: "psum_scatter", FUSED: "moe_combine_psum_scatter",
               UNFUSED: "psum_scatter"}  # Endpoint.plan's name for what a series runs with jax_arx
-SHM = {"JAX_ARX_TRANSPORT": "shm"}
 CONFIGS = {
-    "arx-shm": bj.arx_config(SHM),
-    "arx-shm-host": bj.arx_config(dict(SHM, JAX_ARX_CUDA_PEER_MEMORY="0"), gpu_only=True),
-    "arx-shm-proxy": bj.arx_config(dict(SHM, JAX_ARX_CUDA_DIRECT="0"), gpu_only=True),
-    "arx-tcp": bj.arx_config({"JAX_ARX_TRANSPORT": "tcp"}),
-    "nccl": bj.lax_config(),
-    "nccl-p2p-off": bj.lax_config({"NCCL_P2P_DISABLE": "1"}, gpu_only=True),
+    **bj.ARX_CONFIGS,
+    **bj.NCCL_CONFIGS,
     "floor": bj.floor_config(),
 }
+DEFAULT = [c for c in CONFIGS if c != "arx-tcp-ring"]
 RATIOS = [
     *((f"{op}: jax_arx (GPU inboxes) over NCCL as it comes", ("arx-shm", op), ("nccl", op), 1.0)
       for op in (GATHER, SCATTER)),
@@ -201,7 +206,7 @@ class Worker(bw.BenchWorker):
     configs = CONFIGS
 
     def arx(self, config, spec, run):
-        self.phase(config, dict(arx_env(self.job["sizes"], self.world), **spec["env"]), spec["tuning"], run, config,
+        self.phase(config, spec, arx_env(self.job["sizes"], self.world), run, config,
                    lambda comm: self.series(config, self.jax_arx, comm))
 
     def other(self, config, spec):
@@ -213,7 +218,7 @@ class Worker(bw.BenchWorker):
     def collective(self, op, lib):
         """op(*operands) -> this rank's result, with ``lib``'s collectives
         (jax_arx or jax.lax)."""
-        from jax_arx._prefill import moe_combine
+        from jax_arx import moe_combine
 
         if op == GATHER:
             return lambda y: lib.all_gather(y, bw.AXIS, tiled=True)
@@ -224,6 +229,9 @@ class Worker(bw.BenchWorker):
         return lambda y, pos, w, shared: lib.psum_scatter(moe_combine(y, pos, w, shared), bw.AXIS, tiled=True)
 
     def series(self, config, lib, comm=None):
+        """Every op and size with ``lib``'s collectives. ``comm``: jax_arx's
+        communicator (None: jax.lax, whose sums are checked within
+        rounding; it has no fused combine)."""
         ops = [op for op in self.job["ops"] if comm is not None or op != FUSED]
         for nbytes in self.job["sizes"]:
             for op in ops:
@@ -231,26 +239,12 @@ class Worker(bw.BenchWorker):
                 if op in (FUSED, UNFUSED) and (case.n % HIDDEN or not case.rows):
                     self.rec.skip(config, nbytes, op, f"the MoE case needs a slice of a multiple of {2 * HIDDEN} bytes")
                     continue
-                check = {}
-                if comm is not None:
-                    name, pieces, why = bw.planned(comm, PLANNED_OP[op], nbytes)
-                    if name == "none":
-                        self.rec.skip(config, nbytes, op, why)
-                        continue
-                    check["planned"] = {"algorithm": name, "pieces": pieces}
-                    before = bw.algorithms_ran(comm)
                 args = tuple(bw.sharded(self.jax, self.mesh, shape, make) for shape, make in case.blocks())
-                call = self.collective(op, lib)
                 exact = comm is not None or op == GATHER
-                ok = self.checked(self.smap(lambda *a, call=call: (call(*a), call(*a)), len(args), 2), args,
-                                  case.want, None if exact else case.tolerance)
-                us = None
-                if not self.job["check_only"]:
-                    us = self.per_call_us(lambda c, op=op, case=case: self.chain(op, case, c), call, args,
-                                          f"{op} {nbytes}")
-                ran = bw.ran_since(comm, before) if comm is not None else None
-                self.record(config, nbytes, op, check, ok, exact=exact, us=us, ran=ran,
-                            intended=ran is not None and set(ran) == {"bulk"})
+                self.cell(config, op, nbytes, self.collective(op, lib), args, case.want, comm=comm,
+                          plan_op=PLANNED_OP[op], tolerance=None if exact else case.tolerance,
+                          chain=lambda c, op=op, case=case: self.chain(op, case, c), baseline=f"{op} {nbytes}",
+                          intended=lambda planned, ran: planned == "bulk" and set(ran) == {"bulk"})
                 del args
 
     def chain(self, op, case, call):
@@ -320,9 +314,9 @@ def plot(doc, rows, path, title):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bj.add_arguments(ap, f"configurations (default: all of {','.join(CONFIGS)})",
-                     "slices per rank, e.g. 1MB,4MB,16MB,64MB (the default; --quick and --check-only: 1 and 16 MB; "
-                     "--cpu: 16 and 64 KB)")
+    bj.add_arguments(ap, f"configurations (default {','.join(DEFAULT)}; all: every one of {','.join(CONFIGS)})",
+                     "slices per rank, e.g. 1MB,4MB,16MB,64MB (the default; --quick: 1 and 16 MB; --cpu: 16 and "
+                     "64 KB)")
     ap.add_argument("--ops", default=",".join(OPS), help="series of each configuration (of the docstring's)")
     ap.add_argument("--quick", action="store_true", help="1 and 16 MB (unless --sizes), K 8, 5 samples of 3")
     args = ap.parse_args(argv)
@@ -331,11 +325,8 @@ def parse_args(argv):
     args.k = args.k or (8 if args.quick or args.cpu else 16)
     args.samples = args.samples or (1 if args.check_only or args.cpu else 5 if args.quick else 7)
     args.reps = args.reps or (1 if args.check_only else 3)
-    bj.finish_arguments(ap, args, CONFIGS, list(CONFIGS),
-                        CPU_SIZES if args.cpu else QUICK_SIZES if args.quick or args.check_only else SIZES)
-    args.ops = [o for o in args.ops.split(",") if o]
-    if not args.ops or any(o not in OPS for o in args.ops):
-        ap.error(f"--ops takes {', '.join(OPS)}")
+    bj.finish_arguments(ap, args, CONFIGS, DEFAULT, CPU_SIZES if args.cpu else QUICK_SIZES if args.quick else SIZES)
+    args.ops = bj.parse_series(ap, args.ops, OPS, "--ops")
     return args
 
 

@@ -1,17 +1,20 @@
 """Per-call latency of jax_arx.psum against jax.lax.psum (NCCL, and XLA's own
-one-shot all-reduce kernel): N processes (--world, default 2) with one GPU
-each, bf16, 8 KB to 4 MB, every result checked.
+one-shot all-reduce kernel), by size, for every algorithm jax_arx picks:
+N processes (--world, default 2), one rank each, bf16, 8 KB to 4 MB, every
+result checked before it is timed.
 
-    # Issue 17's table (2 GPUs): bench_out/bench_psum.json and .png
+    # Timed, 2 GPUs: the tables; the JSON and a plot into bench_out/
     python examples/bench_psum.py --out bench_out
-    # Two-shot against one-shot at world 3 and 4 (4 GPUs; issue 18):
-    # bench_out/bench_psum_world3.json, bench_out/bench_psum_world4.json
-    python examples/bench_psum.py --world 3,4 --configs arx-shm,arx-shm-host,nccl --out bench_out
-    # Every series checked at world 2, 3 and 4, no timing; on one GPU the
-    # ranks share it (and the jax.lax series are skipped: NCCL refuses that)
-    python examples/bench_psum.py --check-only --world 2,3,4 --out bench_check
-    # The CPU backend at small sizes (CI runs this)
-    python examples/bench_psum.py --cpu --check-only --world 3 --out /tmp/bench_cpu
+    # Checked only, no timing, at world 2, 3 and 4; exit status 1 on any
+    # mismatch. With fewer GPUs than ranks the ranks share them (and the
+    # jax.lax series are skipped: NCCL refuses two ranks on one GPU)
+    python examples/bench_psum.py --check --world 2,3,4
+    # The CPU backend at small sizes (tests/test_bench_cpu.py runs this)
+    python examples/bench_psum.py --cpu --check
+
+Ranks: rank r runs on GPU r % G of the G GPUs there are. A timed run whose
+ranks share a GPU says so: its times measure how the GPU time-slices
+between processes, not the collectives.
 
 Method (bench_common.median_seconds): K dependent calls inside one jitted
 program, each scaled by 1/world behind an optimization barrier, minus the
@@ -19,9 +22,10 @@ same program without the collective, divided by K; each sample runs the
 program --reps times back to back (so the ranks' start skew is spread thin)
 and the median of --samples samples is kept.
 
-Configurations (--configs; default: the first four and every jax.lax one;
+Configurations (--configs; default: the first five and every jax.lax one;
 ``all``: every one). Each is a job of its own processes (NCCL and XLA read
-their environment once per process), run in this order:
+their environment once per process; --check runs those that need no
+environment of their own in one job), in this order:
 
   arx-shm           jax_arx over the shm carrier, as it comes: the kernels
                     write the peers' inboxes themselves, in GPU memory where
@@ -31,6 +35,10 @@ their environment once per process), run in this order:
   arx-shm-proxy     the kernels publish and the proxy copies
                     (JAX_ARX_CUDA_DIRECT=0), as over tcp or verbs
   arx-tcp           the tcp carrier
+  arx-shm-ring      the ring topology (JAX_ARX_TOPOLOGY=ring: links to the
+                    previous and next rank only, relays at world 4; through
+                    the proxy); arx-tcp-ring over tcp. Skipped, saying so,
+                    by a jax_arx without that setting
   arx-shm-noll      no LL one-shot (_tuning cuda_ll_max_bytes=0)
   arx-shm-ll32k     LL up to 32 KiB (ll64k: 64 KiB); with arx-shm and
                     arx-shm-noll, what the LL limit is chosen from
@@ -49,9 +57,11 @@ their environment once per process), run in this order:
 Each jax_arx configuration runs three algorithm series (--algorithms), each
 in its own jax_arx.initialize() within the job:
 
-  jax_arx.psum  jax_arx's own choice (ffi/comm/plan.cc), with the slot and
-                send buffer raised just enough for the largest size to run
-                (world x slot >= it, for the two-shot), as its message asks
+  jax_arx.psum  jax_arx's own choice (ffi/comm/plan.cc): LL, one-shot in
+                pieces, or two-shot, at the default one-shot limit; the
+                slot and send buffer raised just enough for the largest
+                size to run (world x slot >= it, for the two-shot), as its
+                message asks
   one-shot      the slot (the one-shot limit) raised to the largest size:
                 one-shot at every size (LL where the plan takes it)
   two-shot      JAX_ARX_ONESHOT_MAX_BYTES=16: two-shot at every size (GPUs
@@ -69,15 +79,21 @@ within bf16 rounding of it). The JSON records, per cell, whether it was
 ("exact" / "close"), what the core planned (Endpoint.plan) and which
 algorithms the handlers ran (Endpoint.stats()), "as_intended" when they are
 what the series asked for; per configuration, the route of its endpoints
-(Endpoint.route: 'proxy', 'direct', 'direct, GPU inboxes'). In the tables
-'!' marks a result that was not the reference, '?' an algorithm the series
-did not ask for.
+(Endpoint.route: 'proxy', 'direct', 'direct, GPU inboxes').
 
-Writes into --out, per world: bench_psum.json (world 2) or
-bench_psum_world{N}.json, with _check before the world for --check-only
-(bench_psum_check_world3.json), and a plot (.png, matplotlib). The JSON's
-"results" are per configuration, per size, per series, in us. Exit status 0
-when every job ran and every check passed.
+Prints, per world: a line per cell as it runs; the table of the checks (a
+row per configuration and series, a column per size: the algorithm
+planned and run, 'LL', '1-shot/4' for 4 pieces, '2-shot'; 'ok' for
+jax.lax; 'skip' where it did not run); unless --check, the latency table
+(us per call) and the ratios of jax_arx to the baselines (target: at most
+0.5 x NCCL); then a summary of the checks. In the tables '!' marks a
+result that was not the reference, '?' an algorithm the series did not ask
+for. With --out DIR, it writes per world bench_psum.json (world 2) or
+bench_psum_world{N}.json, _check before the world for --check
+(bench_psum_check_world3.json), and a plot of a timed run (.png,
+matplotlib). The JSON's "results" are per configuration, per size, per
+series, in us. Exit status 0 when every job ran and every check passed, 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -96,28 +112,23 @@ THIS = os.path.abspath(__file__)
 SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
 CPU_SIZES = [8 << 10, 64 << 10]
 SEED = 1
-SHM = {"JAX_ARX_TRANSPORT": "shm"}
 XLA_ONESHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
 XLA_WATCH = r"(?i)collective kernel|one.?shot"
 CONFIGS = {
-    "arx-shm": bj.arx_config(SHM),
-    "arx-shm-host": bj.arx_config(dict(SHM, JAX_ARX_CUDA_PEER_MEMORY="0"), gpu_only=True),
-    "arx-shm-proxy": bj.arx_config(dict(SHM, JAX_ARX_CUDA_DIRECT="0"), gpu_only=True),
-    "arx-tcp": bj.arx_config({"JAX_ARX_TRANSPORT": "tcp"}),
-    "arx-shm-noll": bj.arx_config(SHM, {"cuda_ll_max_bytes": 0}, gpu_only=True),
-    "arx-shm-ll32k": bj.arx_config(SHM, {"cuda_ll_max_bytes": 32 << 10}, gpu_only=True),
-    "arx-shm-ll64k": bj.arx_config(SHM, {"cuda_ll_max_bytes": 64 << 10}, gpu_only=True),
-    **{f"arx-shm-piece{k}k": bj.arx_config(SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
+    **bj.ARX_CONFIGS,
+    "arx-shm-noll": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 0}, gpu_only=True),
+    "arx-shm-ll32k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 32 << 10}, gpu_only=True),
+    "arx-shm-ll64k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 64 << 10}, gpu_only=True),
+    **{f"arx-shm-piece{k}k": bj.arx_config(bj.SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
        for k in (4, 8, 16, 32, 64)},
-    "nccl": bj.lax_config(),
-    "nccl-p2p-off": bj.lax_config({"NCCL_P2P_DISABLE": "1"}, gpu_only=True),
+    **bj.NCCL_CONFIGS,
     "nccl-socket": bj.lax_config({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
                                  gpu_only=True),
     "xla-oneshot": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, watch=XLA_WATCH),
     "xla-oneshot-1proc": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, one_process=True, watch=XLA_WATCH),
 }
-DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "nccl", "nccl-p2p-off", "nccl-socket",
-           "xla-oneshot", "xla-oneshot-1proc")
+DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "arx-shm-ring", "nccl", "nccl-p2p-off",
+           "nccl-socket", "xla-oneshot", "xla-oneshot-1proc")
 ALGORITHMS = ("jax_arx.psum", "one-shot", "two-shot")
 # What each algorithm series may run (stats' names), and the LL ceiling a
 # configuration sets: a cell that ran anything else is not "as_intended".
@@ -125,7 +136,7 @@ ALLOWED = {"jax_arx.psum": {"ll", "one_shot", "two_shot"}, "one-shot": {"ll", "o
 LL_CEILING = {"arx-shm-noll": 0, "arx-shm-ll32k": 32 << 10, "arx-shm-ll64k": 64 << 10}
 LAX = "jax.lax.psum"
 RATIOS = [
-    ("jax_arx.psum over NCCL as it comes (issue 17)", ("arx-shm", "jax_arx.psum"), ("nccl", LAX), 0.5),
+    ("jax_arx.psum over NCCL as it comes", ("arx-shm", "jax_arx.psum"), ("nccl", LAX), 0.5),
     ("jax_arx.psum over XLA's one-shot kernel", ("arx-shm", "jax_arx.psum"), ("xla-oneshot", LAX), None),
     ("jax_arx.psum over XLA's one-shot kernel, one process", ("arx-shm", "jax_arx.psum"),
      ("xla-oneshot-1proc", LAX), None),
@@ -138,7 +149,8 @@ RATIOS = [
 
 def algorithm_env(algorithm, max_bytes, world):
     """The JAX_ARX_* settings of an algorithm series (see the docstring),
-    with room for partials of ``max_bytes``."""
+    with room for partials of ``max_bytes``: jax_arx.psum keeps the default
+    one-shot limit, so that it runs what the library picks."""
     from jax_arx.config import Config, size_setting
 
     d = Config()
@@ -151,14 +163,19 @@ def algorithm_env(algorithm, max_bytes, world):
     env = {"JAX_ARX_SLOT_BYTES": size_setting(slot), "JAX_ARX_SEND_BYTES": size_setting(send)}
     if algorithm == "two-shot":
         env["JAX_ARX_ONESHOT_MAX_BYTES"] = "16"
+    elif algorithm == "jax_arx.psum" and slot > d.slot_bytes:
+        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(d.slot_bytes)
     return env
 
 
-def as_intended(config, algorithm, nbytes, ran):
+def as_intended(config, algorithm, nbytes, planned, ran):
+    """Whether a cell of series ``algorithm`` ran what it asks for: the
+    planned algorithm, one the series allows, and LL only up to the
+    configuration's ceiling."""
     allowed = set(ALLOWED[algorithm])
     if nbytes > LL_CEILING.get(config, nbytes):
         allowed.discard("ll")
-    return bool(ran) and set(ran) <= allowed
+    return planned in allowed and set(ran) == {planned}
 
 
 # --- the worker: one job, every configuration of it --------------------------------
@@ -176,32 +193,22 @@ class Worker(bw.BenchWorker):
                 for nbytes in self.job["sizes"]:
                     self.rec.skip(config, nbytes, algorithm, "the CPU backend has no two-shot")
                 continue
-            env = dict(algorithm_env(algorithm, max(self.job["sizes"]), self.world), **spec["env"])
-            self.phase(config, env, spec["tuning"], run, f"{config} {algorithm}",
+            env = algorithm_env(algorithm, max(self.job["sizes"]), self.world)
+            self.phase(config, spec, env, run, f"{config} {algorithm}",
                        lambda comm, a=algorithm: self.series(config, a, lambda y: self.jax_arx.psum(y, bw.AXIS), comm))
 
     def other(self, config, spec):
         self.series(config, LAX, lambda y: self.jax.lax.psum(y, bw.AXIS))
 
     def series(self, config, series, call, comm=None):
-        """Every size of one series: checked, then (unless --check-only)
-        timed. ``comm``: jax_arx's communicator (None: jax.lax)."""
+        """Every size of one series. ``comm``: jax_arx's communicator
+        (None: jax.lax, checked within rounding)."""
         for nbytes in self.job["sizes"]:
-            check = {}
-            if comm is not None:
-                name, pieces, why = bw.planned(comm, "psum", nbytes)
-                if name == "none":
-                    self.rec.skip(config, nbytes, series, why)
-                    continue
-                check["planned"] = {"algorithm": name, "pieces": pieces}
-                before = bw.algorithms_ran(comm)
             x, want, tolerance = self.inputs(nbytes)
-            ok = self.checked(self.smap(lambda y: (call(y), call(y)), n_out=2), (x,), lambda rank, w=want: w,
-                              None if comm is not None else lambda rank, t=tolerance: t)
-            us = None if self.job["check_only"] else self.per_call_us(self.chain, call, (x,), nbytes)
-            ran = bw.ran_since(comm, before) if comm is not None else None
-            self.record(config, nbytes, series, check, ok, exact=comm is not None, us=us, ran=ran,
-                        intended=ran is not None and as_intended(config, series, nbytes, ran))
+            self.cell(config, series, nbytes, call, (x,), lambda rank, w=want: w, comm=comm, plan_op="psum",
+                      tolerance=None if comm is not None else lambda rank, t=tolerance: t, chain=self.chain,
+                      baseline=nbytes, intended=lambda planned, ran, n=nbytes: as_intended(config, series, n,
+                                                                                          planned, ran))
 
     def inputs(self, nbytes):
         """The sharded input of a size, the reference sum (the same on every
@@ -255,9 +262,7 @@ def parse_args(argv):
         return args
     args.k, args.samples, args.reps = args.k or 32, args.samples or 9, args.reps or 5
     bj.finish_arguments(ap, args, CONFIGS, DEFAULT, CPU_SIZES if args.cpu else SIZES)
-    args.algorithms = [a for a in args.algorithms.split(",") if a]
-    if not args.algorithms or any(a not in ALGORITHMS for a in args.algorithms):
-        ap.error(f"--algorithms takes {', '.join(ALGORITHMS)}")
+    args.algorithms = bj.parse_series(ap, args.algorithms, ALGORITHMS, "--algorithms")
     return args
 
 

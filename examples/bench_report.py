@@ -1,6 +1,7 @@
 """What examples/bench_psum.py and examples/bench_prefill.py print and plot
 from a run's document (examples/bench_jobs.py): the line of a cell, the
-latency table, the ratio tables, the summary of the checks, the plot.
+table of the checks, the latency table, the ratio tables, the summary of
+the checks, the plot.
 
 A cell's marks: '!' a result that was not the reference (jax_arx: bit for
 bit; jax.lax: within rounding), '?' an algorithm other than the series
@@ -40,18 +41,51 @@ def describe_cell(check, us=None):
     return text
 
 
-def latency_table(doc, sizes, rows, label_width=30):
-    """Per-call us, a row per (config, series, label) of ``rows``."""
+def _table(sizes, rows, label_width, cell):
+    """A row per (config, series, label) of ``rows``, a column per size;
+    ``cell(config, series, size)`` is a cell's text (10 characters at most)."""
     head = f"{'series':<{label_width}}" + "".join(f"{size_label(s):>11}" for s in sizes)
     lines = [head, "-" * len(head)]
     for config, series, label in rows:
-        cells = []
-        for s in sizes:
-            v = doc["results"].get(config, {}).get(str(s), {}).get(series)
-            mark = cell_mark(doc["checks"].get(config, {}).get(str(s), {}).get(series))
-            cells.append(f"{v:>10.1f}{mark or ' '}" if v is not None else f"{'-':>10} ")
-        lines.append(f"{label:<{label_width}}" + "".join(cells))
+        lines.append(f"{label:<{label_width}}" + "".join(f"{cell(config, series, s):>11}" for s in sizes))
     return "\n".join(lines)
+
+
+def _at(doc, part, config, size, series):
+    return doc[part].get(config, {}).get(str(size), {}).get(series)
+
+
+def latency_table(doc, sizes, rows, label_width=30):
+    """Per-call us, a row per (config, series, label) of ``rows``; a value
+    is followed by its cell's mark ('!', '?')."""
+    def cell(config, series, s):
+        v = _at(doc, "results", config, s, series)
+        return "-" if v is None else f"{v:.1f}{cell_mark(_at(doc, 'checks', config, s, series)) or ' '}"
+    return _table(sizes, rows, label_width, cell)
+
+
+# The algorithms' short names in the check table (stats()' names).
+_SHORT = {"ll": "LL", "one_shot": "1-shot", "two_shot": "2-shot", "bulk": "bulk"}
+
+
+def check_table(doc, sizes, rows, label_width=30):
+    """What each cell's check found: the algorithm jax_arx planned and ran
+    ('LL', '1-shot/4': in 4 pieces, '2-shot', 'bulk'; 'ok' for jax.lax),
+    then the mark ('!', '?'); 'skip' where the cell did not run (the JSON's
+    "skipped" says why), '-' where nothing was asked."""
+    def cell(config, series, s):
+        check = _at(doc, "checks", config, s, series)
+        if check is None:
+            return "skip" if _at(doc, "skipped", config, s, series) else "-"
+        planned = check.get("planned")
+        if planned is None:
+            text = "ok"
+        else:
+            text = _SHORT.get(planned["algorithm"], planned["algorithm"])
+            if planned["pieces"] > 1 and planned["algorithm"] == "one_shot":
+                text += f"/{planned['pieces']}"
+        return text + (cell_mark(check) or " ")
+    return _table(sizes, rows, label_width, cell)
 
 
 def ratio_tables(doc, sizes, specs):
@@ -62,8 +96,7 @@ def ratio_tables(doc, sizes, specs):
     for title, (nc, ns), (dc, ds), target in specs:
         row, cells = {}, []
         for s in sizes:
-            a = doc["results"].get(nc, {}).get(str(s), {}).get(ns)
-            b = doc["results"].get(dc, {}).get(str(s), {}).get(ds)
+            a, b = _at(doc, "results", nc, s, ns), _at(doc, "results", dc, s, ds)
             if a is None or not b:
                 cells.append(f"{'-':>11}")
                 continue

@@ -31,8 +31,8 @@ ALGORITHM_NAMES = {0: "none", 1: "one_shot", 2: "two_shot", 3: "ll", 4: "bulk"}
 def place_rank(job):
     """The worker's first step, before jax starts: this process's GPUs
     (rank r: GPU r % G; one process: the world's first GPUs), and memory
-    that grows on demand where ranks share a GPU (XLA would otherwise take
-    75% of it per process)."""
+    that grows on demand, up to a share of the GPU, where ranks share one
+    (XLA would otherwise take 75% of it per process)."""
     if job["cpu"]:
         return
     gpus, world = job["gpus"], job["world"]
@@ -41,7 +41,9 @@ def place_rank(job):
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(os.environ["JAX_PROCESS_ID"]) % len(gpus)]
     if world > len(gpus):
+        share = -(-world // len(gpus))  # processes on the busiest GPU
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / share:.3f}")
 
 
 
@@ -149,17 +151,42 @@ class BenchWorker:
         self.rec.doc["baselines"] = {str(k): us for k, us in self._baselines.items()}
         self.rec.write()
 
-    def phase(self, config, env, tuning, run, label, body):
-        """``body(comm)`` in a jax_arx phase (run_phase) with ``env`` and
-        JAX_ARX_FALLBACK=error; the configuration's route noted once."""
+    def phase(self, config, spec, env, run, label, body):
+        """``body(comm)`` in a jax_arx phase (run_phase) with the
+        configuration's settings, ``env`` and JAX_ARX_FALLBACK=error; the
+        configuration's route noted once."""
         def with_route(comm):
             if "route" not in run:
                 run.update(describe_route(comm))
                 if self.rank0:
                     print(f"{config}: jax_arx over {run['transport']}, route '{run['route']}'", flush=True)
             body(comm)
-        run_phase(self.jax_arx, self.mesh, dict(env, JAX_ARX_FALLBACK="error"), tuning, run["errors"], label,
-                  with_route)
+        env = dict(env, **spec["env"], JAX_ARX_FALLBACK="error")
+        run_phase(self.jax_arx, self.mesh, env, spec["tuning"], run["errors"], label, with_route)
+
+    def cell(self, config, series, nbytes, call, args, want, *, comm=None, plan_op=None, tolerance=None,
+             chain=None, baseline=None, intended=None):
+        """One cell: ``call(*args)`` (sharded over AXIS) checked against
+        ``want(rank)`` (bit for bit, or within ``tolerance(rank)``), then,
+        unless --check-only, timed in ``chain(call)`` against ``chain(None)``
+        (timed once per ``baseline`` key). For a jax_arx series (``comm``):
+        skipped where the core plans no algorithm for ``plan_op`` at
+        ``nbytes`` (it would fall back), and ``intended(planned, ran)`` says
+        whether what the handlers ran is what the series asks for."""
+        check = {}
+        if comm is not None:
+            name, pieces, why = planned(comm, plan_op, nbytes)
+            if name == "none":
+                self.rec.skip(config, nbytes, series, why)
+                return
+            check["planned"] = {"algorithm": name, "pieces": pieces}
+            before = algorithms_ran(comm)
+        twice = self.smap(lambda *a: (call(*a), call(*a)), len(args), 2)
+        ok = self.checked(twice, args, want, tolerance)
+        us = None if self.job["check_only"] else self.per_call_us(chain, call, args, baseline)
+        ran = ran_since(comm, before) if comm is not None else None
+        self.record(config, nbytes, series, check, ok, exact=tolerance is None, us=us, ran=ran,
+                    intended=ran is not None and intended(check["planned"]["algorithm"], ran))
 
     def smap(self, body, n_in=1, n_out=1):
         from jax.sharding import PartitionSpec as P
