@@ -175,6 +175,8 @@ def plan_jobs(names, configs, world, gpus, cpu, check_only):
             skipped[name] = "a GPU series (its settings mean nothing on the CPU backend)"
         elif spec["one_process"] and (cpu or world > len(gpus)):
             skipped[name] = f"one process driving {world} GPUs: needs {world} GPUs"
+        elif spec["kind"] == "floor" and check_only:
+            skipped[name] = "a timing, with nothing to check"
         elif spec["kind"] == "lax" and shared:
             skipped[name] = f"{NCCL_SHARED_GPU} ({world} ranks, {len(gpus)} GPU(s))"
         else:
@@ -337,6 +339,9 @@ def add_arguments(ap, configs_help, sizes_help):
     ap.add_argument("--samples", type=int, help="samples per timing (the median is kept)")
     ap.add_argument("--reps", type=int, help="programs per sample, back to back")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job (a set of processes)")
+    ap.add_argument("--max-seconds", type=float,
+                    help="seconds for the whole run: the job running then is stopped, later ones are not started, "
+                         "the tables show what ran, and the exit status is 1")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
 
 
@@ -353,6 +358,8 @@ def finish_arguments(ap, args, configs, default, sizes):
         ap.error("--sizes: multiples of 16 bytes")
     if min(args.k, args.samples, args.reps, args.check_repeats) < 1:
         ap.error("--k, --samples, --reps and --check-repeats must be at least 1")
+    if args.timeout <= 0 or (args.max_seconds is not None and args.max_seconds <= 0):
+        ap.error("--timeout and --max-seconds take a positive number of seconds")
     args.gpus = [] if args.cpu else visible_gpus()
     if not args.cpu and not args.gpus:
         ap.error("no NVIDIA GPU here (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); --cpu runs on "
@@ -375,7 +382,13 @@ def run_world(args, world, bench, scratch):
         job.update(world=world, gpus=args.gpus, cpu=args.cpu, sizes=args.sizes, k=args.k, samples=args.samples,
                    reps=args.reps, check_only=args.check_only, check_repeats=args.check_repeats, **bench["job"])
         tag = f"bench_{bench['name']}_world{world}_job{i}"
-        outputs.append((job, run_job(bench["script"], job, configs, scratch, tag, args.timeout)))
+        left = args.timeout if args.deadline is None else min(args.timeout, args.deadline - time.monotonic())
+        if left < 1:
+            why = f"not started: the run's --max-seconds {args.max_seconds:g} had passed"
+            print(f"[{tag}] {', '.join(job['configs'])}: {why}", flush=True)
+            outputs.append((job, (None, [], why)))
+            continue
+        outputs.append((job, run_job(bench["script"], job, configs, scratch, tag, left)))
     doc = dict(meta=dict(
         bench=bench["name"], world=world, gpus=len(args.gpus), cpu=args.cpu, check_only=args.check_only,
         sizes=args.sizes, dtype="bfloat16", k=args.k, samples=args.samples, reps=args.reps,
@@ -400,7 +413,7 @@ def run_world(args, world, bench, scratch):
         path = json_path(args.out, f"bench_{bench['name']}", world, args.check_only)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-        if not args.check_only:
+        if doc["results"]:
             bench["plot"](doc, rows, path[:-5] + ".png", f"{where}: K dependent calls in one jit, minus baseline")
         text += f"\nwrote {path}"
     print(text, flush=True)
@@ -417,6 +430,7 @@ def main(parse_args, worker, bench_of, argv):
         return 0
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+    args.deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
     # SIGTERM (a timeout's, a batch system's) unwinds as an exception does, so
     # that the running job's launcher is stopped (run_job) and its ranks with it.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -96,16 +96,20 @@ def test_bench_prefill_check(tmp_path):
     assert "every one as it should be" in stdout
 
 
-def test_a_job_that_fails_fails_the_run(tmp_path):
-    """A job stopped by its time limit: exit status 1, the job named, no
-    JSON claiming checks that did not run."""
-    p = run_bench("bench_psum.py", ["--cpu", "--check", "--configs", "arx-shm", "--sizes", "8KB", "--timeout", "1",
-                                    "--out", str(tmp_path)], tmp_path)
-    assert p.returncode == 1, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
-    assert "arx-shm: failed: the job exited with status" in p.stdout and "after the 1 s limit" in p.stdout
-    with open(tmp_path / "bench_psum_check.json") as f:
-        doc = json.load(f)
-    assert "1 s limit" in doc["runs"]["arx-shm"]["job_failed"] and not doc["checks"].get("arx-shm")
+def test_a_run_cut_short_fails(tmp_path):
+    """Jobs past their --timeout are stopped, and jobs past the run's
+    --max-seconds are not started; each is named, the exit status is 1 and
+    no check is claimed that did not run."""
+    args = ["--cpu", "--configs", "arx-shm,nccl", "--sizes", "8KB", "--out", str(tmp_path)]
+    for limit, said in ((["--timeout", "2"], "after the 2 s limit"),
+                        (["--max-seconds", "0.01"], "not started: the run's --max-seconds 0.01 had passed")):
+        p = run_bench("bench_psum.py", args + limit, tmp_path)
+        assert p.returncode == 1, (limit, p.returncode, p.stdout[-3000:], p.stderr[-3000:])
+        with open(tmp_path / "bench_psum.json") as f:
+            doc = json.load(f)
+        for config in ("arx-shm", "nccl"):
+            assert said in doc["runs"][config]["job_failed"] and said in p.stdout, (limit, doc["runs"])
+        assert doc["checks"] == {} and doc["results"] == {}
 
 
 @pytest.fixture
