@@ -16,10 +16,11 @@ A configuration is what one job (a set of processes started by
 
 The driver drops the variables that define jax_arx series from the
 environment it passes on (a series is its own settings, never the
-caller's), and the retired ones (``jax_arx.config.RETIRED``). A full run
-gives each configuration a job of its own; ``--check-only`` runs every
+caller's), and the retired ones (``jax_arx.config.RETIRED``). A timed run
+gives each configuration a job of its own; ``--check`` runs every
 configuration that needs no environment of its own in one job per world,
-which saves the start-up of the others.
+which saves the start-up of the others. A configuration whose setting the
+installed jax_arx does not read (``needs``) is skipped, saying so.
 
 Ranks: rank r runs on GPU r % G of the G GPUs there are (nvidia-smi's,
 narrowed to CUDA_VISIBLE_DEVICES), so a world larger than G shares GPUs
@@ -28,9 +29,10 @@ refuses two ranks on one GPU, so ``lax`` configurations are skipped there.
 A configuration with ``one_process`` runs one process driving the world's
 GPUs (``--world`` of them).
 
-Per world a run writes ``{bench}.json`` at world 2 (the README's tables) or
-``{bench}_world{N}.json``, ``_check`` before the world for --check-only:
-{"meta": how it ran (command, sizes, K, configurations' settings),
+Per world a run prints its tables and, with --out, writes ``{bench}.json``
+at world 2 (the README's tables) or ``{bench}_world{N}.json``, ``_check``
+before the world for --check: {"meta": how it ran (command, sizes, K,
+configurations' settings, shared_gpus, timing_caveat),
 "results": {config: {size: {series: us}}}, "checks": {config: {size:
 {series: {...}}}} (exact / close, planned, ran, as_intended), "skipped"
 (the same keys, why), "baselines", "runs": {config: {route, transport,
@@ -441,7 +443,7 @@ def main(parse_args, worker, bench_of, argv):
 
 def json_path(out_dir, bench, world, check_only):
     """bench_psum.json at world 2 (the README's tables), bench_psum_world4.json
-    at 4; with _check for --check-only runs, whose times mean nothing."""
+    at 4; with _check for --check runs, whose times mean nothing."""
     return os.path.join(out_dir, f"{bench}{'_check' if check_only else ''}"
                                  f"{'' if world == 2 else f'_world{world}'}.json")
 

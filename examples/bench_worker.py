@@ -168,7 +168,7 @@ class BenchWorker:
              chain=None, baseline=None, intended=None):
         """One cell: ``call(*args)`` (sharded over AXIS) checked against
         ``want(rank)`` (bit for bit, or within ``tolerance(rank)``), then,
-        unless --check-only, timed in ``chain(call)`` against ``chain(None)``
+        unless --check, timed in ``chain(call)`` against ``chain(None)``
         (timed once per ``baseline`` key). For a jax_arx series (``comm``):
         skipped where the core plans no algorithm for ``plan_op`` at
         ``nbytes`` (it would fall back), and ``intended(planned, ran)`` says
