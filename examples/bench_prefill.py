@@ -323,7 +323,7 @@ def parse_args(argv):
     if args.worker:
         return args
     args.k = args.k or (8 if args.quick or args.cpu else 16)
-    args.samples = args.samples or (1 if args.check_only or args.cpu else 5 if args.quick else 7)
+    args.samples = args.samples or (1 if args.check_only else 5 if args.quick or args.cpu else 7)
     args.reps = args.reps or (1 if args.check_only else 3)
     bj.finish_arguments(ap, args, CONFIGS, DEFAULT, CPU_SIZES if args.cpu else QUICK_SIZES if args.quick else SIZES)
     args.ops = bj.parse_series(ap, args.ops, OPS, "--ops")
