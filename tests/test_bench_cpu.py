@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -38,7 +37,8 @@ def run_bench(script, args, cwd, timeout=300):
 
 def run_ok(script, args, cwd):
     p = run_bench(script, args, cwd)
-    assert p.returncode == 0, f"{script} {' '.join(args)}: status {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    detail = f"{script} {' '.join(args)}: status {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, detail
     return p.stdout
 
 
