@@ -199,7 +199,13 @@ class Encoder:
             params = put(model.cast(model.weights))
         else:
             mesh, axis = model.mesh, model.axis
-            put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+            # Every process holds the whole array: each device takes its part
+            # from it. (jax.device_put onto a multi-process sharding first
+            # checks that the processes agree, with a collective of its own,
+            # which NCCL refuses when ranks share a GPU.)
+            def put(a, spec):
+                a = np.asarray(a)
+                return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
             coll, heads = M.Collectives(model.mode, impl, axis), cfg.heads // model.world
             specs = M.param_specs(axis)
 

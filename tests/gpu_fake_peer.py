@@ -34,6 +34,28 @@ TRIGGER = ("src", "len", "dst", "flag", "value", "dest", "family", "tag")  # lay
 RING = 256  # layout.h, kRing: the trigger ring's entries
 TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
 LL_LINE, LL_PAYLOAD = 16, 8  # layout.h, kLLLineBytes, kLLLinePayload
+TRIGGER_HEADER = 1 << 8  # layout.h, kTriggerHeader: a piece-0 trigger puts the staged header first
+# layout.h, "The flag page": kPsumWords + kMaxWorld x kChunks x kRoots bulk
+# words, then 2 families x kMaxWorld heard words, then the header slots of
+# kDescriptorWords words by (family, parity, source).
+MAX_WORLD, DESCRIPTOR_WORDS = 8, 4
+HEADER_WORD_BASE = 256 + MAX_WORLD * 8 * 2 + 2 * MAX_WORLD
+
+
+class Desc(int):
+    """A collective's descriptor: its 24-bit hash (this int, what flag words
+    carry) and ``words``, the exact Descriptor (op, type, count, tag) that the
+    header slots hold (layout.h, "Headers")."""
+
+    def __new__(cls, hashed, words):
+        d = int.__new__(cls, hashed)
+        d.words = tuple(w & M64 for w in words)
+        return d
+
+
+def header_word(family, parity, src):
+    """layout.h, header_word: the first word of a header slot."""
+    return HEADER_WORD_BASE + ((family * 2 + parity) * MAX_WORLD + src) * DESCRIPTOR_WORDS
 
 
 def flag_word(seq, desc):
@@ -110,8 +132,9 @@ class FakePeer:
         return ALGORITHM[out[0]], out[1]
 
     def describe(self, op, dtype, count, tag):
-        return int(self.lib.arx_testing_describe(op, ctypes.c_uint64(DTYPE_CODE[dtype]), ctypes.c_uint64(count),
-                                                 ctypes.c_uint64(tag & M64)))
+        hashed = int(self.lib.arx_testing_describe(op, ctypes.c_uint64(DTYPE_CODE[dtype]), ctypes.c_uint64(count),
+                                                   ctypes.c_uint64(tag & M64)))
+        return Desc(hashed, (op, DTYPE_CODE[dtype], count, tag))
 
     def oneshot_desc(self, dtype, count, pieces, tag=0):
         return self.describe(OP_PSUM, dtype, count, pieces_tag(tag, pieces))
@@ -135,8 +158,11 @@ class FakePeer:
         self.write(self.slot_at(seq, src) + offset, raw(data))
 
     def signal(self, src, seq, desc, pieces=(0,)):
-        """src's flag words of ``pieces`` at seq, every root, stored with
-        release after the bytes they announce, as a carrier stores them."""
+        """src's header of seq (``desc.words``) and its flag words of
+        ``pieces`` at seq, every root, stored with release after the bytes
+        they announce, as a carrier stores them."""
+        words = np.array(desc.words, np.uint64)
+        self.write(self.flags + 8 * header_word(0, seq & 1, src), words.tobytes())
         for piece in pieces:
             for root in range(self.roots):
                 assert self.lib.arx_testing_store_flag(self._id, 0, self.word(src, piece, root),

@@ -147,7 +147,7 @@ def check_no_shared_memory_left(cwd, suite, gpus):
     devices = ["--cpu-devices", "1"] if not gpus else []
     cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", *devices, "--grace-s", "20", THIS, "--worker", suite]
     env = _env(gpus, {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_TIMEOUT_S": "5"})
-    p = launched._run_launcher(cmd, env, cwd, 300)
+    p = launched.run_launcher(cmd, env, cwd, 300)
     out = p.stdout + p.stderr
     pids = [int(m) for m in re.findall(r"PID (\d+)", p.stdout)]
     assert len(pids) == 2, out[-4000:]

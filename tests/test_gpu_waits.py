@@ -193,7 +193,7 @@ def _aborted(c, peer, f, x):
 
 
 def case_oneshot_on_time_late_stale(c):
-    from gpu_fake_peer import EVERY_PEER, FakePeer, chunk_range, flag_word, raw
+    from gpu_fake_peer import EVERY_PEER, TRIGGER_HEADER, FakePeer, chunk_range, flag_word, raw
 
     peer = FakePeer(9001, 0, timeout_s=SHORT_S)
     n, nbytes = 1001, 2002
@@ -210,7 +210,8 @@ def case_oneshot_on_time_late_stale(c):
     for k in range(pieces):
         lo, hi = chunk_range(nbytes, pieces, k)
         want = {"src": peer.send + peer.send_bytes + lo, "len": hi - lo, "dst": peer.slot_at(1, 0) + lo,
-                "flag": peer.word(0, k), "value": flag_word(1, desc), "dest": EVERY_PEER, "family": 0, "tag": k + 1}
+                "flag": peer.word(0, k), "value": flag_word(1, desc), "dest": EVERY_PEER,
+                "family": TRIGGER_HEADER if k == 0 else 0, "tag": k + 1}
         c.expect(f"trigger_{k}", peer.trigger(k) == want, trigger=peer.trigger(k), want=want)
     c.expect("staged", peer.read(peer.send + peer.send_bytes, nbytes) == raw(mine))
 
@@ -284,7 +285,8 @@ def case_abort(c):
 
 
 def case_two_shot(c):
-    from gpu_fake_peer import EVERY_PEER, OP_PSUM_GATHER, OP_PSUM_SCATTER, FakePeer, chunk_range, flag_word, raw
+    from gpu_fake_peer import (EVERY_PEER, OP_PSUM_GATHER, OP_PSUM_SCATTER, TRIGGER_HEADER, FakePeer, chunk_range,
+                               flag_word, raw)
 
     peer = FakePeer(9005, 0, timeout_s=LONG_S)
     n = peer.slot // 2 + 1001  # bfloat16: past the slot, the one-shot's limit
@@ -307,9 +309,9 @@ def case_two_shot(c):
     # Staged: chunk 1 of the partial for rank 1 (lane 1 of the parity-1 staging,
     # a chunk apart), then the summed chunk 0 for every peer (parity 0).
     wants = [{"src": peer.send + peer.send_bytes + hi0, "len": hi1 - lo1, "dst": peer.slot_at(1, 0),
-              "flag": peer.word(0, 0), "value": flag_word(1, scatter), "dest": 1, "family": 0, "tag": 1},
+              "flag": peer.word(0, 0), "value": flag_word(1, scatter), "dest": 1, "family": TRIGGER_HEADER, "tag": 1},
              {"src": peer.send, "len": hi0, "dst": peer.slot_at(2, 0), "flag": peer.word(0, 0),
-              "value": flag_word(2, gather), "dest": EVERY_PEER, "family": 0, "tag": 2}]
+              "value": flag_word(2, gather), "dest": EVERY_PEER, "family": TRIGGER_HEADER, "tag": 2}]
     for k, want in enumerate(wants):
         c.expect(f"trigger_{k}", peer.trigger(k) == want, **{f"trigger_{k}": peer.trigger(k), f"want_{k}": want})
     c.expect("staged_scatter", peer.read(peer.send + peer.send_bytes + hi0, hi1 - lo1) == raw(mine)[lo1:hi1])

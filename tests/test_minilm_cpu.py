@@ -173,7 +173,7 @@ def test_program_writes_what_it_prints(ready, tmp_path):
     cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", os.path.join(EXAMPLES, "minilm.py"), "--mode", "sp",
            "--sentences", "mine.txt", "--reference", "mine-ref.npy", "--batch-size", "6", "--repeats", "1",
            "--out", str(out)]
-    p = launched._run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
+    p = launched.run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
     detail = f"status {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
     assert p.returncode == 0, detail
     for line in ("6 sentences from mine.txt, 1 batch of 6 padded to 32 tokens", "jax_arx over shm",

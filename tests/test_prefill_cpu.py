@@ -278,7 +278,7 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
         outs = f(*xs)
         lax = None
         if w.against_lax and name in ("float32", "bfloat16", "int8", "bool"):
-            lax = w.smap(_lift(partial(body, gather=jax.lax.all_gather)), (P("sp"),) * len(xs),
+            lax = w.smap(_lift(partial(body, gather=w.jax.lax.all_gather)), (P("sp"),) * len(xs),
                          (P("sp"),) * len(specs))(*xs)
         for k, (i, a, t) in enumerate(specs):
             want = reference_gather(parts[i], a, t)
@@ -313,7 +313,7 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         if n != len(specs):
             w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
         outs = f(*xs)
-        lax = w.smap(_lift(partial(body, scatter=jax.lax.psum_scatter)), (P("sp"),) * len(xs),
+        lax = w.smap(_lift(partial(body, scatter=w.jax.lax.psum_scatter)), (P("sp"),) * len(xs),
                      (P("sp"),) * len(xs))(*xs) if w.against_lax else None
         tol = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}[name]
         for k, (shape, d, t) in enumerate(specs):

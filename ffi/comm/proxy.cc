@@ -186,12 +186,15 @@ class Watchdog {
 // notice arrived fails at its next one: agreement on the outcome of the
 // very collective would need one more round trip on every call. The
 // notice's descriptor carries the family and why the wait gave up, so that
-// every rank's error names the same cause (a mismatch, a timeout).
-void send_notices(Endpoint& ep, Relay& relay) {
+// every rank's error names the same cause (a mismatch, a timeout). A rank
+// that failed because of a peer's notice passes that notice's cause on
+// (`forwarded`): its own waits only saw the abort, and a third rank must not
+// learn a vaguer cause from it than from the rank that found it.
+void send_notices(Endpoint& ep, Relay& relay, uint64_t forwarded) {
   const Control* ctl = ep.control();
   const uint64_t seq = load_acquire(&ctl->failed_seq);
   const uint64_t desc = seq ? (load_relaxed(&ctl->failed_family) + 1) | load_relaxed(&ctl->failed_kind) << 8 : 0;
-  const uint64_t value = flag_word(seq ? seq : 1, desc);
+  const uint64_t value = forwarded ? forwarded : flag_word(seq ? seq : 1, desc);
   const Layout& L = ep.layout();
   const int rank = ep.spec().rank;
   for (int j = 0; j < ep.spec().world; ++j) {
@@ -204,28 +207,43 @@ void send_notices(Endpoint& ep, Relay& relay) {
   }
 }
 
-// A peer's notice, as a failure message; "" when no peer sent one. The
-// message keeps the words errors.classify() reads ("issued a different
-// collective", "timed out after"), so every rank raises the same class.
-std::string notice_from_peers(const Endpoint& ep) {
+FailureKind notice_kind(uint64_t value) { return static_cast<FailureKind>(flag_desc(value) >> 8); }
+
+// The peers' notice to act on, or 0 (`from`: its sender): one that names a
+// cause (a mismatch, a timeout) before one that does not.
+uint64_t notice_from_peers(const Endpoint& ep, int& from) {
+  uint64_t best = 0;
   for (int j = 0; j < ep.spec().world; ++j) {
     if (j == ep.spec().rank) continue;
     const uint64_t v = load_acquire(ep.flags() + notice_word(j));
     if (v == 0) continue;
-    const uint64_t family = flag_desc(v) & 0xff;
-    const auto kind = static_cast<FailureKind>(flag_desc(v) >> 8);
-    const std::string what = strf("%s #%llu", family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
-                                  (unsigned long long)flag_seq(v));
-    const std::string cause =
-        kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
-        : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for a peer timed out after its "
-                                               "JAX_ARX_TIMEOUT_S", what.c_str())
-                                        : strf("gave up on %s", what.c_str());
-    return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
-                "collective after it), as every rank does. Rank %d's own error says more: see its log",
-                ep.label().c_str(), j, cause.c_str(), j);
+    const FailureKind k = notice_kind(v);
+    if (best == 0 || (k == FailureKind::kMismatch || k == FailureKind::kTimeout)) {
+      best = v;
+      from = j;
+      if (k == FailureKind::kMismatch || k == FailureKind::kTimeout) break;
+    }
   }
-  return "";
+  return best;
+}
+
+// A peer's notice as a failure message. It keeps the words
+// errors.classify() reads ("issued a different collective", "timed out
+// after"), so every rank raises the same class.
+std::string notice_message(const Endpoint& ep, int from, uint64_t v) {
+  const uint64_t family = flag_desc(v) & 0xff;
+  const FailureKind kind = notice_kind(v);
+  const std::string what = strf("%s #%llu", family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
+                                (unsigned long long)flag_seq(v));
+  const std::string cause =
+      kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
+      : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for a peer timed out after its "
+                                             "JAX_ARX_TIMEOUT_S", what.c_str())
+                                      : strf("gave up on %s", what.c_str());
+  return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
+              "collective after it), as every rank does. Rank %d's own error (or the rank it names) says more: see "
+              "its log",
+              ep.label().c_str(), from, cause.c_str(), from);
 }
 
 }  // namespace
@@ -252,6 +270,7 @@ void Proxy::loop(uint64_t consumed) {
   Watchdog watchdog(ep_);
   Relay relay(ep_);
   bool failure_seen = false;
+  uint64_t forwarded = 0;  // the peer's notice this endpoint failed by, passed on
   while (!stop_.load(std::memory_order_relaxed)) {
     Status s = ep_.transport()->poll();
     Trigger t{};
@@ -266,7 +285,7 @@ void Proxy::loop(uint64_t consumed) {
     if (relayed) nap.busy();
     if (!s.ok()) {
       ep_.fail(s.message());
-      send_notices(ep_, relay);
+      send_notices(ep_, relay, forwarded);
       return;
     }
     if (t.tag || relayed) continue;
@@ -275,11 +294,15 @@ void Proxy::loop(uint64_t consumed) {
     // even when no host code of ours runs (replayed CUDA graphs).
     if (!failure_seen && ep_.failed()) {
       failure_seen = true;
-      send_notices(ep_, relay);
+      send_notices(ep_, relay, forwarded);
     }
     if (!failure_seen && watchdog.look()) {
-      const std::string notice = notice_from_peers(ep_);
-      if (!notice.empty()) ep_.fail(notice);
+      int from = -1;
+      const uint64_t notice = notice_from_peers(ep_, from);
+      if (notice) {
+        forwarded = notice;
+        ep_.fail(notice_message(ep_, from, notice));
+      }
     }
     nap.idle();
   }
