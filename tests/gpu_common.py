@@ -353,8 +353,6 @@ class GpuWorker(suites._Worker):
     of every result it checked. jax.lax's collectives are never run (they
     would be NCCL's, which refuses ranks sharing a GPU)."""
 
-    against_lax = False
-
     def __init__(self, cpu_smoke: bool = False):
         super().__init__()
         self.smoke = cpu_smoke

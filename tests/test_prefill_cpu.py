@@ -213,10 +213,6 @@ def reference_combine(y, pos, w, shared, y_scale, tpad):
 # --- the worker -------------------------------------------------------------------
 
 class _Worker(launched.MeshWorker):
-    # Whether the cases also compare with jax.lax's collectives (on GPUs those
-    # are NCCL's, which refuses ranks that share a GPU: tests/gpu_common.py).
-    against_lax = True
-
     def __init__(self):
         super().__init__("sp")
 
@@ -276,10 +272,6 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
         if n != len(specs):
             w.fail("gather", f"{name}: {n} jax_arx all_gathers for {len(specs)} calls")
         outs = f(*xs)
-        lax = None
-        if w.against_lax and name in ("float32", "bfloat16", "int8", "bool"):
-            lax = w.smap(_lift(partial(body, gather=w.jax.lax.all_gather)), (P("sp"),) * len(xs),
-                         (P("sp"),) * len(specs))(*xs)
         for k, (i, a, t) in enumerate(specs):
             want = reference_gather(parts[i], a, t)
             for r, got in w.mine(outs[k]).items():
@@ -313,15 +305,10 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         if n != len(specs):
             w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
         outs = f(*xs)
-        lax = w.smap(_lift(partial(body, scatter=w.jax.lax.psum_scatter)), (P("sp"),) * len(xs),
-                     (P("sp"),) * len(xs))(*xs) if w.against_lax else None
-        tol = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}[name]
         for k, (shape, d, t) in enumerate(specs):
             for r, got in w.mine(outs[k]).items():
                 what = f"{name} {shape} dimension {d} tiled {t} rank {r}"
                 w.check("scatter", got, reference_scatter(parts[k], d, t, r), what)
-                if lax is not None:
-                    w.close("scatter", got, w.mine(lax[k])[r], what, rtol=tol, atol=tol)
 
 
 def case_sizes(w: _Worker):
@@ -521,8 +508,6 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         if fused != want_fused:
             w.fail("moe", f"e4m3={e4m3}: {fused} fused calls, expected {want_fused}")
         outs = f(*args)
-        lax = w.smap(_lift(partial(body, lax=True)), (P("sp"),) * len(args),
-                     (P("sp"),) * len(cases))(*args) if w.against_lax else None
         for k, (T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
             tpad = -(-T // n) * n
             combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
@@ -530,8 +515,6 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
             for r, got in w.mine(outs[k]).items():
                 what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
                 w.check("moe", got, reference_scatter(combined, 0, True, r), what)
-                if lax is not None:
-                    w.close("moe", got, w.mine(lax[k])[r], what, rtol=2e-2, atol=2e-2)
 
 
 _FULL_CASES = ["gather", "scatter", "sizes", "mixed", "loop", "python_loop", "grad", "moe"]
