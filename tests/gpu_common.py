@@ -380,13 +380,28 @@ class GpuWorker(suites._Worker):
             return str(e)
         return ""
 
-    def endpoints(self):
+    def endpoints(self, bulk: bool = False):
+        """This process's endpoints of the axis: initialize()'s, or
+        (``bulk``) the bulk collectives', which the first of those made
+        (none before it)."""
         from jax_arx import _comm
 
+        if bulk:
+            comm = _comm._bulk_communicators.get(AXIS)
+            return comm.endpoints if comm is not None else ()
         return _comm.communicator(AXIS).endpoints
 
     def stats(self) -> dict:
-        return {le.rank: le.endpoint.stats() for le in self.endpoints()}
+        """Each local rank's Endpoint.stats() "calls" and "algorithms",
+        summed over its endpoints (psum's and the bulk collectives')."""
+        out = {}
+        for le in self.endpoints() + self.endpoints(bulk=True):
+            mine = out.setdefault(le.rank, {"calls": {}, "algorithms": {}})
+            st = le.endpoint.stats()
+            for group, counts in mine.items():
+                for k, v in st[group].items():
+                    counts[k] = counts.get(k, 0) + v
+        return out
 
     def counted(self, fn, *args, **kwargs) -> dict:
         """Runs fn; returns each local rank's Endpoint.stats() calls and
@@ -410,8 +425,11 @@ class GpuWorker(suites._Worker):
 
     def report(self, **extra) -> None:
         """The phase's RESULT line (see the module doc), for every local rank."""
-        eps = self.endpoints() if not extra.get("init_error") else ()
+        routes = {}
+        if not extra.get("init_error"):
+            routes = {str(le.rank): le.endpoint.route for le in self.endpoints()}
+            routes.update({f"{le.rank}/bulk": le.endpoint.route for le in self.endpoints(bulk=True)})
         emit(phase=self.phase_name, platform=self.platform, world=self.world,
              ranks=[self.rank_of(d) for d in self.jax.local_devices()],
-             routes={le.rank: le.endpoint.route for le in eps}, cases=self.cases, digest=self.crc,
+             routes=routes, cases=self.cases, digest=self.crc,
              xla_flags=os.environ.get("XLA_FLAGS", ""), **extra)
