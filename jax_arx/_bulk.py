@@ -15,10 +15,13 @@ site's tag, and the gathered / scattered dimension (the handler does the
 strided copies a dimension other than the first needs: no transposes around
 the call). They transpose to each other, as jax's do.
 
-Each call is one bulk collective of the endpoint (ffi/base/layout.h), with
-its own sequence numbers, up to ``JAX_ARX_PREFILL_SLOT_BYTES`` per call (the
-gathered output, or the scattered input). What jax_arx does not run falls
-back to ``jax.lax`` as ``jax_arx/_policy.py`` says, as for psum.
+Each call is one bulk collective (ffi/base/layout.h), with its own sequence
+numbers, up to ``JAX_ARX_PREFILL_SLOT_BYTES`` per call (the gathered output,
+or the scattered input), on the axis's bulk endpoints, which the first one
+traced makes (``jax_arx/_bulk_endpoints.py``: every process must trace the
+same program). What jax_arx does not run falls back to ``jax.lax`` as
+``jax_arx/_policy.py`` says, as for psum; whatever the carrier (shm, tcp,
+verbs), jax_arx runs what is within that envelope.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_arx import _bulk_endpoints
 from jax_arx import _compat
 from jax_arx import _ordering
 from jax_arx import _policy
@@ -59,8 +63,10 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     jax_arx runs a gather over one axis that ``jax_arx.initialize(mesh)`` set
     up, of any element type of at least one byte (the bytes are copied as
     they are), whose gathered output fits ``JAX_ARX_PREFILL_SLOT_BYTES``, on
-    CPUs or NVIDIA GPUs over the shm or tcp carrier (not yet over verbs).
-    Anything else is computed by
+    CPUs or NVIDIA GPUs, over any carrier (shm, tcp, verbs). The first bulk
+    collective traced on an axis sets up its buffers, on every process
+    together: every process must trace the same program. Anything else is
+    computed by
     ``jax.lax.all_gather`` (logged once per reason on the ``"jax_arx"``
     logger, or raising ``JaxArxFallbackError`` if ``JAX_ARX_FALLBACK=error``).
 
@@ -117,10 +123,9 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
 
     jax_arx runs a sum over one axis that ``jax_arx.initialize(mesh)`` set
     up, of float32, bfloat16 or float16, whose input fits
-    ``JAX_ARX_PREFILL_SLOT_BYTES``, on CPUs or NVIDIA GPUs over the shm or
-    tcp carrier (not yet over verbs); anything else falls back to
-    ``jax.lax.psum_scatter`` as
-    ``all_gather`` does.
+    ``JAX_ARX_PREFILL_SLOT_BYTES``, on CPUs or NVIDIA GPUs over any carrier
+    (shm, tcp, verbs), setting up as ``all_gather`` does; anything else
+    falls back to ``jax.lax.psum_scatter`` as ``all_gather`` does.
 
     Args:
       x: array or pytree of arrays.
@@ -213,8 +218,8 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
 
     jax_arx runs it with ``T`` up to what the prefill slot holds
     (``Tpad * H * 2 <= JAX_ARX_PREFILL_SLOT_BYTES``), ``topk`` up to 16 and
-    ``H`` a multiple of 8, on CPUs or NVIDIA GPUs over shm or tcp (not yet
-    over verbs); otherwise
+    ``H`` a multiple of 8, on CPUs or NVIDIA GPUs over any carrier (shm,
+    tcp, verbs), setting up as ``all_gather`` does; otherwise
     (logged once per reason) it computes ``moe_combine`` with jax ops and
     reduce-scatters it with ``jax_arx.psum_scatter``. No ``jax.grad`` or
     ``jax.vmap`` rules: it is meant for inference.
@@ -365,7 +370,12 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> _Dec
         return total // world
 
     comm = _policy.decide(op, aval, axes, axis_index_groups, dtype_refusal=dtype_refusal, lane_bytes=lane_bytes)
-    return None if comm is None else _Decision(comm.comm_id, comm.endpoints[0].world)
+    if comm is None:
+        return None
+    # The first bulk collective of the axis makes its endpoints (collective:
+    # every process traces it; see _bulk_endpoints.py).
+    bulk = _bulk_endpoints.communicator_for(comm, op)
+    return _Decision(bulk.comm_id, bulk.endpoints[0].world)
 
 
 ### rules

@@ -34,8 +34,9 @@ JAX_ARX_ONESHOT_MAX_BYTES  one-shot up to here, then two-shot (GPU)  slot
                            up to min(send, world x slot)            bytes
 JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the bulk ops        32 MiB
                            (all_gather output, psum_scatter input,
-                           world x the largest slice; 0: none, they
-                           fall back to jax.lax)
+                           world x the largest slice; pinned 4 x
+                           from the first one traced; 0: none,
+                           they fall back to jax.lax)
 JAX_ARX_SECRET             a secret every process of the job        unset
                            shares (16+ characters): the tcp
                            carrier's pair keys need it, so even
@@ -126,7 +127,8 @@ class Config:
     oneshot_max_bytes: int | None = None  # None: slot_bytes (see ffi/comm/plan.cc)
     send_bytes: int = 4 << 20
     # all_gather / psum_scatter / the fused MoE combine: the largest gathered
-    # output (or scattered input) per call. An endpoint pins 4x this.
+    # output (or scattered input) per call. Their endpoints, made at the
+    # first one traced (_bulk_endpoints.py), pin 4x this.
     bulk_bytes: int = 32 << 20
     tcp_addr: str | None = None  # None: the address that routes to the coordinator
     # JAX_ARX_SECRET; never printed (repr=False). See _comm.group_secret.

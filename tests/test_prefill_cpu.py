@@ -23,7 +23,11 @@ No reference uses a collective of jax's own (gloo on the CPU gives up its
 waits after a fixed time, which a loaded machine reaches); where a fallback
 runs one, the program is compiled first and started together everywhere.
 
-- ``full`` (2 processes over shm, 3 over tcp): every dtype all_gather takes,
+- ``full`` (2 processes over shm, 3 over tcp): first, nothing for the bulk
+  collectives before the first (the endpoints initialize() made hold no
+  bulk lanes, and over shm this process maps nothing else in /dev/shm),
+  psum runs, then the first all_gather makes their endpoints and runs; every
+  dtype all_gather takes,
   axes 0, 1, 2 and -1, tiled and stacked, element counts that do not divide
   into the 8 pieces; psum_scatter in float32, bfloat16 and float16 over
   every dimension, tiled and not; sizes at and past the prefill slot
@@ -35,10 +39,13 @@ runs one, the program is compiled first and started together everywhere.
   and e4m3 ``y``, topk 1 to 16, T not a multiple of the world, against the
   numpy reference.
 - ``quick`` (3 processes over shm, 2 over tcp, 4 over shm and tcp, and 2
-  processes with 2 CPU devices each): a subset.
-- ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that issue
-  different prefill ops get an error, never a result; a peer that never
-  calls makes the call fail within the timeout, naming it.
+  processes with 2 CPU devices each): a subset, the first use included.
+- ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that trace
+  different programs (rank 0 its first all_gather, which sets up the bulk
+  endpoints on every process, rank 1 a psum) both fail within the timeout,
+  rank 0 naming the process it waited for; ranks that issue different
+  prefill ops get an error, never a result; a peer that never calls makes
+  the call fail within the timeout, naming it.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
 otherwise. The worker suites do not depend on the backend:
@@ -92,6 +99,11 @@ def test_two_processes_with_two_devices_each(core_built, tmp_path):
 
 def test_failures_are_errors_not_results(core_built, tmp_path):
     results = _run("failures", 2, "tcp", tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
+    first, other = results[0]["trace_differs"], results[1]["trace_differs"]
+    assert first["kind"] == "InitializationError" and "process 1" in first["error"], first
+    assert "every process must trace the same program" in first["error"], first
+    assert other["kind"] == "CollectiveTimeoutError" and "rank 0" in other["error"], other
+    assert 2.5 < first["seconds"] < 30 and other["seconds"] < 30, (first, other)
     missing = launched.assert_failure_suite(results)
     assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
     assert missing["kind"] == "CollectiveTimeoutError", missing  # the call's JaxRuntimeError, translated
@@ -213,10 +225,6 @@ def reference_combine(y, pos, w, shared, y_scale, tpad):
 # --- the worker -------------------------------------------------------------------
 
 class _Worker(launched.MeshWorker):
-    # Whether the cases also compare with jax.lax's collectives (on GPUs those
-    # are NCCL's, which refuses ranks that share a GPU: tests/gpu_common.py).
-    against_lax = True
-
     def __init__(self):
         super().__init__("sp")
 
@@ -258,6 +266,65 @@ def _lift(fn):
 GATHER_SPECS = ((0, False), (0, True), (1, True), (1, False), (2, True), (-1, False))
 
 
+def _shm_mapped_bytes():
+    """Bytes of this process's mappings of jax_arx's shared memory (its own
+    regions and its peers', whose names are gone from /dev/shm once mapped)."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/jax_arx-" in line:
+                lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def case_first_use(w: _Worker):
+    """Run first in a process: before the first bulk collective, the
+    endpoints initialize() made hold no bulk lanes, no bulk endpoint exists,
+    and over shm the process maps just those lane-less regions (its own and
+    its peers': world per local device); psum runs and makes none. Then the
+    first all_gather makes the bulk endpoints (lanes of a world-th of
+    JAX_ARX_PREFILL_SLOT_BYTES, 4 x world of them), which account for all the
+    shared memory mapped since, and runs; psum still runs after it."""
+    from jax_arx import _comm
+
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    psum_eps = _comm.communicator("sp").endpoints
+    shm = _comm.transport("sp") == "shm"
+    region = sum(w.world * le.endpoint.region_bytes for le in psum_eps) if shm else 0
+    mapped = _shm_mapped_bytes()
+    w.record("first_use", None if all(le.endpoint.bulk_lane_bytes == 0 for le in psum_eps) else
+             f"initialize()'s endpoints hold bulk lanes of {[le.endpoint.bulk_lane_bytes for le in psum_eps]} bytes")
+    w.record("first_use", None if mapped == region else
+             f"before any bulk collective this process maps {mapped} bytes of /dev/shm/jax_arx-*, not the {region} "
+             "of its lane-less regions")
+    rng = np.random.default_rng(1)
+    parts = [random_array(rng, (1000,), np.dtype(np.float32)) for _ in range(w.world)]
+    f = w.smap(_lift(lambda v: jax_arx.psum(v, "sp")), P("sp"), P("sp"))
+    for r, got in w.mine(f(w.put(parts))).items():
+        w.check("first_use", got, reference_sum(parts), f"psum before the first bulk collective, rank {r}")
+    w.record("first_use", None if "sp" not in _comm._bulk_communicators else "psum made bulk endpoints")
+
+    g = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp", tiled=True)), P("sp"), P("sp"))
+    for r, got in w.mine(g(w.put(parts))).items():
+        w.check("first_use", got, np.concatenate(parts), f"the first all_gather, rank {r}")
+    bulk = _comm._bulk_communicators.get("sp")
+    if bulk is None:
+        w.fail("first_use", "the first all_gather made no bulk endpoints")
+        return
+    lane = -(-PREFILL_SLOT_BYTES // w.world // 16) * 16
+    w.record("first_use", None if all(le.endpoint.bulk_lane_bytes == lane and le.endpoint.region_bytes
+                                      >= 4 * w.world * lane for le in bulk.endpoints) else
+             f"bulk endpoints of lanes {[le.endpoint.bulk_lane_bytes for le in bulk.endpoints]} bytes, regions "
+             f"{[le.endpoint.region_bytes for le in bulk.endpoints]}; want lanes of {lane}")
+    grown = _shm_mapped_bytes() - mapped
+    want = sum(w.world * le.endpoint.region_bytes for le in bulk.endpoints) if shm else 0
+    w.record("first_use", None if grown == want else
+             f"the bulk endpoints added {grown} bytes of /dev/shm mappings, not their regions' {want}")
+    for r, got in w.mine(f(w.put(parts))).items():
+        w.check("first_use", got, reference_sum(parts), f"psum after the first bulk collective, rank {r}")
+
+
 def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 129, 17))):
     """Every dtype, axis and tiling, one program per dtype; against numpy."""
     jax_arx, P = w.jax_arx, w.P
@@ -276,10 +343,6 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
         if n != len(specs):
             w.fail("gather", f"{name}: {n} jax_arx all_gathers for {len(specs)} calls")
         outs = f(*xs)
-        lax = None
-        if w.against_lax and name in ("float32", "bfloat16", "int8", "bool"):
-            lax = w.smap(_lift(partial(body, gather=w.jax.lax.all_gather)), (P("sp"),) * len(xs),
-                         (P("sp"),) * len(specs))(*xs)
         for k, (i, a, t) in enumerate(specs):
             want = reference_gather(parts[i], a, t)
             for r, got in w.mine(outs[k]).items():
@@ -316,15 +379,10 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         if n != len(specs):
             w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
         outs = f(*xs)
-        lax = w.smap(_lift(partial(body, scatter=w.jax.lax.psum_scatter)), (P("sp"),) * len(xs),
-                     (P("sp"),) * len(xs))(*xs) if w.against_lax else None
-        tol = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}[name]
         for k, (shape, d, t) in enumerate(specs):
             for r, got in w.mine(outs[k]).items():
                 what = f"{name} {shape} dimension {d} tiled {t} rank {r}"
                 w.check("scatter", got, reference_scatter(parts[k], d, t, r), what)
-                if lax is not None:
-                    w.close("scatter", got, w.mine(lax[k])[r], what, rtol=tol, atol=tol)
 
 
 def case_sizes(w: _Worker):
@@ -530,8 +588,6 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         if fused != want_fused:
             w.fail("moe", f"e4m3={e4m3}: {fused} fused calls, expected {want_fused}")
         outs = f(*args)
-        lax = w.smap(_lift(partial(body, lax=True)), (P("sp"),) * len(args),
-                     (P("sp"),) * len(cases))(*args) if w.against_lax else None
         for k, (T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
             tpad = -(-T // n) * n
             combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
@@ -539,21 +595,20 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
             for r, got in w.mine(outs[k]).items():
                 what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
                 w.check("moe", got, reference_scatter(combined, 0, True, r), what)
-                if lax is not None:
-                    w.close("moe", got, w.mine(lax[k])[r], what, rtol=2e-2, atol=2e-2)
 
 
-_FULL_CASES = ["gather", "scatter", "sizes", "mixed", "loop", "python_loop", "grad", "moe"]
-_QUICK_CASES = ["gather", "scatter", "mixed", "loop", "moe"]
+_FULL_CASES = ["first_use", "gather", "scatter", "sizes", "mixed", "loop", "python_loop", "grad", "moe"]
+_QUICK_CASES = ["first_use", "gather", "scatter", "mixed", "loop", "moe"]
 
 
 def _suite_full(w):
-    for case in (case_gather, case_scatter, case_sizes, case_mixed, case_loop, case_python_loop, case_grad,
-                 case_moe):
+    for case in (case_first_use, case_gather, case_scatter, case_sizes, case_mixed, case_loop, case_python_loop,
+                 case_grad, case_moe):
         w.timed(case)
 
 
 def _suite_quick(w):
+    w.timed(case_first_use)
     w.timed(case_gather, ("float32", "bfloat16", "int8"), shapes=((3, 5, 7),))
     w.timed(case_scatter, ("float32", "bfloat16"))
     w.timed(case_mixed, iters=5)
@@ -564,11 +619,34 @@ def _suite_quick(w):
 def _suite_failures(w):
     """Run with JAX_ARX_TIMEOUT_S=3 and two processes."""
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    from jax_arx import _compat
     me = jax.process_index()
     out = {}
 
     def step(what):  # progress on stderr, so a slow or stuck rank shows where
         print(f"[failures] {time.monotonic():.3f} rank {me}: {what}", file=sys.stderr, flush=True)
+
+    # Ranks that trace different programs: rank 0's first all_gather sets up
+    # the bulk endpoints, which needs every process; rank 1 runs a psum that
+    # rank 0 never joins. Both fail within the timeout, neither hangs.
+    step("trace differs")
+    x = w.put([np.ones((8,), np.float32) for _ in range(w.world)])
+    op = jax_arx.all_gather if me == 0 else jax_arx.psum
+    f = w.smap(_lift(lambda v: op(v, "sp")), P("sp"), P("sp"))
+    report, start = {"error": "", "kind": ""}, time.monotonic()
+    try:
+        w.mine(f(x))
+    except Exception as e:
+        report["error"], report["kind"] = launched.error_text(e), type(e).__name__
+        if me != 0:
+            report["kind"] = launched.family(e) or report["kind"]
+    report["seconds"] = time.monotonic() - start
+    out["trace_differs"] = report
+    step(f"trace differs done: {report['error'].strip()[:300]!r}")
+    # Both ranks end that step before either shuts down (a bound no load reaches).
+    _compat.distributed_client().wait_at_barrier("test_prefill_cpu/trace_differs", 120_000)
+    jax_arx.shutdown()
+    jax_arx.initialize(w.mesh)
 
     # Ranks that issue different ops (the same bytes): an error, never a result.
     step("mismatch")

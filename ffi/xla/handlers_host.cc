@@ -94,7 +94,7 @@ ffi::Error all_gather_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi:
   if (args.size() < rets.size())
     return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   const uint64_t world = (uint64_t)ep->spec().world;
   const CallGuard guard(*ep);
   if (guard.busy()) {
@@ -123,7 +123,7 @@ ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ff
   if (args.size() < rets.size())
     return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   const uint64_t world = (uint64_t)ep->spec().world;
   const CallGuard guard(*ep);
   if (guard.busy()) {
@@ -149,7 +149,7 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
                                          ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
                                          int64_t scaled) {
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   MoeOperands m;
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   host::MoeCombine a;

@@ -235,6 +235,10 @@ NB_MODULE(_core, m) {
       .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
       .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
       .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
+      .def_prop_ro("region_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().total; },
+                   "Bytes of this endpoint's region (pinned host memory; shared memory with the shm carrier).")
+      .def_prop_ro("bulk_lane_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().bulk_lane; },
+                   "Bytes of one bulk lane (the region holds 4 x world of them); 0 where the endpoint holds none.")
       .def("plan", &PyEndpoint::plan, nb::arg("op"), nb::arg("bytes"),
            "What runs a collective of `op` with `bytes` per rank here: (algorithm, pieces, why_not). algorithm 0: "
            "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk.")

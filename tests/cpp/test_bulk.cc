@@ -5,7 +5,7 @@
 // the inputs, never from the library's buffers). Also: bulk collectives
 // interleaved with psum on one endpoint, many calls back to back (parity and
 // ring reuse), a producer that publishes triggers out of order (as GPU blocks
-// do), timeouts and mismatches. Runs under ThreadSanitizer with --quick (tcp;
+// do), timeouts and mismatches; an endpoint made without the bulk lanes. Runs under ThreadSanitizer with --quick (tcp;
 // see test_core.cc for why not shm).
 //
 // usage: test_bulk [--quick] [carrier ...]   (default: shm tcp)
@@ -22,6 +22,7 @@
 
 #include "base/atomics.h"
 #include "comm/endpoint.h"
+#include "comm/plan.h"
 #include "comm/wait.h"
 #include "host/device_side.h"
 #include "rig.h"
@@ -499,6 +500,56 @@ void test_too_big(TransportKind kind) {
   EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
 }
 
+// An endpoint made without the bulk lanes (Config::bulk_lanes = false, what
+// jax_arx makes for psum): its region has none, so it is smaller by the 4 x
+// bulk_bytes they take; psum runs on it; its plan still says what the
+// communicator takes (the envelope); and it does not pair with an endpoint
+// laid out with them.
+void test_psum_only_endpoint(TransportKind kind) {
+  Config with = test_config(), without = test_config();
+  without.bulk_lanes = false;
+  Rig rig;
+  if (!bulk_rig(kind, 2, rig, without)) { EXPECT(false, "rig"); return; }
+  const Layout full = Layout::of(Geometry{2, with.slot_bytes, with.send_bytes, with.bulk_bytes, with.topology});
+  const Layout& none = rig.eps[0]->layout();
+  EXPECT(none.bulk_lane == 0 && none.total + 4 * with.bulk_bytes <= full.total,
+         "an endpoint without lanes holds none: lane %llu, %llu bytes against %llu", (unsigned long long)none.bulk_lane,
+         (unsigned long long)none.total, (unsigned long long)full.total);
+  EXPECT(plan_bulk(*rig.eps[0], "all_gather", with.bulk_bytes / 2).algorithm == Algorithm::kBulk &&
+             plan_bulk(*rig.eps[0], "all_gather", with.bulk_bytes / 2 + 16).algorithm == Algorithm::kNone,
+         "the plan is the communicator's envelope, lanes or not");
+  std::vector<std::vector<float>> x(2, std::vector<float>(1000));
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 1000; ++i) x[r][i] = (float)(i * (r + 1));
+  std::vector<Status> sts(2);
+  on_ranks(2, [&](int r) { sts[r] = host::psum(*rig.eps[r], DType::kF32, x[r].data(), x[r].data(), 1000, 0); });
+  EXPECT(sts[0].ok() && sts[1].ok() && x[0][999] == 999.f * 3 && x[1][1] == 3.f, "psum without lanes: %s",
+         sts[0].message().c_str());
+
+  // One rank laid out with lanes, the other without: connect refuses, on both.
+  std::vector<std::shared_ptr<Endpoint>> eps(2);
+  std::vector<std::string> details(2);
+  for (int r = 0; r < 2; ++r) {
+    EndpointSpec s;
+    s.comm_id = 12;
+    s.rank = r;
+    s.world = 2;
+    s.transport = kind;
+    s.name = "lanes";
+    s.secret = "secret-of-this-test";
+    s.config = r == 0 ? with : without;
+    s.config.timeout_s = 2;
+    if (!Endpoint::create(s, eps[r]).ok()) { EXPECT(false, "create"); return; }
+    details[r] = eps[r]->details();
+  }
+  on_ranks(2, [&](int r) { sts[r] = eps[r]->connect(details); });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT(!sts[r].ok() && sts[r].message().find("bulk lanes") != std::string::npos,
+           "rank %d connects to a peer laid out otherwise: %s", r, sts[r].message().c_str());
+    eps[r]->close();
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -528,6 +579,7 @@ int main(int argc, char** argv) {
     test_timeout(k);
     test_mismatch(k);
     test_too_big(k);
+    test_psum_only_endpoint(k);
     g_topology = TopologyKind::kRing;
     for (int world : {2, 3, 4}) {
       test_all_gather(k, world, ag_sizes);
