@@ -189,7 +189,7 @@ def run_workers(script: str, args: list[str], nprocs: int | None, env: dict, *, 
         cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices, "--grace-s", "20", script,
                "--worker", *args]
     start = time.monotonic()
-    p = launched._run_launcher(cmd, env, HERE, timeout)
+    p = launched.run_launcher(cmd, env, HERE, timeout)
     seconds = time.monotonic() - start
     reports: dict = {}
     for line in p.stdout.splitlines():

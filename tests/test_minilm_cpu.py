@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 
 import launched
+import needs
 
 THIS = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(THIS))
@@ -69,12 +70,10 @@ def missing_packages():
 
 @pytest.fixture(scope="module")
 def ready(tmp_path_factory):
-    missing = missing_packages()
-    if missing:
-        pytest.skip("examples/minilm.py needs " + ", ".join(missing))
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
+    lacking = missing_packages()
+    if lacking:
+        needs.missing("examples/minilm.py needs " + ", ".join(lacking))
+    needs.require_core(tmp_path_factory.mktemp("probe"))
 
 
 def fixture():
@@ -173,7 +172,7 @@ def test_program_writes_what_it_prints(ready, tmp_path):
     cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", os.path.join(EXAMPLES, "minilm.py"), "--mode", "sp",
            "--sentences", "mine.txt", "--reference", "mine-ref.npy", "--batch-size", "6", "--repeats", "1",
            "--out", str(out)]
-    p = launched._run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
+    p = launched.run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
     detail = f"status {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
     assert p.returncode == 0, detail
     for line in ("6 sentences from mine.txt, 1 batch of 6 padded to 32 tokens", "jax_arx over shm",

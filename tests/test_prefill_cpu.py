@@ -41,7 +41,7 @@ runs one, the program is compiled first and started together everywhere.
   calls makes the call fail within the timeout, naming it.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
-otherwise. The worker suites do not depend on the backend:
+otherwise (failed in CI: tests/needs.py). The worker suites do not depend on the backend:
 tests/test_gpu_bulk.py runs most of them on GPUs.
 """
 
@@ -64,13 +64,6 @@ PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers
 
 
 # --- the tests ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def core_built(tmp_path_factory):
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
-
 
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
@@ -278,12 +271,14 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
         outs = f(*xs)
         lax = None
         if w.against_lax and name in ("float32", "bfloat16", "int8", "bool"):
-            lax = w.smap(_lift(partial(body, gather=jax.lax.all_gather)), (P("sp"),) * len(xs),
-                         (P("sp"),) * len(specs))(*xs)
+            lax = w.together(w.smap(_lift(partial(body, gather=w.jax.lax.all_gather)), (P("sp"),) * len(xs),
+                                    (P("sp"),) * len(specs)), *xs)
         for k, (i, a, t) in enumerate(specs):
             want = reference_gather(parts[i], a, t)
             for r, got in w.mine(outs[k]).items():
                 w.check("gather", got, want, f"{name} {shapes[i]} axis {a} tiled {t} rank {r}")
+                if lax is not None:  # a copy: the same bits as jax.lax's
+                    w.check("gather", got, w.mine(lax[k])[r], f"{name} {shapes[i]} axis {a} tiled {t} rank {r} (jax.lax)")
 
 
 def _scatter_shapes(world):
@@ -305,16 +300,18 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s, _, _ in specs]
         xs = [w.put(p) for p in parts]
 
-        def body(*xs):
-            return tuple(jax_arx.psum_scatter(x, "sp", scatter_dimension=d, tiled=t) for x, (_, d, t) in zip(xs, specs))
+        def body(*xs, scatter=jax_arx.psum_scatter):
+            # jax.lax's lowering takes no negative dimension (jax 0.10); jax_arx's does.
+            return tuple(scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim,
+                                 tiled=t) for x, (_, d, t) in zip(xs, specs))
 
         f = w.smap(_lift(body), (P("sp"),) * len(xs), (P("sp"),) * len(xs))
         n = len(w.calls(f, *xs, target="jax_arx_psum_scatter"))
         if n != len(specs):
             w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
         outs = f(*xs)
-        lax = w.smap(_lift(partial(body, scatter=jax.lax.psum_scatter)), (P("sp"),) * len(xs),
-                     (P("sp"),) * len(xs))(*xs) if w.against_lax else None
+        lax = w.together(w.smap(_lift(partial(body, scatter=w.jax.lax.psum_scatter)), (P("sp"),) * len(xs),
+                                (P("sp"),) * len(xs)), *xs) if w.against_lax else None
         tol = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}[name]
         for k, (shape, d, t) in enumerate(specs):
             for r, got in w.mine(outs[k]).items():
@@ -506,13 +503,19 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         args = [a for a in args if a is not None]
         per = 5 if e4m3 else 4
 
-        def body(*flat):
+        def body(*flat, scatter=None):
+            """The fused op; with ``scatter``, the unfused program it
+            promises to equal: scatter(moe_combine(...))."""
             outs = []
             for i in range(len(cases)):
                 y, *rest = flat[i * per:(i + 1) * per]
                 scale = rest.pop(0) if e4m3 else None
                 pos, wt, shared = rest
-                outs.append(jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp", y_scale=scale))
+                if scatter is None:
+                    outs.append(jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp", y_scale=scale))
+                else:
+                    rows = jax_arx.moe_combine(y, pos, wt, shared, y_scale=scale, padded_tokens=-(-pos.shape[0] // n) * n)
+                    outs.append(scatter(rows, "sp", scatter_dimension=0, tiled=True))
             return tuple(outs)
 
         f = w.smap(_lift(body), (P("sp"),) * len(args), (P("sp"),) * len(cases))
@@ -521,8 +524,11 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         if fused != want_fused:
             w.fail("moe", f"e4m3={e4m3}: {fused} fused calls, expected {want_fused}")
         outs = f(*args)
-        lax = w.smap(_lift(partial(body, lax=True)), (P("sp"),) * len(args),
-                     (P("sp"),) * len(cases))(*args) if w.against_lax else None
+        g = w.smap(_lift(partial(body, scatter=jax_arx.psum_scatter)), (P("sp"),) * len(args), (P("sp"),) * len(cases))
+        w.calls(g, *args, target="jax_arx_psum_scatter")  # the GPU workers count what their programs lowered
+        unfused = g(*args)
+        lax = w.together(w.smap(_lift(partial(body, scatter=w.jax.lax.psum_scatter)), (P("sp"),) * len(args),
+                                (P("sp"),) * len(cases)), *args) if w.against_lax else None
         for k, (T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
             tpad = -(-T // n) * n
             combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
@@ -530,6 +536,8 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
             for r, got in w.mine(outs[k]).items():
                 what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
                 w.check("moe", got, reference_scatter(combined, 0, True, r), what)
+                # The documented promise: the bits of the unfused program.
+                w.check("moe", got, w.mine(unfused[k])[r], what + " (psum_scatter(moe_combine(...)))")
                 if lax is not None:
                     w.close("moe", got, w.mine(lax[k])[r], what, rtol=2e-2, atol=2e-2)
 

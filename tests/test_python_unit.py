@@ -22,13 +22,6 @@
 """
 
 import os
-
-# 4 CPU devices, set before jax starts (ignored if another test module
-# imported jax first; the tests that need 4 devices then skip).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
-
-import dataclasses
 import importlib.util
 import logging
 import pathlib
@@ -45,11 +38,29 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_arx
+import needs
 from jax_arx import _comm, _compat, _policy, _psum, config, errors, launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-needs_4_devices = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices (JAX_NUM_CPU_DEVICES=4)")
+# This process's jax on 4 CPU devices, set in jax's configuration before its
+# backend starts (at the first device query): never in the environment,
+# which every other test's subprocesses would inherit.
+try:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+except RuntimeError:
+    pass  # a backend already started: the tests that need 4 devices say so
+
+
+@pytest.fixture
+def four_devices():
+    if jax.device_count() < 4:
+        needs.missing(f"needs 4 CPU devices; jax started with {jax.device_count()} before this module could ask "
+                      "for 4 (run it in a pytest process of its own)")
+
+
+needs_4_devices = pytest.mark.usefixtures("four_devices")
 
 FAKE_CORE_SOURCE = '''
 """A stand-in for jax_arx._core that checks what jax_arx asks of it."""
@@ -1220,7 +1231,9 @@ def test_initialize_distributed_needs_all_or_none_of_the_variables(monkeypatch):
 def _launch(args, tmp_path, timeout=240):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_", "XLA_")) or k in ("JAX_PLATFORMS",)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path)])
+    # The installed jax_arx (with its C++ module), as the other multi-process
+    # tests run it; tmp_path holds the programs and the stand-in core.
+    env["PYTHONPATH"] = str(tmp_path)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "jax_arx.launch", *args], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=timeout)
@@ -1234,7 +1247,7 @@ def _from_keyword(line, keywords):
     return line[min(at):] if at else line
 
 
-def test_launch_two_processes_psum_and_rendezvous(tmp_path):
+def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
     (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent("""
