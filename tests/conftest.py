@@ -18,12 +18,13 @@ import importlib.util
 import pathlib
 import sys
 
-import pytest
-
 import needs
+import pytest
 
 
 def _installed_core_for_the_source_tree() -> None:
+    if "jax_arx" in sys.modules:
+        return
     spec = importlib.util.find_spec("jax_arx")
     if spec is None or spec.origin is None:
         return
@@ -33,13 +34,20 @@ def _installed_core_for_the_source_tree() -> None:
     for entry in sys.path:
         there = (pathlib.Path(entry or ".") / "jax_arx").resolve()
         if there != here and any(there.glob("_core*.so")):
-            import jax_arx
-
-            jax_arx.__path__.append(str(there))
+            # Imported here with both folders on its path from the start:
+            # jax_arx's own import already looks for its C++ module.
+            spec.submodule_search_locations.append(str(there))
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["jax_arx"] = module
+            spec.loader.exec_module(module)
             return
 
 
 _installed_core_for_the_source_tree()
+
+# The in-process tests' stand-in core and fixtures (and this process's jax
+# on 4 CPU devices, set before any test starts it).
+pytest_plugins = ["stand_in_core"]
 
 _SUMMARY: list[str] = []
 
