@@ -405,3 +405,35 @@ def test_moe_argument_errors_name_the_shapes():
     with pytest.raises(ValueError, match=r"needs H a multiple of 128 and y_scale float32 \(8, 1\)"):
         moe(y.astype(jnp.float8_e4m3fn), pos, w, shared, "sp", y_scale=jnp.zeros((8, 2), jnp.float32))
 
+
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_moe_combine_is_the_documented_arithmetic(e4m3):
+    """The plain-jax combine (the fused op's reference and fallback) computes
+    the documented sum with full-precision float32 weights (and scales),
+    clamps pos and zeroes the rows past T: the bits of the numpy reference."""
+    import ml_dtypes
+    from test_prefill_cpu import reference_combine, tie_token
+
+    rng = np.random.default_rng(0)
+    T, R, H, topk = 37, 50, 256, 5
+    if e4m3:
+        y = np.asarray(rng.normal(size=(R, H)) * 3, ml_dtypes.float8_e4m3fn)
+        y_scale = rng.uniform(0.01, 1, size=(R, H // 128)).astype(np.float32)
+    else:
+        y, y_scale = rng.normal(size=(R, H)).astype(ml_dtypes.bfloat16), None
+    pos = rng.integers(-3, R + 3, size=(T, topk)).astype(np.int32)
+    w = rng.normal(size=(T, topk)).astype(np.float32)
+    w[0] = 0.0  # an expert that does not count
+    w[1] = w[1].astype(ml_dtypes.bfloat16).astype(np.float32)  # no low bits: lo = 0
+    w[2] = np.float32(1) + np.float32(2 ** -23)  # only the last bit below hi
+    shared = rng.normal(size=(T, H)).astype(ml_dtypes.bfloat16)
+    if not e4m3:
+        tie_token(y, pos, w, shared)
+    got = jax.jit(lambda *a: jax_arx.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
+    want = reference_combine(y, pos, w, shared, y_scale, 40)
+    assert got.shape == (40, H) and got.dtype == jnp.bfloat16
+    assert np.asarray(got).tobytes() == want.tobytes()
+    assert not np.asarray(got)[T:].astype(np.float32).any()
+    if not e4m3:  # the token a single rounding of each term would get wrong
+        assert (np.asarray(got)[0].astype(np.float32) == 1.421875).all()
+        assert (want[0].astype(np.float32) == 1.421875).all()

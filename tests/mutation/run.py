@@ -85,6 +85,16 @@ MUTATIONS = [
     M("a shut-down axis lowers jax_arx's call", "jax_arx/_bulk.py",
       '    why = _policy.lowering_refusal(ctx, params["comm_id"], params["axis_name"])', "    why = None",
       (BULK, "-k", "shut_down")),
+    M("moe_combine adds each term with one rounding", "jax_arx/_bulk.py",
+      "        acc = acc + hi[:, k] * rows[:, k]\n"
+      "        acc = jnp.where(lo[:, k] != 0, acc + lo[:, k] * rows[:, k], acc)",
+      "        acc = acc + (hi[:, k] + lo[:, k]) * rows[:, k]", (BULK, "-k", "documented_arithmetic")),
+    M("the host combine adds each term with one rounding", "ffi/host/bulk.cc",
+      "      for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(f.hi, bf16_to_f32(y[h]), acc[h]);\n"
+      "      if (f.lo != 0.f)\n"
+      "        for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(f.lo, bf16_to_f32(y[h]), acc[h]);",
+      "      for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(wq, bf16_to_f32(y[h]), acc[h]);",
+      ("test_bulk", "--quick", "shm"), cpp=True),
     M("the combine's dtypes unchecked", "jax_arx/_bulk.py", "    if wrong:\n", "    if False:\n",
       (BULK, "-k", "argument_errors")),
     M("JAX_ARX_ONESHOT_MAX_BYTES ignored by the plan", "ffi/comm/plan.cc",
