@@ -4,7 +4,8 @@
   with ranks as threads, over shm and tcp, against an independent reference.
 - tests/cpp/test_bulk.cc: the bulk collectives (all-gather, reduce-scatter,
   the fused MoE combine) over the channels, the same way; test_layout.cc: the
-  layout; test_plan.cc: what runs a collective of each size (comm/plan.h).
+  layout; test_plan.cc: what runs a collective of each size (comm/plan.h);
+  test_config.cc: what the core reads from the options Python sends.
 - tests/cpp/test_tcp_transport.cc, test_tcp_auth.cc, test_tcp_fuzz.cc: the tcp
   carrier alone: exchanges, sends bounded by the timeout, who may connect, and
   adversarial bytes (seeded, a few seconds). tests/cpp/test_region.cc: shared
@@ -99,6 +100,11 @@ def test_layout(core_build):
 def test_plan(core_build):
     out = _run([str(core_build / "test_plan")], timeout=120)
     assert "plan: ok" in out
+
+
+def test_config(core_build):
+    out = _run([str(core_build / "test_config")], timeout=120)
+    assert "config: ok" in out
 
 
 @pytest.mark.parametrize("name", ["test_tcp_transport", "test_tcp_auth", "test_tcp_fuzz", "test_region"])

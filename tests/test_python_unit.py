@@ -232,7 +232,7 @@ def test_pytree_and_axis_name_forms(mesh4):
         seen["str"] = jax_arx.psum(tree, "tp")
         seen["tuple"] = jax_arx.psum(x, ("tp",))
         seen["list"] = jax_arx.psum(x, ["tp"])
-        seen["empty"] = jax_arx.psum(x, ())
+        seen["empty"], seen["x"] = jax_arx.psum(x, ()), x
         return x
 
     body_jaxpr = inner_jaxpr(jax.make_jaxpr(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"),
@@ -243,7 +243,7 @@ def test_pytree_and_axis_name_forms(mesh4):
     calls = [e for e in body_jaxpr.eqns if e.primitive.name == "jax_arx_psum_invariant"]
     assert [len(e.invars) for e in calls] == [3, 1, 1]
     assert [v.aval.dtype for v in calls[0].outvars] == [jnp.float32, jnp.float32, jnp.bfloat16]
-    assert seen["empty"] is not None
+    assert seen["empty"] is seen["x"]  # no axis: the value itself, as jax.lax.psum gives it
 
 
 # --- numerics, autodiff and batching against jax.lax.psum ---------------------------
@@ -910,7 +910,9 @@ def test_initialize_is_idempotent_and_rejects_a_new_mesh_for_a_known_axis(mesh4,
                        match=r"mesh axis 'tp' is already set up for another mesh .*Call jax_arx.shutdown\(\)"):
         jax_arx.initialize(auto_mesh((4,), ("tp",), devices=jax.devices()[::-1]))
     jax_arx.initialize(auto_mesh((4,), ("sp",)))  # a new axis name adds a communicator
-    assert len(fake_core.endpoints) == 8 and _comm.communicator("sp") is not None
+    sp = _comm.communicator("sp")
+    assert len(fake_core.endpoints) == 8 and sp.mesh_axis_names == ("sp",) and sp.mesh_shape == (4,)
+    assert sorted(le.endpoint.rank for le in sp.endpoints) == [0, 1, 2, 3]
 
 
 @needs_4_devices
@@ -955,7 +957,8 @@ def test_initialize_uses_the_mesh_in_context(fake_core):
         jax_arx.initialize()
     with jax.set_mesh(mesh):
         jax_arx.initialize()
-    assert _comm.communicator("tp") is not None
+    tp = _comm.communicator("tp")
+    assert (tp.mesh_axis_names, tp.device_ids) == (("tp",), tuple(d.id for d in mesh.devices.flat))
 
 
 @needs_4_devices
