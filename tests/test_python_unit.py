@@ -449,8 +449,14 @@ def test_unsupported_dtype_falls_back(mesh4, caplog, dtype):
 
 
 @needs_4_devices
-def test_size_limit_is_the_slot(fake_core, monkeypatch, caplog):
-    monkeypatch.setenv("JAX_ARX_SLOT_BYTES", "256")
+@pytest.mark.parametrize("variable,refused", [
+    ("JAX_ARX_SLOT_BYTES", "exceeds the one-shot limit of 256 bytes; set JAX_ARX_SLOT_BYTES=272 on every process"),
+    # Below the slot; on the CPU there is no two-shot past it.
+    ("JAX_ARX_ONESHOT_MAX_BYTES", "exceeds JAX_ARX_ONESHOT_MAX_BYTES=256; set JAX_ARX_ONESHOT_MAX_BYTES=272 or unset "
+                                  "it on every process"),
+], ids=["slot", "oneshot_max"])
+def test_the_one_shot_limit_and_its_message(fake_core, monkeypatch, caplog, variable, refused):
+    monkeypatch.setenv(variable, "256")
     mesh = auto_mesh((4,), ("tp",))
     jax_arx.initialize(mesh)
     psum = lambda x: jax_arx.psum(x, "tp")
@@ -459,26 +465,9 @@ def test_size_limit_is_the_slot(fake_core, monkeypatch, caplog):
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 65))
         assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 100))
     assert len(caplog.records) == 1
-    assert "float32[65]{V:tp}: a partial of 260 bytes" in caplog.text
-    assert "exceeds the one-shot limit of 256 bytes; set JAX_ARX_SLOT_BYTES=272 on every process" in caplog.text
+    assert f"float32[65]{{V:tp}}: a partial of 260 bytes {refused}" in caplog.text
     assert _comm.communicator("tp").plan("psum", 256)[0] == 1  # one-shot
     assert _comm.communicator("tp").plan("psum", 257)[0] == 0
-
-
-@needs_4_devices
-def test_oneshot_max_bytes_limits_the_one_shot(fake_core, monkeypatch, caplog):
-    # On the CPU there is no two-shot: past JAX_ARX_ONESHOT_MAX_BYTES (below
-    # the slot) a psum falls back, and the message names that variable.
-    monkeypatch.setenv("JAX_ARX_ONESHOT_MAX_BYTES", "256")
-    mesh = auto_mesh((4,), ("tp",))
-    jax_arx.initialize(mesh)
-    psum = lambda x: jax_arx.psum(x, "tp")
-    assert "jax_arx_psum_invariant" in _body_prims(mesh, psum, jnp.ones(4 * 64))  # 256 bytes per device
-    with caplog.at_level(logging.WARNING, logger="jax_arx"):
-        assert "jax_arx_psum_invariant" not in _body_prims(mesh, psum, jnp.ones(4 * 68))
-    assert "a partial of 272 bytes exceeds JAX_ARX_ONESHOT_MAX_BYTES=256; set JAX_ARX_ONESHOT_MAX_BYTES=272 or " \
-           "unset it on every process" in caplog.text
-    assert _comm.communicator("tp").plan("psum", 1 << 20)[0] == 0  # within the slot, past the one-shot's limit
 
 
 @needs_4_devices
