@@ -182,16 +182,17 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     buffer and sends them piece by piece while computing the rest.
 
     The float32 arithmetic is exactly: ``acc = shared[t]``, then for k in
-    order ``acc = fma(w[t, k], y[pos[t, k]], acc)`` (with e4m3 ``y``:
-    ``acc = fma(w[t, k] * y_scale[pos[t, k], c // 128], y[pos[t, k], c], acc)``,
-    the weight times the scale rounded first): each term added with one
-    rounding, as the reference CUDA kernel computes ``acc += w * y`` and as
-    XLA computes ``acc + w * y`` where it fuses the two. (``moe_combine``
-    below writes ``acc + w * y``; XLA's CPU backend does not always fuse it,
-    so with weights of full float32 precision it can differ from the fused
-    op in the last bit of a sum, before the rounding to bfloat16. Where the
-    products are exact, e.g. bfloat16-valued weights, they agree bit for
-    bit.)
+    order, with ``f = w[t, k]`` (e4m3 ``y``: ``f = w[t, k] *
+    y_scale[pos[t, k], c // 128]``, rounded), split into ``hi`` (``f`` with
+    its 8 lowest significand bits cleared) and ``lo = f - hi``:
+    ``acc = acc + hi * y[pos[t, k]]``, then, where ``lo != 0``,
+    ``acc = acc + lo * y[pos[t, k]]``, each rounded. Every product is then
+    exact in float32, so whether a compiler fuses a multiply and an add
+    changes no bit: the fused op equals ``moe_combine`` for any float32
+    weights, as long as no nonzero ``|w * y|`` is below 2^-100 (float32's
+    subnormals, which backends may flush to zero, start at 2^-126). With
+    bfloat16-valued weights ``lo`` is 0 and each term is the one rounding of
+    ``acc + w * y``.
 
     Args:
       y: ``[R, H]`` bfloat16, or ``jnp.float8_e4m3fn`` with ``y_scale``: the
@@ -260,21 +261,34 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
 def moe_combine(y, pos, w, shared, *, y_scale=None, padded_tokens=None):
     """The combine of ``moe_combine_psum_scatter`` on one device, in plain jax
     ops: ``[Tpad, H]`` bfloat16 rows, ``shared[t] + sum_k w[t, k] * y[pos[t, k]]``
-    in float32 rounded once, zero past ``T``. The reference the fused op is
-    tested against, and its fallback (see the note on rounding there)."""
+    in float32 rounded once, zero past ``T``, each term added as the fused
+    op's docstring says (its bits, for any float32 weights). The reference
+    the fused op is tested against, and its fallback."""
     T, topk = pos.shape
     tpad = T if padded_tokens is None else int(padded_tokens)
     rows = jnp.take(y, pos, axis=0, mode="clip").astype(jnp.float32)  # [T, topk, H]
     if y_scale is not None:
         scale = jnp.take(y_scale, pos, axis=0, mode="clip")  # [T, topk, H / 128]
-        factor = jnp.repeat(w[:, :, None] * scale, 128, axis=2)  # w * scale per column, rounded once
+        # w * scale, rounded once, split, then per column.
+        hi, lo = (jnp.repeat(v, 128, axis=2) for v in _split_weights(w[:, :, None] * scale))
     else:
-        factor = jnp.broadcast_to(w[:, :, None], rows.shape)
+        hi, lo = (v[:, :, None] for v in _split_weights(w))
     acc = shared.astype(jnp.float32)
     for k in range(topk):
-        acc = acc + factor[:, k] * rows[:, k]  # one fma per term where XLA fuses them
+        # Exact products (ffi/base/combine.h): a fused multiply-add or not, the same bits.
+        acc = acc + hi[:, k] * rows[:, k]
+        acc = jnp.where(lo[:, k] != 0, acc + lo[:, k] * rows[:, k], acc)
     out = acc.astype(jnp.bfloat16)
     return jnp.pad(out, ((0, tpad - T), (0, 0))) if tpad > T else out
+
+
+def _split_weights(f):
+    """``f`` (float32) as ``hi + lo`` exactly: ``hi`` is ``f`` with its 8
+    lowest significand bits cleared (at most 16 significant bits), ``lo``
+    the rest (at most 8); a non-finite ``f`` stays whole in ``hi``."""
+    bits = jax.lax.bitcast_convert_type(f, jnp.uint32)
+    hi = jnp.where(jnp.isfinite(f), jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFFF00), jnp.float32), f)
+    return hi, jnp.where(jnp.isfinite(f), f - hi, jnp.float32(0))
 
 
 def _check_moe_shapes(y, pos, w, shared, y_scale):

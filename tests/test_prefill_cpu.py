@@ -13,11 +13,10 @@ independently of jax and of jax_arx:
   rounded once, this rank's block of it;
 - the fused MoE combine: each rank's rows ``shared + sum_k w * y[pos]``
   (float32, rounded once to bfloat16, zero past T), then the rank-order sum
-  above. The routing weights and e4m3 scales here have 8-bit mantissas, so
-  every product is exact and the fused op's multiply-adds, numpy's separate
-  multiply and add, and whatever XLA fuses in the plain-jax combine all give
-  the same bits (tests/cpp/test_prefill.cc checks full-precision weights
-  against IEEE fma).
+  above; each weight (e4m3: weight times scale) split in two as the fused
+  op's docstring says, so that every product is exact. The weights and
+  scales have full float32 precision (some are 0); the fused op must also
+  equal ``jax_arx.psum_scatter(jax_arx.moe_combine(...))`` bit for bit.
 
 No reference uses a collective of jax's own (gloo on the CPU gives up its
 waits after a fixed time, which a loaded machine reaches); where a fallback
@@ -48,7 +47,7 @@ runs one, the program is compiled first and started together everywhere.
   the call fail within the timeout, naming it.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
-otherwise. The worker suites do not depend on the backend:
+otherwise (failed in CI: tests/needs.py). The worker suites do not depend on the backend:
 tests/test_gpu_bulk.py runs most of them on GPUs.
 """
 
@@ -71,13 +70,6 @@ PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers
 
 
 # --- the tests ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def core_built(tmp_path_factory):
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
-
 
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
@@ -109,46 +101,6 @@ def test_failures_are_errors_not_results(core_built, tmp_path):
     assert missing["kind"] == "CollectiveTimeoutError", missing  # the call's JaxRuntimeError, translated
     assert "all_gather #1" in missing["error"], missing
     assert missing["nan"], missing
-
-
-@pytest.mark.parametrize("e4m3", [False, True])
-def test_moe_combine_reference_is_the_documented_arithmetic(e4m3):
-    """The plain-jax combine (the fused op's reference and fallback) computes
-    the documented sum, clamps pos and zeroes the rows past T."""
-    import jax
-    import jax.numpy as jnp
-    from jax_arx import _bulk
-
-    rng = np.random.default_rng(0)
-    T, R, H, topk = 37, 50, 256, 5
-    if e4m3:
-        y = jnp.asarray(rng.normal(size=(R, H)) * 3, jnp.float8_e4m3fn)
-        y_scale = jnp.asarray(_bf16_valued(rng.uniform(0.01, 1, size=(R, H // 128))))
-    else:
-        y, y_scale = jnp.asarray(rng.normal(size=(R, H)), jnp.bfloat16), None
-    pos = jnp.asarray(rng.integers(-3, R + 3, size=(T, topk)), jnp.int32)
-    w = jnp.asarray(_bf16_valued(rng.normal(size=(T, topk))))
-    shared = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
-    got = jax.jit(lambda *a: _bulk.moe_combine(*a[:4], y_scale=a[4], padded_tokens=40))(y, pos, w, shared, y_scale)
-    want = reference_combine(np.asarray(y), np.asarray(pos), np.asarray(w), np.asarray(shared),
-                             None if y_scale is None else np.asarray(y_scale), 40)
-    assert got.shape == (40, H) and got.dtype == jnp.bfloat16
-    assert np.asarray(got).tobytes() == want.tobytes()
-
-
-def test_moe_argument_errors_name_the_shapes():
-    import jax.numpy as jnp
-    import jax_arx
-
-    y, pos = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32)
-    w, shared = jnp.zeros((4, 2), jnp.float32), jnp.zeros((4, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"w must be \(4, 2\) and shared \(4, 128\); got w \(4, 3\)"):
-        jax_arx.moe_combine_psum_scatter(y, pos, jnp.zeros((4, 3), jnp.float32), shared, "sp")
-    with pytest.raises(TypeError, match="pos is int64|pos is float32"):
-        jax_arx.moe_combine_psum_scatter(y, pos.astype(jnp.float32), w, shared, "sp")
-    with pytest.raises(ValueError, match=r"needs H a multiple of 128 and y_scale float32 \(8, 1\)"):
-        jax_arx.moe_combine_psum_scatter(y.astype(jnp.float8_e4m3fn), pos, w, shared, "sp",
-                                         y_scale=jnp.zeros((8, 2), jnp.float32))
 
 
 # --- running workers ------------------------------------------------------------
@@ -201,22 +153,34 @@ def reference_scatter(parts, dim, tiled, rank):
     return block if tiled else np.squeeze(block, axis=dim)
 
 
+def _split(f):
+    """float32 ``f`` as ``hi + lo``: ``hi`` with the 8 lowest significand
+    bits cleared, ``lo`` the rest; a non-finite ``f`` whole in ``hi``."""
+    f = np.asarray(f, np.float32)
+    finite = np.isfinite(f)
+    hi = np.where(finite, (f.view(np.uint32) & np.uint32(0xFFFFFF00)).view(np.float32), f)
+    with np.errstate(invalid="ignore"):
+        return hi, np.where(finite, f - hi, np.float32(0)).astype(np.float32)
+
+
 def reference_combine(y, pos, w, shared, y_scale, tpad):
-    """One rank's combined rows: float32, rounded once to bfloat16. With
-    8-bit-mantissa weights and scales the products are exact, so this
-    separate multiply and add is the fused op's multiply-add too."""
+    """One rank's combined rows: float32, rounded once to bfloat16, each
+    weight (e4m3: weight times scale, rounded) split in two so that every
+    product is exact (jax_arx.moe_combine_psum_scatter's docstring): numpy's
+    separate multiply and add are the fused op's multiply-adds too."""
     import ml_dtypes
 
     T, topk = pos.shape
     p = np.clip(pos, 0, y.shape[0] - 1)
     rows = y.astype(np.float32)[p]  # [T, topk, H]
     if y_scale is not None:
-        factor = np.repeat((w[:, :, None] * y_scale[p]).astype(np.float32), 128, axis=2)
+        hi, lo = (np.repeat(v, 128, axis=2) for v in _split(w[:, :, None] * y_scale[p]))
     else:
-        factor = np.broadcast_to(w[:, :, None], rows.shape)
+        hi, lo = (v[:, :, None] for v in _split(w))
     acc = shared.astype(np.float32)
     for k in range(topk):
-        acc = (acc + (factor[:, k] * rows[:, k]).astype(np.float32)).astype(np.float32)
+        acc = (acc + hi[:, k] * rows[:, k]).astype(np.float32)
+        acc = np.where(lo[:, k] != 0, acc + lo[:, k] * rows[:, k], acc).astype(np.float32)
     out = np.zeros((tpad, y.shape[1]), ml_dtypes.bfloat16)
     out[:T] = acc.astype(ml_dtypes.bfloat16)
     return out
@@ -347,6 +311,9 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
             want = reference_gather(parts[i], a, t)
             for r, got in w.mine(outs[k]).items():
                 w.check("gather", got, want, f"{name} {shapes[i]} axis {a} tiled {t} rank {r}")
+                if lax is not None:  # a copy: the same bits as jax.lax's
+                    w.check("gather", got, w.mine(lax[k])[r],
+                            f"{name} {shapes[i]} axis {a} tiled {t} rank {r} (jax.lax)")
 
 
 def _scatter_shapes(world):
@@ -519,11 +486,20 @@ def case_grad(w: _Worker):
             w.close("grad", g, ref[r], f"check_vma={check_vma} rank {r}", rtol=1e-5, atol=1e-5)
 
 
-def _bf16_valued(a):
-    """float32 values that bfloat16 holds exactly (8-bit mantissas)."""
-    import ml_dtypes
+# A token whose combined row tells the documented arithmetic from a single
+# rounding of each shared + w * y: shared 1, y 145 * 2^-7 (bfloat16), and a
+# weight whose top 16 significant bits times y put 1 + hi * y exactly on a
+# float32 tie (1 + 109 * 2^-8 + 2^-24, which rounds to even, down), while its
+# low bits lift w * y just above it. Added in two roundings (hi, then lo) the
+# row is 1 + 109 * 2^-8, a bfloat16 tie that rounds down to 1.421875; in one,
+# just above it, which rounds up to 1.4296875.
+TIE_Y, TIE_W = 145 * 2.0 ** -7, 49265 * 2.0 ** -17 + 2.0 ** -25
 
-    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+def tie_token(y, pos, wt, shared):
+    """Makes token 0 (bfloat16 ``y``) that token, from row 0 of ``y``."""
+    y[0], shared[0], pos[0], wt[0] = TIE_Y, 1.0, 0, 0.0
+    wt[0, 0] = TIE_W
 
 
 def _moe_inputs(rng, w, T, R, H, topk, e4m3):
@@ -534,15 +510,474 @@ def _moe_inputs(rng, w, T, R, H, topk, e4m3):
     for _ in range(n):
         if e4m3:
             y = (rng.normal(size=(R, H)) * 4).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-            scales.append(_bf16_valued(rng.uniform(0.01, 0.5, size=(R, H // 128))))
+            scales.append(rng.uniform(0.01, 0.5, size=(R, H // 128)).astype(np.float32))
         else:
             y = rng.normal(size=(R, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
         ys.append(y)
         pos = rng.integers(0, R, size=(T, topk), dtype=np.int32)
         pos[rng.random((T, topk)) < 0.03] = R + 3  # a few out of range: clamped
         poss.append(pos)
-        ws.append(_bf16_valued(rng.random((T, topk)) / topk))
+        wt = (rng.random((T, topk)) / topk).astype(np.float32)  # full float32 precision
+        wt[rng.random((T, topk)) < 0.1] = 0.0  # experts that do not count
+        ws.append(wt)
         shareds.append(rng.normal(size=(T, H)).astype(np.float32).astype(ml_dtypes.bfloat16))
+        if not e4m3:
+            tie_token(ys[-1], poss[-1], ws[-1], shareds[-1])
+    return ys, (scales if e4m3 else None), poss, ws, shareds
+
+
+MOE_SHAPES = ((5, 9, 128, 1), (13, 40, 256, 3), (37, 64, 128, 8), (2, 16, 128, 16), (20, 30, 128, 17))
+
+
+_FULL_CASES)
+
+
+@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), ("shm", 4), ("tcp", 4)])
+def test_quick_suite(core_built, tmp_path, transport, nprocs):
+    results = _run("quick", nprocs, transport, tmp_path)
+    launched.assert_all_correct(results, expect=_QUICK_CASES)
+
+
+def test_two_processes_with_two_devices_each(core_built, tmp_path):
+    results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
+    launched.assert_all_correct(results, expect=_QUICK_CASES)
+    assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
+
+
+def test_failures_are_errors_not_results(core_built, tmp_path):
+    results = _run("failures", 2, "tcp", tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
+    first, other = results[0]["trace_differs"], results[1]["trace_differs"]
+    assert first["kind"] == "InitializationError" and "process 1" in first["error"], first
+    assert "every process must trace the same program" in first["error"], first
+    assert other["kind"] == "CollectiveTimeoutError" and "rank 0" in other["error"], other
+    assert 2.5 < first["seconds"] < 30 and other["seconds"] < 30, (first, other)
+    missing = launched.assert_failure_suite(results)
+    assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
+    assert missing["kind"] == "CollectiveTimeoutError", missing  # the call's JaxRuntimeError, translated
+    assert "all_gather #1" in missing["error"], missing
+    assert missing["nan"], missing
+
+
+# --- running workers ------------------------------------------------------------
+
+
+def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
+    return launched.run_suite(THIS, suite, nprocs, transport, cwd, cpu_devices=cpu_devices, timeout=timeout,
+                              env={"JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES), "JAX_ARX_SLOT_BYTES": "64K", "JAX_ARX_TIMEOUT_S": "30", **(env or {})})
+
+
+# --- references (numpy, ml_dtypes) ----------------------------------------------
+
+def _dtypes():
+    import ml_dtypes
+
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+            "float16": np.dtype(np.float16), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+            "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16),
+            "int32": np.dtype(np.int32), "uint32": np.dtype(np.uint32), "bool": np.dtype(np.bool_),
+            "complex64": np.dtype(np.complex64)}
+
+
+def random_array(rng, shape, dt):
+    if dt == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(dt, np.integer):
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dt)
+    if np.issubdtype(dt, np.complexfloating):
+        return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(dt)
+    return (rng.normal(size=shape) * 2).astype(np.float32).astype(dt)
+
+
+def reference_gather(parts, axis, tiled):
+    return np.concatenate(parts, axis=axis) if tiled else np.stack(parts, axis=axis)
+
+
+def reference_sum(parts):
+    """The float32 rank-order sum of ``parts``, rounded once (what psum gives):
+    from rank 0's element, not from +0.0, so that negative zeros sum to -0.0."""
+    acc = parts[0].astype(np.float32)
+    for p in parts[1:]:
+        acc += p.astype(np.float32)
+    return acc.astype(parts[0].dtype)
+
+
+def reference_scatter(parts, dim, tiled, rank):
+    """This rank's block of the float32 rank-order sum of ``parts``."""
+    block = np.split(reference_sum(parts), len(parts), axis=dim)[rank]
+    return block if tiled else np.squeeze(block, axis=dim)
+
+
+def _split(f):
+    """float32 ``f`` as ``hi + lo``: ``hi`` with the 8 lowest significand
+    bits cleared, ``lo`` the rest; a non-finite ``f`` whole in ``hi``."""
+    f = np.asarray(f, np.float32)
+    finite = np.isfinite(f)
+    hi = np.where(finite, (f.view(np.uint32) & np.uint32(0xFFFFFF00)).view(np.float32), f)
+    with np.errstate(invalid="ignore"):
+        return hi, np.where(finite, f - hi, np.float32(0)).astype(np.float32)
+
+
+def reference_combine(y, pos, w, shared, y_scale, tpad):
+    """One rank's combined rows: float32, rounded once to bfloat16, each
+    weight (e4m3: weight times scale, rounded) split in two so that every
+    product is exact (jax_arx.moe_combine_psum_scatter's docstring): numpy's
+    separate multiply and add are the fused op's multiply-adds too."""
+    import ml_dtypes
+
+    T, topk = pos.shape
+    p = np.clip(pos, 0, y.shape[0] - 1)
+    rows = y.astype(np.float32)[p]  # [T, topk, H]
+    if y_scale is not None:
+        hi, lo = (np.repeat(v, 128, axis=2) for v in _split(w[:, :, None] * y_scale[p]))
+    else:
+        hi, lo = (v[:, :, None] for v in _split(w))
+    acc = shared.astype(np.float32)
+    for k in range(topk):
+        acc = (acc + hi[:, k] * rows[:, k]).astype(np.float32)
+        acc = np.where(lo[:, k] != 0, acc + lo[:, k] * rows[:, k], acc).astype(np.float32)
+    out = np.zeros((tpad, y.shape[1]), ml_dtypes.bfloat16)
+    out[:T] = acc.astype(ml_dtypes.bfloat16)
+    return out
+
+
+# --- the worker -------------------------------------------------------------------
+
+class _Worker(launched.MeshWorker):
+    def __init__(self):
+        super().__init__("sp")
+
+    def put(self, parts):
+        """A global array whose device ``r`` holds ``parts[r]`` (stacked along
+        a new leading axis that the shard_map body does not see)."""
+        g = np.stack(parts)
+        return self.jax.make_array_from_callback(g.shape, self.sharded, lambda idx: g[idx])
+
+    def mine(self, x):
+        """This process's results of ``x`` (out_specs P("sp") on a leading
+        axis of size 1 per device), by rank."""
+        return {self.rank_of(s.device): np.asarray(s.data)[0] for s in x.addressable_shards}
+
+    def rank_of(self, device):
+        return list(self.mesh.devices.flat).index(device)
+
+    def check(self, case, got, want, what):
+        got, want = np.asarray(got), np.asarray(want)
+        same = got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        self.record(case, None if same else
+                    f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+                    + (f", {int((got != want).sum())} elements differ" if got.shape == want.shape else ""))
+
+    def close(self, case, got, want, what, rtol, atol):
+        near = np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol)
+        self.record(case, None if near else f"{what}: not close to the reference")
+
+
+def _lift(fn):
+    """fn on the unstacked per-device value (the shard_map body sees a
+    leading axis of 1) and back."""
+    def body(*xs):
+        out = fn(*[x[0] for x in xs])
+        return tuple(o[None] for o in out) if isinstance(out, tuple) else out[None]
+    return body
+
+
+GATHER_SPECS = ((0, False), (0, True), (1, True), (1, False), (2, True), (-1, False))
+
+
+def _shm_mapped_bytes():
+    """Bytes of this process's mappings of jax_arx's shared memory (its own
+    regions and its peers', whose names are gone from /dev/shm once mapped)."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/jax_arx-" in line:
+                lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def case_first_use(w: _Worker):
+    """Run first in a process: before the first bulk collective, the
+    endpoints initialize() made hold no bulk lanes, no bulk endpoint exists,
+    and over shm the process maps just those lane-less regions (its own and
+    its peers': world per local device); psum runs and makes none. Then the
+    first all_gather makes the bulk endpoints (lanes of a world-th of
+    JAX_ARX_PREFILL_SLOT_BYTES, 4 x world of them), which account for all the
+    shared memory mapped since, and runs; psum still runs after it."""
+    from jax_arx import _comm
+
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    psum_eps = _comm.communicator("sp").endpoints
+    shm = _comm.transport("sp") == "shm"
+    region = sum(w.world * le.endpoint.region_bytes for le in psum_eps) if shm else 0
+    mapped = _shm_mapped_bytes()
+    w.record("first_use", None if all(le.endpoint.bulk_lane_bytes == 0 for le in psum_eps) else
+             f"initialize()'s endpoints hold bulk lanes of {[le.endpoint.bulk_lane_bytes for le in psum_eps]} bytes")
+    w.record("first_use", None if mapped == region else
+             f"before any bulk collective this process maps {mapped} bytes of /dev/shm/jax_arx-*, not the {region} "
+             "of its lane-less regions")
+    rng = np.random.default_rng(1)
+    parts = [random_array(rng, (1000,), np.dtype(np.float32)) for _ in range(w.world)]
+    f = w.smap(_lift(lambda v: jax_arx.psum(v, "sp")), P("sp"), P("sp"))
+    for r, got in w.mine(f(w.put(parts))).items():
+        w.check("first_use", got, reference_sum(parts), f"psum before the first bulk collective, rank {r}")
+    w.record("first_use", None if "sp" not in _comm._bulk_communicators else "psum made bulk endpoints")
+
+    g = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp", tiled=True)), P("sp"), P("sp"))
+    for r, got in w.mine(g(w.put(parts))).items():
+        w.check("first_use", got, np.concatenate(parts), f"the first all_gather, rank {r}")
+    bulk = _comm._bulk_communicators.get("sp")
+    if bulk is None:
+        w.fail("first_use", "the first all_gather made no bulk endpoints")
+        return
+    lane = -(-PREFILL_SLOT_BYTES // w.world // 16) * 16
+    w.record("first_use", None if all(le.endpoint.bulk_lane_bytes == lane and le.endpoint.region_bytes
+                                      >= 4 * w.world * lane for le in bulk.endpoints) else
+             f"bulk endpoints of lanes {[le.endpoint.bulk_lane_bytes for le in bulk.endpoints]} bytes, regions "
+             f"{[le.endpoint.region_bytes for le in bulk.endpoints]}; want lanes of {lane}")
+    grown = _shm_mapped_bytes() - mapped
+    want = sum(w.world * le.endpoint.region_bytes for le in bulk.endpoints) if shm else 0
+    w.record("first_use", None if grown == want else
+             f"the bulk endpoints added {grown} bytes of /dev/shm mappings, not their regions' {want}")
+    for r, got in w.mine(f(w.put(parts))).items():
+        w.check("first_use", got, reference_sum(parts), f"psum after the first bulk collective, rank {r}")
+
+
+def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 129, 17))):
+    """Every dtype, axis and tiling, one program per dtype; against numpy."""
+    jax_arx, P = w.jax_arx, w.P
+    rng = np.random.default_rng(2)
+    for name in dtype_names or list(_dtypes()):
+        dt = _dtypes()[name]
+        parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s in shapes]
+        xs = [w.put(p) for p in parts]
+        specs = [(i, a, t) for i in range(len(shapes)) for a, t in GATHER_SPECS]
+
+        def body(*xs, gather):
+            return tuple(gather(xs[i], "sp", axis=a, tiled=t) for i, a, t in specs)
+
+        f = w.smap(_lift(partial(body, gather=jax_arx.all_gather)), (P("sp"),) * len(xs), (P("sp"),) * len(specs))
+        n = len(w.calls(f, *xs, target="jax_arx_all_gather"))
+        if n != len(specs):
+            w.fail("gather", f"{name}: {n} jax_arx all_gathers for {len(specs)} calls")
+        outs = f(*xs)
+        for k, (i, a, t) in enumerate(specs):
+            want = reference_gather(parts[i], a, t)
+            for r, got in w.mine(outs[k]).items():
+                w.check("gather", got, want, f"{name} {shapes[i]} axis {a} tiled {t} rank {r}")
+                if lax is not None:  # a copy: the same bits as jax.lax's
+                    w.check("gather", got, w.mine(lax[k])[r],
+                            f"{name} {shapes[i]} axis {a} tiled {t} rank {r} (jax.lax)")
+
+
+def _scatter_shapes(world):
+    # (per-rank input shape, dimension, tiled)
+    return [((world * 3, 5, 7), 0, True), ((3, world * 5, 7), 1, True), ((3, 5, world * 7), 2, True),
+            ((world, 5, 7), 0, False), ((3, world, 7), 1, False), ((3, 5, world), -1, False),
+            ((world * 37, 129), 0, True), ((world,), 0, False)]
+
+
+def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), specs=None):
+    """Every dimension and tiling; against the numpy rank-order sum (bits).
+    ``specs``: (per-rank input shape, dimension, tiled) triples,
+    ``_scatter_shapes`` by default."""
+    jax_arx, P = w.jax_arx, w.P
+    rng = np.random.default_rng(3)
+    specs = specs or _scatter_shapes(w.world)
+    for name in dtype_names:
+        dt = _dtypes()[name]
+        parts = [[random_array(rng, s, dt) for _ in range(w.world)] for s, _, _ in specs]
+        xs = [w.put(p) for p in parts]
+
+        def body(*xs, scatter=jax_arx.psum_scatter):
+            # jax.lax.psum_scatter refuses a negative dimension at lowering;
+            # jax_arx takes it, as the numpy reference does.
+            return tuple(scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim,
+                                 tiled=t) for x, (_, d, t) in zip(xs, specs))
+
+        f = w.smap(_lift(body), (P("sp"),) * len(xs), (P("sp"),) * len(xs))
+        n = len(w.calls(f, *xs, target="jax_arx_psum_scatter"))
+        if n != len(specs):
+            w.fail("scatter", f"{name}: {n} jax_arx psum_scatters for {len(specs)} calls")
+        outs = f(*xs)
+        for k, (shape, d, t) in enumerate(specs):
+            for r, got in w.mine(outs[k]).items():
+                what = f"{name} {shape} dimension {d} tiled {t} rank {r}"
+                w.check("scatter", got, reference_scatter(parts[k], d, t, r), what)
+
+
+def case_sizes(w: _Worker):
+    """At the prefill slot jax_arx runs; past it jax.lax does (gloo: the
+    program is compiled first and started together on every process, since
+    gloo's waits give up after a fixed time), close to the numpy sum."""
+    jax_arx, P = w.jax_arx, w.P
+    rng = np.random.default_rng(4)
+    at = PREFILL_SLOT_BYTES // 4 // w.world  # float32 elements per rank: gathered output == the slot
+    for n, ours in ((at, True), (at + 4, False)):
+        parts = [random_array(rng, (n,), np.dtype(np.float32)) for _ in range(w.world)]
+        x = w.put(parts)
+        f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp", tiled=True)), P("sp"), P("sp"))
+        if bool(w.calls(f, x)) != ours:
+            w.fail("sizes", f"all_gather of {n} floats per rank: ran with jax_arx {not ours}, expected {ours}")
+        for r, got in w.mine(w.together(f, x)).items():
+            w.check("sizes", got, np.concatenate(parts), f"all_gather {n} rank {r}")
+        parts = [random_array(rng, (n * w.world,), np.dtype(np.float32)) for _ in range(w.world)]
+        g = w.put(parts)
+        f = w.smap(_lift(lambda v: jax_arx.psum_scatter(v, "sp", tiled=True)), P("sp"), P("sp"))
+        if bool(w.calls(f, g)) != ours:
+            w.fail("sizes", f"psum_scatter of {n * w.world} floats: ran with jax_arx {not ours}, expected {ours}")
+        for r, got in w.mine(w.together(f, g)).items():
+            if ours:
+                w.check("sizes", got, reference_scatter(parts, 0, True, r), f"psum_scatter {n} rank {r}")
+            else:  # jax.lax's own sum, in its own order
+                w.close("sizes", got, reference_scatter(parts, 0, True, r), f"psum_scatter {n} rank {r} (jax.lax)",
+                        rtol=1e-5, atol=1e-5)
+
+
+def case_mixed(w: _Worker, iters=20):
+    """all_gather, psum_scatter and psum interleaved in one program, most of
+    them independent (XLA's CPU runtime would start them in different orders
+    on different ranks if jax_arx did not order them), many times over."""
+    jax_arx, P = w.jax_arx, w.P
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    n = w.world
+    a = [random_array(rng, (7, 3), np.dtype(np.float32)) for _ in range(n)]
+    b = [random_array(rng, (n * 11,), np.dtype(ml_dtypes.bfloat16)) for _ in range(n)]
+    c = [random_array(rng, (5, 9), np.dtype(np.float16)) for _ in range(n)]
+
+    def body(a, b, c):
+        g1 = jax_arx.all_gather(a, "sp", axis=1, tiled=True)
+        s1 = jax_arx.psum_scatter(b, "sp", tiled=True)
+        p1 = jax_arx.psum(c, "sp")
+        g2 = jax_arx.all_gather(c, "sp")
+        p2 = jax_arx.psum(a, "sp")
+        s2 = jax_arx.psum_scatter(jax_arx.all_gather(s1, "sp", tiled=True), "sp", tiled=True)  # dependent
+        return g1, s1, p1, g2, p2, s2
+
+    f = w.smap(_lift(body), (P("sp"),) * 3, (P("sp"),) * 6, check_vma=False)
+    calls = w.calls(f, w.put(a), w.put(b), w.put(c))
+    if len(calls) != 7:
+        w.fail("mixed", f"{len(calls)} jax_arx calls, expected 7")
+    xs = (w.put(a), w.put(b), w.put(c))
+    s1 = {r: reference_scatter(b, 0, True, r) for r in range(n)}
+    s1_all = np.concatenate([s1[r] for r in range(n)])
+    wants = lambda r: (np.concatenate(a, axis=1), s1[r], reference_sum(c), np.stack(c), reference_sum(a),
+                       reference_scatter([s1_all] * n, 0, True, r))
+    for it in range(iters):
+        outs = f(*xs)
+        for k, out in enumerate(outs):
+            for r, got in w.mine(out).items():
+                w.check("mixed", got, wants(r)[k], f"iteration {it} output {k} rank {r}")
+
+
+def case_loop(w: _Worker, steps=1000):
+    """Dependent calls back to back in a fori_loop: all_gather, psum_scatter
+    and psum each step (3 * steps calls), small integers, exact."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    n = w.world
+    x0 = [np.arange(13, dtype=np.float32) + 100 * r for r in range(n)]
+
+    def body(x):
+        def step(_, carry):
+            x, t = carry
+            s = jax_arx.psum_scatter(jax_arx.all_gather(x, "sp", tiled=True), "sp", tiled=True)  # n * x
+            return s - (n - 1) * x + 1, t + jax_arx.psum(x[:1], "sp")
+        return jax.lax.fori_loop(0, steps, step, (x, jnp.zeros((1,), jnp.float32)))
+
+    f = w.smap(_lift(body), P("sp"), (P("sp"), P("sp")), check_vma=False)
+    x, t = f(w.put(x0))
+    base = sum(float(v[0]) for v in x0)
+    for r, got in w.mine(x).items():
+        w.check("loop", got, x0[r] + steps, f"x after {steps} steps, rank {r}")
+    for r, got in w.mine(t).items():
+        w.check("loop", got, np.array([steps * base + n * steps * (steps - 1) / 2], np.float32), f"t rank {r}")
+
+
+def case_python_loop(w: _Worker, calls=200):
+    """Back-to-back jitted calls, none waited for until the last."""
+    jax_arx, P = w.jax_arx, w.P
+    n = w.world
+    f = w.smap(_lift(lambda v: jax_arx.psum_scatter(jax_arx.all_gather(v, "sp", tiled=True), "sp", tiled=True)
+                     - (n - 1) * v + 1), P("sp"), P("sp"))
+    x = w.put([np.full((9,), r + 1, np.float32) for r in range(n)])
+    outs = []
+    for _ in range(calls):
+        x = f(x)
+        outs.append(x)
+    for i in (0, calls // 2, calls - 1):
+        for r, got in w.mine(outs[i]).items():
+            w.check("python_loop", got, np.full((9,), r + 1 + i + 1, np.float32), f"call {i} rank {r}")
+
+
+def case_grad(w: _Worker):
+    """jax.grad through jax_arx's gather and scatter equals jax.grad of the
+    same function written without collectives on one device (the gather a
+    concatenation of the ranks' slices, the scatter a sum and a slice): a
+    reference that needs no collective of jax's own."""
+    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jnp = jax.numpy
+    n = w.world
+    parts = [np.linspace(-1, 1, 6 * n, dtype=np.float32).reshape(2 * n, 3) * (r + 1) for r in range(n)]
+    x = w.put(parts)
+
+    def whole(xs):  # xs [n, 2n, 3]: the sum over ranks of what each rank's body returns
+        g = jnp.concatenate([jnp.sin(xs[r]) for r in range(n)], axis=1)  # every rank's gather, [2n, 3n]
+        s = n * g * g  # the sum over ranks of g * g, which is the same on every rank
+        return sum((s[2 * r:2 * r + 2] ** 2).sum() + xs.sum() for r in range(n))
+
+    ref = np.asarray(jax.jit(jax.grad(whole))(jnp.asarray(np.stack(parts))))
+    for check_vma in (True, False):
+        def body(x):
+            g = jax_arx.all_gather(jnp.sin(x), "sp", axis=1, tiled=True)  # [2n, 3n]
+            s = jax_arx.psum_scatter(g * g, "sp", scatter_dimension=0, tiled=True)  # [2, 3n]
+            return (s * s).sum(keepdims=True) + jax_arx.all_gather(x, "sp").sum(keepdims=True)
+        f = w.smap(_lift(body), P("sp"), P("sp"), check_vma=check_vma)
+        got = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
+        for r, g in w.mine(got).items():
+            w.close("grad", g, ref[r], f"check_vma={check_vma} rank {r}", rtol=1e-5, atol=1e-5)
+
+
+# A token whose combined row tells the documented arithmetic from a single
+# rounding of each shared + w * y: shared 1, y 145 * 2^-7 (bfloat16), and a
+# weight whose top 16 significant bits times y put 1 + hi * y exactly on a
+# float32 tie (1 + 109 * 2^-8 + 2^-24, which rounds to even, down), while its
+# low bits lift w * y just above it. Added in two roundings (hi, then lo) the
+# row is 1 + 109 * 2^-8, a bfloat16 tie that rounds down to 1.421875; in one,
+# just above it, which rounds up to 1.4296875.
+TIE_Y, TIE_W = 145 * 2.0 ** -7, 49265 * 2.0 ** -17 + 2.0 ** -25
+
+
+def tie_token(y, pos, wt, shared):
+    """Makes token 0 (bfloat16 ``y``) that token, from row 0 of ``y``."""
+    y[0], shared[0], pos[0], wt[0] = TIE_Y, 1.0, 0, 0.0
+    wt[0, 0] = TIE_W
+
+
+def _moe_inputs(rng, w, T, R, H, topk, e4m3):
+    import ml_dtypes
+
+    n = w.world
+    ys, scales, poss, ws, shareds = [], [], [], [], []
+    for _ in range(n):
+        if e4m3:
+            y = (rng.normal(size=(R, H)) * 4).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            scales.append(rng.uniform(0.01, 0.5, size=(R, H // 128)).astype(np.float32))
+        else:
+            y = rng.normal(size=(R, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
+        ys.append(y)
+        pos = rng.integers(0, R, size=(T, topk), dtype=np.int32)
+        pos[rng.random((T, topk)) < 0.03] = R + 3  # a few out of range: clamped
+        poss.append(pos)
+        wt = (rng.random((T, topk)) / topk).astype(np.float32)  # full float32 precision
+        wt[rng.random((T, topk)) < 0.1] = 0.0  # experts that do not count
+        ws.append(wt)
+        shareds.append(rng.normal(size=(T, H)).astype(np.float32).astype(ml_dtypes.bfloat16))
+        if not e4m3:
+            tie_token(ys[-1], poss[-1], ws[-1], shareds[-1])
     return ys, (scales if e4m3 else None), poss, ws, shareds
 
 
@@ -670,6 +1105,7 @@ def _suite_failures(w):
     step("initialized again")
     f = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp")), P("sp"), P("sp"))
     x = w.put([np.ones((64,), np.float32) for _ in range(w.world)])
+    f = f.lower(x).compile()  # the call alone is timed, not its compilation
     # No result at all (an exception) is as good as NaN: nothing wrong was returned.
     out["missing_peer"] = launched.alone_call_report(
         lambda: {"nan": bool(np.isnan(list(w.mine(f(x)).values())[0]).all())}, jax_arx,

@@ -210,6 +210,39 @@ struct MoeCase {
   bool e4m3;
 };
 
+// acc plus the term f * y as base/combine.h defines it, written out here:
+// f split into hi (its 8 lowest significand bits cleared) and lo = f - hi,
+// so that each product is exact and a contracted multiply-add or not gives
+// the same bits; lo added only where it is not 0; a non-finite f whole.
+float ref_add_term(float acc, float f, float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7F800000u) == 0x7F800000u) return acc + f * y;
+  bits &= 0xFFFFFF00u;
+  float hi;
+  std::memcpy(&hi, &bits, 4);
+  const float lo = f - hi;
+  acc = acc + hi * y;
+  return lo != 0.f ? acc + lo * y : acc;
+}
+
+// Token 0 made one that tells the documented arithmetic from a single
+// rounding of each term (tests/test_prefill_cpu.py, tie_token, says how):
+// shared 1, y = 145 * 2^-7 (row 0), one weight 49265 * 2^-17 + 2^-25. Its
+// row is 1.421875 in bf16; 1.4296875 with one rounding per term.
+void tie_token(const MoeCase& c, std::vector<uint8_t>& y, std::vector<int32_t>& pos, std::vector<float>& w,
+               std::vector<uint16_t>& shared) {
+  const uint16_t y_bits = ref_to_bf16(145.0f / 128), one = ref_to_bf16(1.0f);
+  for (uint64_t h = 0; h < c.hidden; ++h) {
+    std::memcpy(&y[h * 2], &y_bits, 2);
+    shared[h] = one;
+  }
+  for (uint64_t q = 0; q < c.topk; ++q) {
+    pos[q] = 0;
+    w[q] = q == 0 ? std::ldexp(49265.0f, -17) + std::ldexp(1.0f, -25) : 0.0f;
+  }
+}
+
 // Every rank's combined rows, computed here from the inputs.
 std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::vector<uint8_t>& y,
                                   const std::vector<float>& scale, const std::vector<int32_t>& pos,
@@ -220,14 +253,13 @@ std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::
       float acc = ref_bf16(shared[t * c.hidden + h]);
       for (uint64_t q = 0; q < c.topk; ++q) {
         const int64_t p = std::clamp<int64_t>(pos[t * c.topk + q], 0, (int64_t)c.rows - 1);
-        // One rounding per term: a fused multiply-add (IEEE fma).
         if (c.e4m3) {
-          const float f = w[t * c.topk + q] * scale[p * (c.hidden / 128) + h / 128];
-          acc = std::fmaf(f, ref_e4m3(y[p * c.hidden + h]), acc);
+          const float f = w[t * c.topk + q] * scale[p * (c.hidden / 128) + h / 128];  // rounded
+          acc = ref_add_term(acc, f, ref_e4m3(y[p * c.hidden + h]));
         } else {
           uint16_t b;
           std::memcpy(&b, &y[(p * c.hidden + h) * 2], 2);
-          acc = std::fmaf(w[t * c.topk + q], ref_bf16(b), acc);
+          acc = ref_add_term(acc, w[t * c.topk + q], ref_bf16(b));
         }
       }
       rows[t * c.hidden + h] = ref_to_bf16(acc);
@@ -263,6 +295,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
         w[r].push_back(d(rng) / 2);
       }
       for (uint64_t i = 0; i < c.tokens * c.hidden; ++i) shared[r].push_back(ref_to_bf16(d(rng)));
+      if (!c.e4m3) tie_token(c, y[r], pos[r], w[r], shared[r]);
       combined[r] = ref_combine(c, padded, y[r], scale[r], pos[r], w[r], shared[r]);
       out[r].assign(per * c.hidden, 0xABAB);
     }
