@@ -1002,22 +1002,22 @@ def test_initialize_uses_the_mesh_in_context(fake_core):
 @needs_4_devices
 def test_initialize_topology(fake_core, monkeypatch):
     # The argument reaches every endpoint, and overrides JAX_ARX_TOPOLOGY.
-    jax_arx.initialize(_auto_mesh((4,), ("tp",)), topology="ring")
+    jax_arx.initialize(auto_mesh((4,), ("tp",)), topology="ring")
     assert {e.options.get("topology") for e in fake_core.endpoints} == {"ring"}
     assert _comm.communicator("tp").topology == "ring"
-    jax_arx.initialize(_auto_mesh((4,), ("tp",)), topology="ring")  # the same: nothing to do
+    jax_arx.initialize(auto_mesh((4,), ("tp",)), topology="ring")  # the same: nothing to do
     with pytest.raises(jax_arx.InitializationError, match=r"'tp' is already set up as a ring; this call asks for a "
                                                           r"mesh .*Call jax_arx.shutdown\(\)"):
-        jax_arx.initialize(_auto_mesh((4,), ("tp",)))
+        jax_arx.initialize(auto_mesh((4,), ("tp",)))
     jax_arx.shutdown()
     monkeypatch.setenv("JAX_ARX_TOPOLOGY", "ring")
-    jax_arx.initialize(_auto_mesh((4,), ("tp",)), topology="mesh")
+    jax_arx.initialize(auto_mesh((4,), ("tp",)), topology="mesh")
     assert all("topology" not in e.options for e in fake_core.endpoints[4:])
     jax_arx.shutdown()
-    jax_arx.initialize(_auto_mesh((2, 2), ("dp", "tp")))  # every axis a ring of 2
+    jax_arx.initialize(auto_mesh((2, 2), ("dp", "tp")))  # every axis a ring of 2
     assert {e.options.get("topology") for e in fake_core.endpoints[8:]} == {"ring"}
     with pytest.raises(jax_arx.ConfigError, match="topology='torus'"):
-        jax_arx.initialize(_auto_mesh((4,), ("sp",)), topology="torus")
+        jax_arx.initialize(auto_mesh((4,), ("sp",)), topology="torus")
     assert _comm.communicator("sp") is None
 
 
