@@ -71,7 +71,6 @@ jax_arx.distributed_initialize()  # before jax starts its backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import minilm_model as M  # noqa: E402  (beside this file)
@@ -228,10 +227,41 @@ class Encoder:
         if impl is not None:
             # Compilation takes each process its own time: none may wait in a
             # collective (bounded by JAX_ARX_TIMEOUT_S) for another to finish it.
-            multihost_utils.sync_global_devices("minilm: compiled")
+            _barrier("minilm: compiled")
 
     def __call__(self):
         return [f(*args) for f, args in zip(self.compiled, self.inputs)]
+
+
+# Host-side exchanges go through jax.distributed's key-value store and
+# barriers, never an XLA collective: on GPUs those are NCCL's, which refuses
+# ranks that share a GPU.
+_EXCHANGES = [0]
+
+
+def _barrier(name):
+    from jax_arx import _compat
+
+    _compat.distributed_client().wait_at_barrier(name, 600_000)
+
+
+def _process_rows(o, world):
+    """[world, B, hidden]: each process's local shards of ``o`` (one row per
+    rank), from every process, in rank order."""
+    from jax_arx import _compat
+
+    client = _compat.distributed_client()
+    _EXCHANGES[0] += 1
+    key = f"minilm/rows/{_EXCHANGES[0]}"
+    mine = {s.index[0].start or 0: np.asarray(s.data, np.float32) for s in o.addressable_shards}
+    for start, rows in mine.items():
+        client.key_value_set_bytes(f"{key}/{start}", rows.tobytes())
+    shape = o.addressable_shards[0].data.shape
+    out = np.zeros((world,) + tuple(o.shape[1:]), np.float32)
+    for r in range(world):
+        got = client.blocking_key_value_get_bytes(f"{key}/{r * shape[0]}", 600_000)
+        out[r * shape[0]:(r + 1) * shape[0]] = np.frombuffer(got, np.float32).reshape(shape)
+    return out
 
 
 def every_rank_rows(outputs, model):
@@ -240,7 +270,7 @@ def every_rank_rows(outputs, model):
     n = len(model.sentences)
     out = np.zeros((model.world, n, model.cfg.hidden), np.float32)
     for b, o in zip(model.batches, outputs):
-        every = np.asarray(multihost_utils.process_allgather(o, tiled=True))
+        every = _process_rows(o, model.world)
         keep = b.rows >= 0
         out[:, b.rows[keep]] = every[:, keep]
     return out
@@ -259,7 +289,7 @@ def on_rank0(fn):
     """Runs ``fn`` on process 0 alone while the others wait, and returns what
     it returned there (None elsewhere)."""
     result = fn() if jax.process_index() == 0 else None
-    multihost_utils.sync_global_devices("minilm: rank 0 ran alone")
+    _barrier("minilm: rank 0 ran alone")
     return result
 
 
