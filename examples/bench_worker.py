@@ -285,8 +285,13 @@ def algorithms_ran(comm):
     """How many calls of each algorithm this process's endpoints ran
     (Endpoint.stats(): a handler run counts; a replay of a captured CUDA
     graph runs none)."""
+    from jax_arx import _comm
+
+    # The bulk collectives run on endpoints of their own, made at their first
+    # call (jax_arx/_bulk_endpoints.py).
+    bulk = _comm._bulk_communicators.get(comm.axis_name)
     total = collections.Counter()
-    for le in comm.endpoints:
+    for le in comm.endpoints + (bulk.endpoints if bulk is not None else ()):
         total.update({k: v for k, v in le.endpoint.stats()["algorithms"].items() if v})
     return total
 
