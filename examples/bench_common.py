@@ -1,7 +1,9 @@
 """What the benchmarks (examples/bench_psum.py, examples/bench_prefill.py) and
-the CPU examples (examples/tp_decode.py, examples/seq_parallel_prefill.py)
-share: the timing method, the rank-order reference sum, and the running of
-one configuration as a two-process job.
+the examples (examples/tp_decode.py, examples/seq_parallel_prefill.py,
+examples/minilm.py) share: the timing method, the references jax_arx's
+results are checked against bit for bit, the inputs the benchmarks check
+with, and how sizes are written. (How the benchmarks run their series:
+examples/bench_jobs.py.)
 
 The method: K dependent calls inside one jitted program, minus the same
 program without the collective, divided by K. ``median_seconds`` times one
@@ -13,12 +15,12 @@ examples time each run alone, every process starting it together
 
 from __future__ import annotations
 
-import json
-import os
+import functools
+import re
 import statistics
-import subprocess
-import sys
 import time
+
+import numpy as np
 
 
 def median_seconds(f, x, samples, reps):
@@ -67,51 +69,79 @@ def per_call_us(make_program, collective, x, calls, repeats):
 
 def rank_order_sum(parts):
     """The reference sum: float32 over the leading (rank) axis of the numpy
-    array ``parts``, in rank order from 0.0, rounded once to its dtype."""
-    import numpy as np
-
-    acc = np.zeros(parts.shape[1:], np.float32)
-    for r in range(parts.shape[0]):
-        acc += parts[r].astype(np.float32)
+    array ``parts``, in rank order starting from rank 0's element (not from
+    +0.0: the sum of -0.0 everywhere is -0.0), rounded once to its dtype."""
+    acc = parts[0].astype(np.float32)
+    for r in range(1, parts.shape[0]):
+        acc = acc + parts[r].astype(np.float32)
     return acc.astype(parts.dtype)
 
 
-def run_config(script, config, env, worker_args, path, timeout, launcher_args=()):
-    """Runs ``script --worker config [worker_args] --json path`` on two local
-    processes (``python -m jax_arx.launch -n 2 [launcher_args]``) with the
-    environment updated by ``env``, its output shown as it comes (a
-    configuration takes minutes); returns the JSON the worker wrote, or None
-    (with the tail of its stderr) when it failed."""
-    import collections
-    import threading
+def combine_rows(y, pos, w, shared):
+    """One rank's combined MoE rows (``jax_arx.moe_combine_psum_scatter``'s
+    contract), in numpy: ``shared[t] + sum_k w[t, k] * y[pos[t, k]]`` in
+    float32, rounded once to bfloat16. Exact where the products are, e.g.
+    with bfloat16-valued weights (no fused multiply-add to emulate)."""
+    rows = y.astype(np.float32)[np.clip(pos, 0, y.shape[0] - 1)]  # [T, topk, H]
+    acc = shared.astype(np.float32)
+    for k in range(pos.shape[1]):
+        acc = (acc + (w[:, k, None] * rows[:, k]).astype(np.float32)).astype(np.float32)
+    return acc.astype(shared.dtype)
 
-    full_env = dict(os.environ)
-    full_env.update(env)
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", *launcher_args, script, "--worker", config,
-           *worker_args, "--json", path]
-    print(f"{config}: starting", flush=True)
-    t = time.time()
-    p = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err_tail = collections.deque(maxlen=60)
-    reader = threading.Thread(target=lambda: err_tail.extend(p.stderr), daemon=True)
-    reader.start()
-    timer = threading.Timer(timeout, p.terminate)  # the launcher then stops its ranks
-    timer.start()
-    try:
-        for line in p.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-        p.wait()
-    finally:
-        timer.cancel()
-    reader.join(timeout=5)
-    if p.returncode != 0:
-        sys.stderr.write("".join(err_tail))
-        print(f"{config}: failed with status {p.returncode}", flush=True)
-        return None
-    print(f"{config}: {time.time() - t:.0f} s", flush=True)
-    with open(path) as f:
-        return json.load(f)
+
+def pattern_bits(seed, rank, start, count):
+    """``count`` pseudo-random 64-bit words for elements ``start ..`` of
+    rank ``rank``'s block of input ``seed``: a function of the element's
+    index, so that any rank can make any part of any rank's block (what a
+    reference needs) without making the rest."""
+    i = np.arange(start, start + count, dtype=np.uint64)
+    h = (i + np.uint64((seed * 0x9E3779B1 + rank * 0x85EBCA77 + 1) & 0xFFFFFFFF)) * np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0x94D049BB133111EB)
+    return h ^ (h >> np.uint64(29))
+
+
+# The period of pattern_bf16: a prime, so that data moved by any power-of-two
+# stride (a piece, a chunk, a slot) lands on different values.
+_PERIOD = 1048583
+
+
+@functools.cache
+def _pattern_table(seed):
+    """``_PERIOD`` bfloat16 bit patterns (pattern_bf16's values)."""
+    h = pattern_bits(seed, 0, 0, _PERIOD)
+    sign = (h >> np.uint64(15)) & np.uint64(1)
+    exponent = np.uint64(120) + ((h >> np.uint64(20)) & np.uint64(15))
+    return ((sign << np.uint64(15)) | (exponent << np.uint64(7)) | (h & np.uint64(0x7F))).astype(np.uint16)
+
+
+def pattern_bf16(seed, rank, start, count):
+    """Rank ``rank``'s elements ``start ..`` of input ``seed`` as bfloat16:
+    random signs and mantissas, magnitudes in [2^-7, 2^9), so that sums
+    round and their order matters; each rank's a table of a prime period
+    read from its own offset (as fast as a copy, and any part of any rank's
+    block is made without the rest, which a reference needs). Every element
+    whose index is a multiple of 61 is -0.0 on every rank, whose sum is
+    -0.0 only when it starts from rank 0's element (rank_order_sum)."""
+    import ml_dtypes
+
+    table = _pattern_table(seed)
+    offset = (start + (rank + 1) * 0x9E3779B1) % _PERIOD
+    bits = table[offset:offset + count]
+    if len(bits) < count:
+        whole = np.tile(table, (count - len(bits)) // _PERIOD + 1)
+        bits = np.concatenate([bits, whole[:count - len(bits)]])
+    bits = bits.copy()
+    bits[(-start) % 61::61] = 0x8000
+    return bits.view(ml_dtypes.bfloat16)
+
+
+def parse_size(text):
+    """'64MB', '64M', '64MiB' (all 64 << 20), '16KB', or a number of bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 16MB, 256KB, 4096)")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:
@@ -132,4 +162,8 @@ def describe_run(jax, jax_arx, axis: str) -> str:
 
 
 def size_label(b):
-    return f"{b >> 20} MB" if b >= 1 << 20 else f"{b >> 10} KB"
+    """'4 MB', '64 KB', '1.5 MB', '100 B'."""
+    for unit, name in ((1 << 20, "MB"), (1 << 10, "KB")):
+        if b >= unit:
+            return f"{b // unit} {name}" if b % unit == 0 else f"{b / unit:.3g} {name}"
+    return f"{b} B"

@@ -1,339 +1,340 @@
-"""Per-call latency of jax_arx.all_gather and jax_arx.psum_scatter against
-jax.lax's (NCCL): two processes with one GPU each, bf16, a per-rank slice of
-1, 4, 16 and 64 MB (all_gather: its input; psum_scatter: its output, so its
-input is twice that at 2 ranks).
+"""Per-call latency of the bulk collectives, jax_arx.all_gather,
+jax_arx.psum_scatter and the fused MoE combine, against jax.lax's (NCCL) and
+against the pinned-copy floor, by size: N processes (--world, default 2),
+one rank each, bf16, a per-rank slice of 1, 4, 16 and 64 MB, every result
+checked before it is timed.
 
+    # Timed, 2 GPUs: the tables; the JSON and a plot into bench_out/
     python examples/bench_prefill.py --out bench_out
-    python examples/bench_prefill.py --quick --out bench_out       # 1 and 16 MB, fewer samples
-    python examples/bench_prefill.py --sizes 4MB,64MB --configs arx-shm,nccl-p2p-off
-    python examples/bench_prefill.py --cpu --out /tmp/bench_cpu     # a smoke run on the CPU backend, tiny sizes
+    # Checked only, no timing, at world 2, 3 and 4; exit status 1 on any
+    # mismatch. With fewer GPUs than ranks the ranks share them (and the
+    # jax.lax series are skipped: NCCL refuses two ranks on one GPU)
+    python examples/bench_prefill.py --check --world 2,3,4
+    # The CPU backend at small sizes (tests/test_bench_cpu.py runs this)
+    python examples/bench_prefill.py --cpu --check
 
-The method of examples/bench_psum.py (examples/bench_common.py), every
-series measured in the same run: K dependent calls inside one jitted
-program, minus the same program without the collective, divided by K; each
-sample runs the program a few times back to back and the median of the
-samples is kept. Each step feeds the collective's output back as the next
-step's input through one elementwise pass the baseline has too:
+Ranks, jobs, the options shared with examples/bench_psum.py, what is
+checked and how the tables read: as there.
 
-  all_gather    y [n] -> gathered [2n] -> y = gathered[n/2 : n/2 + n] * 0.5
-                (a window across both ranks' pieces); baseline y = y * 0.5
-  psum_scatter  y [2n] -> s [n] -> y[:n] = s * 0.5 (in place);
-                baseline y[:n] = y[:n] * 0.5
+The method of examples/bench_psum.py: K dependent calls inside one jitted
+program minus the same program without the collective, over K; the median
+of samples of back-to-back runs. Each step feeds the collective's output
+back as the next step's input through one elementwise pass the baseline has
+too, with an optimization barrier after each step:
 
-with an optimization barrier after each step, so no two steps fuse.
+  all_gather    y [n] -> gathered [world n] -> y = gathered[n/2 : n/2 + n] / 2
+  psum_scatter  y [world n] -> s [n] -> y[:n] = s / 2 (in place)
+  MoE combine   (y, pos, w, shared [T, H]) -> out [T / world, H] ->
+                shared[:T / world] = out / 2
 
-Series (one two-process job each, since NCCL reads its environment once):
+The slice is all_gather's input, psum_scatter's output (its input is world
+times that) and the MoE combine's output per rank (H = 512, top-2, one
+expert row per output row and one more).
 
-  arx-shm        jax_arx over the shm carrier (on GPUs the kernels write the
-                 peer's buffers themselves)
-  arx-tcp        jax_arx over the tcp carrier (through the proxy's work ring)
-  nccl           jax.lax, NCCL as it comes (NVLink between the GPUs)
-  nccl-p2p-off   jax.lax with NCCL_P2P_DISABLE=1 (through host memory, as
-                 jax_arx goes on one host)
+Series (per configuration):
 
-The jax_arx series run with JAX_ARX_PREFILL_SLOT_BYTES = 2 x the largest
-slice + 32 MiB (160 MiB for 64 MB: the gathered output and the scattered
-input are 2 x the slice) and JAX_ARX_FALLBACK=error, so a size jax_arx
-would leave to jax.lax fails the series instead of timing jax.lax under
-jax_arx's name. Each checks, once per op and size, that its result is the
-numpy reference bit for bit (the gathered pieces; the fp32 rank-order sum
-rounded once): the "exact" field of the JSON. Over shm each rank's pinned
-buffers (4 x the prefill slot) live in /dev/shm: about 1.3 GB for two ranks
-at 64 MB.
+  all_gather                     jax_arx.all_gather, or jax.lax's
+  psum_scatter                   jax_arx.psum_scatter, or jax.lax's
+  moe_combine_psum_scatter       jax_arx.moe_combine_psum_scatter: the
+                                 combine fused into the reduce-scatter
+  moe_combine + psum_scatter     the unfused pair: the combine in plain jax
+                                 (jax_arx.moe_combine), then
+                                 jax_arx.psum_scatter, or jax.lax's
+  pinned_copy                    the floor: (world - 1) x the slice from GPU
+                                 to pinned host memory and as much back at
+                                 once, every rank together, through the CUDA
+                                 driver (examples/pinned_copy.py): what a
+                                 collective through host memory cannot beat
 
-Writes bench_prefill.json and bench_prefill.png (matplotlib; skipped with a
-message if it is missing) into --out, and prints a table of per-call
-latencies and one of the ratio jax_arx shm / NCCL with P2P disabled
-(target: at most 1.25 at 16 and 64 MB for both ops). NCCL's NVLink
-multicast stays as the environment has it.
+Configurations (--configs; default: every one but arx-tcp-ring; all:
+every one). Each is a job of its own processes (NCCL reads its environment
+once per process):
+
+  arx-shm        jax_arx over the shm carrier, as it comes: inboxes in GPU
+                 memory where every rank can map every peer's (NVLink here)
+  arx-shm-host   the inboxes in pinned host memory (JAX_ARX_CUDA_PEER_MEMORY=0;
+                 the GB10 path)
+  arx-shm-proxy  through the proxy (JAX_ARX_CUDA_DIRECT=0), as over RoCE
+  arx-tcp        the tcp carrier
+  arx-shm-ring   the ring topology (JAX_ARX_TOPOLOGY=ring), over shm;
+                 arx-tcp-ring over tcp (see bench_psum.py)
+  nccl           jax.lax, NCCL as it comes (on --cpu: gloo)
+  nccl-p2p-off   NCCL_P2P_DISABLE=1 (through host memory)
+  floor          the pinned-copy floor (GPUs only)
+
+The jax_arx series run with JAX_ARX_PREFILL_SLOT_BYTES = world x the
+largest slice (at least its default) and JAX_ARX_FALLBACK=error, so a size
+jax_arx would leave to jax.lax fails instead of timing jax.lax under
+jax_arx's name; each endpoint pins 4 x that (in /dev/shm over shm: 1 GiB per
+rank at 64 MB and world 4). Every cell is checked before it is timed: a
+program of two calls, run --check-repeats times, every rank's result
+against numpy (the gathered blocks; the fp32 sum in rank order starting from
+rank 0's element, rounded once; the combined rows rounded once, then summed
+so), bit for bit (jax.lax: within bf16 rounding). The JSON records what the
+core planned and what the handlers ran (Endpoint.plan, Endpoint.stats()),
+and each configuration's route (Endpoint.route).
+
+Prints, per world: the table of the checks (a row per op and
+configuration, a column per size: 'bulk' where jax_arx ran it, 'ok' for
+jax.lax); unless --check, the per-call latencies and the ratios of the
+targets (GPU inboxes at most 1.0 x NCCL; host inboxes at most 1.25 x the
+floor); a summary of the checks. With --out DIR, it writes per world
+bench_prefill.json (world 2) or bench_prefill_world{N}.json (_check before
+the world for --check), and a plot of a timed run (.png, matplotlib). The
+JSON's "results" are per configuration, per size, per series, in us. Exit
+status 0 when every job ran and every check passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
+import time
 
+import bench_jobs as bj
+import bench_report as report
+import bench_worker as bw
 import numpy as np
-
-from bench_common import median_seconds, run_config, size_label
+from bench_common import combine_rows, pattern_bf16, pattern_bits, rank_order_sum, size_label
 
 THIS = os.path.abspath(__file__)
 MB = 1 << 20
 SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB]
-QUICK_SIZES = [1 * MB, 16 * MB]
+QUICK_SIZES = [1 * MB, 16 * MB]  # --quick
 CPU_SIZES = [16 << 10, 64 << 10]
-OPS = ("all_gather", "psum_scatter")
+HIDDEN, TOPK = 512, 2
+GATHER, SCATTER, FUSED, UNFUSED, FLOOR = ("all_gather", "psum_scatter", "moe_combine_psum_scatter",
+                                          "moe_combine + psum_scatter", "pinned_copy")
+OPS = (GATHER, SCATTER, FUSED, UNFUSED)
+PLANNED_OP = {GATHER: "all_gather", SCATTER: "psum_scatter", FUSED: "moe_combine_psum_scatter",
+              UNFUSED: "psum_scatter"}  # Endpoint.plan's name for what a series runs with jax_arx
 CONFIGS = {
-    "arx-shm": {"JAX_ARX_TRANSPORT": "shm"},
-    "arx-tcp": {"JAX_ARX_TRANSPORT": "tcp"},
-    "nccl": {},
-    "nccl-p2p-off": {"NCCL_P2P_DISABLE": "1"},
+    **bj.ARX_CONFIGS,
+    **bj.NCCL_CONFIGS,
+    "floor": bj.floor_config(),
 }
-RATIO = ("arx-shm", "nccl-p2p-off")  # the ratio table: this series over that one
-TARGET_RATIO = 1.25
-TARGET_SIZES = (16 * MB, 64 * MB)
-WORLD = 2
+DEFAULT = [c for c in CONFIGS if c != "arx-tcp-ring"]
+RATIOS = [
+    *((f"{op}: jax_arx (GPU inboxes) over NCCL as it comes", ("arx-shm", op), ("nccl", op), 1.0)
+      for op in (GATHER, SCATTER)),
+    *((f"{op}: jax_arx with host inboxes over the pinned-copy floor", ("arx-shm-host", op), ("floor", FLOOR), 1.25)
+      for op in (GATHER, SCATTER)),
+    *((f"{op}: jax_arx with host inboxes over NCCL with P2P disabled", ("arx-shm-host", op), ("nccl-p2p-off", op),
+       None) for op in (GATHER, SCATTER)),
+    ("MoE combine: fused over the unfused pair, both jax_arx", ("arx-shm", FUSED), ("arx-shm", UNFUSED), None),
+    ("MoE combine: fused (jax_arx) over the pair on jax.lax (NCCL)", ("arx-shm", FUSED), ("nccl", UNFUSED), None),
+    ("MoE combine, host inboxes: fused over the unfused pair", ("arx-shm-host", FUSED), ("arx-shm-host", UNFUSED),
+     None),
+]
 
 
-def arx_env(sizes):
-    """What the jax_arx series add to the environment: a prefill slot that
-    holds the largest gathered output / scattered input, and no fallback."""
-    slot_mib = -(-(WORLD * max(sizes)) // MB) + 32
-    return {"JAX_ARX_PREFILL_SLOT_BYTES": f"{slot_mib}MiB", "JAX_ARX_FALLBACK": "error"}
+def arx_env(sizes, world):
+    """The bulk envelope: world x the largest slice, at least the default."""
+    from jax_arx.config import Config, size_setting
+
+    return {"JAX_ARX_PREFILL_SLOT_BYTES": size_setting(max(Config().bulk_bytes, world * max(sizes)))}
 
 
-# --- the worker: one configuration, every op and size -----------------------
+# --- the inputs and references of one op and size ----------------------------------
 
-def _pick_gpu():
-    """This rank's one GPU: the rank-th of CUDA_VISIBLE_DEVICES (all GPUs
-    when unset), before jax starts its backend."""
-    rank = int(os.environ["JAX_PROCESS_ID"])
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(WORLD)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ids[rank]
+class Case:
+    """The inputs of ``op`` at a slice of ``nbytes`` (rank r's made by r's
+    pattern, bench_common.pattern_bf16), and what rank i must get."""
+
+    def __init__(self, op, nbytes, world):
+        self.op, self.world, self.seed = op, world, OPS.index(op) * 1000 + nbytes.bit_length()
+        self.n = nbytes // 2  # bf16 elements of a slice
+        self.rows = self.n // HIDDEN  # MoE: output rows per rank
+        self.tokens = world * self.rows
+        self._memo = {}  # what a check asks for more than once
+
+    def blocks(self):
+        """(block shape, make(rank)) of each operand."""
+        s, n, w = self.seed, self.n, self.world
+        if self.op == GATHER:
+            return [((n,), lambda r: pattern_bf16(s, r, 0, n))]
+        if self.op == SCATTER:
+            return [((w * n,), lambda r: pattern_bf16(s, r, 0, w * n))]
+        R, T, H = self.rows + 1, self.tokens, HIDDEN
+        return [((R, H), lambda r: self.expert_rows(r)),
+                ((T, TOPK), lambda r: self.pos(r, 0, T)),
+                ((T, TOPK), lambda r: self.weights(r, 0, T)),
+                ((T, H), lambda r: pattern_bf16(s + 3, r, 0, T * H).reshape(T, H))]
+
+    def expert_rows(self, r):
+        return pattern_bf16(self.seed, r, 0, (self.rows + 1) * HIDDEN).reshape(self.rows + 1, HIDDEN)
+
+    def pos(self, r, t0, count):
+        bits = pattern_bits(self.seed + 1, r, t0 * TOPK, count * TOPK)
+        return (bits % np.uint64(self.rows + 1)).astype(np.int32).reshape(count, TOPK)
+
+    def weights(self, r, t0, count):
+        # k / 256: bfloat16-valued, so each product with a bfloat16 row is exact in float32.
+        bits = pattern_bits(self.seed + 2, r, t0 * TOPK, count * TOPK)
+        return (((bits >> np.uint64(40)) & np.uint64(255)).astype(np.float32) / 256).reshape(count, TOPK)
+
+    def partials(self, i):
+        """Every rank's part that rank i's result sums, [world, ...]."""
+        s, n, w = self.seed, self.n, self.world
+        if self.op == SCATTER:
+            return np.stack([pattern_bf16(s, r, i * n, n) for r in range(w)])
+        t0, rows = i * self.rows, self.rows
+        return np.stack([combine_rows(self.expert_rows(r), self.pos(r, t0, rows), self.weights(r, t0, rows),
+                                      pattern_bf16(s + 3, r, t0 * HIDDEN, rows * HIDDEN).reshape(rows, HIDDEN))
+                         for r in range(w)])
+
+    def want(self, i):
+        if ("want", i) not in self._memo:
+            self._memo["want", i] = (
+                np.concatenate([pattern_bf16(self.seed, r, 0, self.n) for r in range(self.world)])
+                if self.op == GATHER else rank_order_sum(self.partials(i)))
+        return self._memo["want", i]
+
+    def tolerance(self, i):
+        """jax.lax's result: within bf16 roundings of the partial sums."""
+        if self.op == GATHER:
+            return 0.0
+        if ("tolerance", i) not in self._memo:
+            self._memo["tolerance", i] = 2.0 ** -6 * rank_order_sum(np.abs(self.partials(i).astype(np.float32)))
+        return self._memo["tolerance", i]
 
 
-def worker(config, sizes, ops, k, samples, reps, out_path, cpu):
-    if not cpu:
-        _pick_gpu()
-    import jax
-    import jax.numpy as jnp
-    import ml_dtypes
-    from jax.sharding import NamedSharding, PartitionSpec as P
+# --- the worker: one job, every configuration of it ------------------------------------
 
-    import jax_arx
+class Worker(bw.BenchWorker):
+    configs = CONFIGS
 
-    jax_arx.distributed_initialize()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:WORLD]), ("x",))
-    arx = config.startswith("arx")
-    if arx:
-        jax_arx.initialize(mesh)
-    lib = jax_arx if arx else jax.lax
-    collective = {"all_gather": lambda y: lib.all_gather(y, "x", tiled=True),
-                  "psum_scatter": lambda y: lib.psum_scatter(y, "x", tiled=True)}
-    half = jnp.asarray(0.5, jnp.bfloat16)
+    def arx(self, config, spec, run):
+        self.phase(config, spec, arx_env(self.job["sizes"], self.world), run, config,
+                   lambda comm: self.series(config, self.jax_arx, comm))
 
-    def smap(body):
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    def other(self, config, spec):
+        if spec["kind"] == "floor":
+            self.floor(config)
+        else:
+            self.series(config, self.jax.lax)
 
-    def program(op, n, with_collective):
-        """K dependent steps; each step's output has the input's shape."""
-        def step(y):
-            if op == "all_gather":  # y [n]
-                if not with_collective:
-                    return y * half
-                g = collective[op](y)  # [2n]
-                return jax.lax.dynamic_slice_in_dim(g, n // 2, n) * half
-            # psum_scatter: y [2n]; the result goes into y's first half, in place
-            s = collective[op](y) if with_collective else y[:n]
-            return jax.lax.dynamic_update_slice_in_dim(y, s * half, 0, axis=0)
+    def collective(self, op, lib):
+        """op(*operands) -> this rank's result, with ``lib``'s collectives
+        (jax_arx or jax.lax)."""
+        from jax_arx import moe_combine
 
-        def body(y):
+        if op == GATHER:
+            return lambda y: lib.all_gather(y, bw.AXIS, tiled=True)
+        if op == SCATTER:
+            return lambda y: lib.psum_scatter(y, bw.AXIS, tiled=True)
+        if op == FUSED:
+            return lambda y, pos, w, shared: lib.moe_combine_psum_scatter(y, pos, w, shared, bw.AXIS)
+        return lambda y, pos, w, shared: lib.psum_scatter(moe_combine(y, pos, w, shared), bw.AXIS, tiled=True)
+
+    def series(self, config, lib, comm=None):
+        """Every op and size with ``lib``'s collectives. ``comm``: jax_arx's
+        communicator (None: jax.lax, whose sums are checked within
+        rounding; it has no fused combine)."""
+        ops = [op for op in self.job["ops"] if comm is not None or op != FUSED]
+        for nbytes in self.job["sizes"]:
+            for op in ops:
+                case = Case(op, nbytes, self.world)
+                if op in (FUSED, UNFUSED) and (case.n % HIDDEN or not case.rows):
+                    self.rec.skip(config, nbytes, op, f"the MoE case needs a slice of a multiple of {2 * HIDDEN} bytes")
+                    continue
+                args = tuple(bw.sharded(self.jax, self.mesh, shape, make) for shape, make in case.blocks())
+                exact = comm is not None or op == GATHER
+                self.cell(config, op, nbytes, self.collective(op, lib), args, case.want, comm=comm,
+                          plan_op=PLANNED_OP[op], tolerance=None if exact else case.tolerance,
+                          chain=lambda c, op=op, case=case: self.chain(op, case, c), baseline=f"{op} {nbytes}",
+                          intended=lambda planned, ran: planned == "bulk" and set(ran) == {"bulk"})
+                del args
+
+    def chain(self, op, case, call):
+        """K dependent steps (the docstring's); call None: the same program
+        without the collective."""
+        lax, jnp, k = self.jax.lax, self.jax.numpy, self.job["k"]
+        half = jnp.asarray(0.5, jnp.bfloat16)
+        n, rows = case.n, case.rows
+
+        def step(*a):
+            if op == GATHER:
+                y = a[0]
+                return (y * half,) if call is None else (lax.dynamic_slice_in_dim(call(y), n // 2, n) * half,)
+            varying = a[0] if op == SCATTER else a[3]
+            part = varying[:rows if op != SCATTER else n] if call is None else call(*a)
+            updated = lax.dynamic_update_slice_in_dim(varying, part * half, 0, axis=0)
+            return (updated,) if op == SCATTER else (*a[:3], updated)
+
+        def body(*a):
             for _ in range(k):
-                y = jax.lax.optimization_barrier(step(y))
-            return y
-        return smap(body)
+                a = lax.optimization_barrier(step(*a))
+            return a[-1]
+        return self.smap(body, len(case.blocks()))
 
-    def sharded(flat):
-        return jax.make_array_from_callback(flat.shape, NamedSharding(mesh, P("x")), lambda idx: flat[idx])
+    def floor(self, config):
+        from pinned_copy import PinnedCopy
 
-    results = {op: {} for op in ops}
-    for nbytes in sizes:
-        n = nbytes // 2  # bf16 elements of a rank's slice
-        for op in ops:
-            per_rank = n if op == "all_gather" else WORLD * n
-            # Every rank makes the same global array; rank r's input is block r.
-            flat = np.random.default_rng(nbytes).standard_normal(WORLD * per_rank, dtype=np.float32)
-            flat = flat.astype(ml_dtypes.bfloat16)
-            x = sharded(flat)
-            row = {}
-            if arx:
-                # The contract, once per op and size, before timing.
-                out = smap(collective[op])(x)
-                parts = flat.reshape(WORLD, per_rank)
-                row["exact"] = True
-                for shard in out.addressable_shards:
-                    rank = (shard.index[0].start or 0) // (out.shape[0] // WORLD)
-                    if op == "all_gather":
-                        want = parts.reshape(-1)
-                    else:
-                        acc = np.zeros(n, np.float32)
-                        for r in range(WORLD):
-                            acc += parts[r, rank * n:(rank + 1) * n].astype(np.float32)
-                        want = acc.astype(ml_dtypes.bfloat16)
-                    row["exact"] &= bool(np.array_equal(np.asarray(shard.data).view(np.uint16),
-                                                        want.view(np.uint16)))
-                del out
-            base = median_seconds(program(op, n, False), x, samples, reps)
-            t = median_seconds(program(op, n, True), x, samples, reps)
-            row["us"] = max(0.0, (t - base) / k * 1e6)
-            row["baseline_program_us"] = base * 1e6
-            results[op][str(nbytes)] = row
-            if jax.process_index() == 0:
-                exact = f", exact {row['exact']}" if "exact" in row else ""
-                print(f"{config} {op:<12} {size_label(nbytes):>6}: {row['us']:.1f} us per call{exact}", flush=True)
-            del x
-    if arx:
-        jax_arx.check()
-    if jax.process_index() == 0:
-        with open(out_path, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
-                           results=results), f)
+        samples, reps = self.job["samples"], self.job["reps"]
+        for nbytes in self.job["sizes"]:
+            each_way = (self.world - 1) * nbytes
+            with PinnedCopy(each_way) as copy:
+                copy.run()  # warm up
+                copy.wait()
+                per_run = []
+                for _ in range(samples):
+                    self.ex.barrier()  # every rank at once
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        copy.run()
+                    copy.wait()
+                    per_run.append((time.perf_counter() - t) / reps)
+            us = float(np.median(per_run)) * 1e6
+            slowest = self.ex.gather(us)  # the floor of a collective is its slowest rank's
+            if slowest is not None:
+                self.rec.time(config, nbytes, FLOOR, max(slowest))
+                print(f"{config} {FLOOR} {size_label(nbytes)}: {size_label(each_way)} each way, "
+                      f"{max(slowest):.1f} us (ranks: {', '.join(f'{v:.1f}' for v in slowest)})", flush=True)
 
 
-# --- the driver ----------------------------------------------------------------
+# --- the driver ---------------------------------------------------------------------------
 
-def parse_size(text):
-    """'64MB', '64M', '64MiB' (all 64 << 20), '16KB', or a number of bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16MB, 256KB, 4096)")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
-
-
-def latency_table(all_results, sizes, ops):
-    head = f"{'op':<14}{'series':<16}" + "".join(f"{size_label(s):>11}" for s in sizes)
-    lines = [head, "-" * len(head)]
-    for op in ops:
-        for config, res in all_results.items():
-            cells = []
-            for s in sizes:
-                row = (res or {}).get("results", {}).get(op, {}).get(str(s))
-                mark = "" if row is None or row.get("exact", True) else "!"  # ! : not the reference bits
-                cells.append(f"{row['us']:>10.1f}{mark or ' '}" if row else f"{'-':>10} ")
-            lines.append(f"{op:<14}{config:<16}" + "".join(cells))
-    return "\n".join(lines)
+def table_rows(doc, names, ops):
+    rows = [(config, op, f"{op} | {config}") for op in ops for config in names if CONFIGS[config]["kind"] != "floor"]
+    rows += [(config, FLOOR, f"{FLOOR} | {config}") for config in names if CONFIGS[config]["kind"] == "floor"]
+    return [r for r in rows if any(r[1] in cells for part in ("results", "checks")
+                                   for cells in doc[part].get(r[0], {}).values())]
 
 
-def ratio_table(all_results, sizes, ops):
-    """jax_arx shm over NCCL with P2P disabled, per op and size, with the
-    target at the sizes it is set for. Returns (text, ratios, met): met is
-    None when no size of the target was measured."""
-    num, den = (all_results.get(c) or {} for c in RATIO)
-    head = f"{'op':<14}" + "".join(f"{size_label(s):>11}" for s in sizes)
-    lines = [f"ratio {RATIO[0]} / {RATIO[1]} (target <= {TARGET_RATIO} at "
-             f"{', '.join(size_label(s) for s in TARGET_SIZES)})", head, "-" * len(head)]
-    ratios, met = {}, True
-    targets = [s for s in sizes if s in TARGET_SIZES]
-    for op in ops:
-        cells = []
-        for s in sizes:
-            a = num.get("results", {}).get(op, {}).get(str(s))
-            b = den.get("results", {}).get(op, {}).get(str(s))
-            if not a or not b or b["us"] <= 0:
-                cells.append(f"{'-':>11}")
-                if s in TARGET_SIZES:
-                    met = False
-                continue
-            r = a["us"] / b["us"]
-            ratios.setdefault(op, {})[str(s)] = r
-            flag = ""
-            if s in TARGET_SIZES:
-                flag = " ok" if r <= TARGET_RATIO else " NO"
-                met &= r <= TARGET_RATIO
-            cells.append(f"{r:>8.2f}{flag:<3}")
-        lines.append(f"{op:<14}" + "".join(cells))
-    if not targets:
-        met = None
-        lines.append("target: not measured (no size of it in this run)")
-    else:
-        lines.append(f"target {'met' if met else 'NOT met'} at {', '.join(size_label(s) for s in targets)}")
-    return "\n".join(lines), ratios, met
+def plot(doc, rows, path, title):
+    def style(config, series):
+        return ":" if series == FLOOR else "-" if CONFIGS[config]["kind"] == "arx" else "--"
+    floors = [(c, s, c, style(c, s)) for c, s, _ in rows if s == FLOOR]
+    panels = [(op, [(c, s, c, style(c, s)) for c, s, _ in rows if s == op] + floors)
+              for op in OPS if any(s == op for _, s, _ in rows)]
+    report.plot_latencies(doc, panels, doc["meta"]["sizes"], path, title, "slice per rank (bf16)")
 
 
-def plot(all_results, sizes, ops, path, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
-        return
-    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 5), squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        for config, res in all_results.items():
-            rows = (res or {}).get("results", {}).get(op, {})
-            xs = [s for s in sizes if str(s) in rows]
-            if not xs:
-                continue
-            style = "--" if config.startswith("nccl") else "-"
-            ax.plot([s / MB for s in xs], [rows[str(s)]["us"] for s in xs], style, marker="o", label=config)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([s / MB for s in sizes], [size_label(s) for s in sizes])
-        ax.minorticks_off()
-        ax.set_yscale("log")
-        ax.set_xlabel("slice per rank (bf16)")
-        ax.set_ylabel("per-call latency (us)")
-        ax.set_title(op)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}", flush=True)
-
-
-def main(argv):
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--sizes", help="per-rank slices, e.g. 1MB,4MB,16MB,64MB (the default)")
+    bj.add_arguments(ap, f"configurations (default {','.join(DEFAULT)}; all: every one of {','.join(CONFIGS)})",
+                     "slices per rank, e.g. 1MB,4MB,16MB,64MB (the default; --quick: 1 and 16 MB; --cpu: 16 and "
+                     "64 KB)")
+    ap.add_argument("--ops", default=",".join(OPS), help="series of each configuration (of the docstring's)")
     ap.add_argument("--quick", action="store_true", help="1 and 16 MB (unless --sizes), K 8, 5 samples of 3")
-    ap.add_argument("--cpu", action="store_true",
-                    help="a smoke run on the CPU backend (16 and 64 KB unless --sizes; 'nccl' is then gloo)")
-    ap.add_argument("--k", type=int, help="dependent calls per program (default 16; --quick 8; --cpu 4)")
-    ap.add_argument("--samples", type=int, help="default 7; --quick 5; --cpu 3")
-    ap.add_argument("--reps", type=int, help="programs per sample, back to back (default 3; --cpu 2)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per series")
-    ap.add_argument("--worker")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
-    sizes = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes
-             else CPU_SIZES if args.cpu else QUICK_SIZES if args.quick else SIZES)
-    k = args.k or (4 if args.cpu else 8 if args.quick else 16)
-    samples = args.samples or (3 if args.cpu else 5 if args.quick else 7)
-    reps = args.reps or (2 if args.cpu else 3)
-    ops = tuple(o for o in args.ops.split(",") if o)
-    if any(o not in OPS for o in ops) or any(s < 16 or s % 16 for s in sizes):
-        ap.error(f"--ops takes {', '.join(OPS)}; --sizes multiples of 16 bytes")
     if args.worker:
-        worker(args.worker, sizes, ops, k, samples, reps, args.json, args.cpu)
-        return 0
-    configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
-    os.makedirs(args.out, exist_ok=True)
-    extra_arx = arx_env(sizes)
-    worker_args = ["--k", str(k), "--samples", str(samples), "--reps", str(reps), "--ops", ",".join(ops),
-                   "--sizes", ",".join(map(str, sizes))] + (["--cpu"] if args.cpu else [])
-    launcher_args = ["--cpu-devices", "1"] if args.cpu else []
-    all_results = {}
-    for config in configs:
-        env = dict(CONFIGS[config], **(extra_arx if config.startswith("arx") else {}))
-        path = os.path.join(args.out, f"bench_prefill_{config}.json")
-        all_results[config] = run_config(THIS, config, env, worker_args, path, args.timeout, launcher_args)
-    device = next((r["device"] for r in all_results.values() if r), "?")
-    latencies = latency_table(all_results, sizes, ops)
-    ratios_text, ratios, met = ratio_table(all_results, sizes, ops)
-    meta = dict(k=k, samples=samples, reps=reps, sizes=sizes, ops=ops, configs=CONFIGS, arx_env=extra_arx,
-                device=device, cpu=args.cpu, quick=args.quick,
-                method="K dependent calls in one jitted program minus the same program without the collective, "
-                       "/ K; median of samples of back-to-back runs")
-    with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
-        json.dump(dict(meta=meta, results=all_results, ratio=dict(series=RATIO, target=TARGET_RATIO,
-                                                                  target_sizes=TARGET_SIZES, ratios=ratios,
-                                                                  met=met)), f, indent=1)
-    plot(all_results, sizes, ops, os.path.join(args.out, "bench_prefill.png"),
-         f"2 processes x 1 {device}: K = {k} dependent calls in one jit, minus baseline")
-    print(f"\nper-call latency, us (bf16, 2 processes x 1 {device}; '!': not the reference bits)\n{latencies}\n\n"
-          f"{ratios_text}", flush=True)
-    return 0 if all(all_results.values()) else 1
+        return args
+    args.k = args.k or (8 if args.quick or args.cpu else 16)
+    args.samples = args.samples or (1 if args.check_only else 5 if args.quick or args.cpu else 7)
+    args.reps = args.reps or (1 if args.check_only else 3)
+    bj.finish_arguments(ap, args, CONFIGS, DEFAULT, CPU_SIZES if args.cpu else QUICK_SIZES if args.quick else SIZES)
+    args.ops = bj.parse_series(ap, args.ops, OPS, "--ops")
+    return args
+
+
+def bench(args, world):
+    return dict(name="prefill", script=THIS, configs=CONFIGS, job=dict(ops=args.ops),
+                meta=dict(ops=args.ops, hidden=HIDDEN, topk=TOPK, arx_env=arx_env(args.sizes, world)),
+                rows=lambda doc: table_rows(doc, args.names, args.ops), ratios=RATIOS, plot=plot, label_width=44)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(bj.main(parse_args, Worker, bench, sys.argv[1:]))

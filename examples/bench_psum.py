@@ -1,263 +1,277 @@
-"""Per-call latency of jax_arx.psum against jax.lax.psum (NCCL): two
-processes with one GPU each, bf16, 8 KB to 4 MB.
+"""Per-call latency of jax_arx.psum against jax.lax.psum (NCCL, and XLA's own
+one-shot all-reduce kernel), by size, for every algorithm jax_arx picks:
+N processes (--world, default 2), one rank each, bf16, 8 KB to 4 MB, every
+result checked before it is timed.
 
+    # Timed, 2 GPUs: the tables; the JSON and a plot into bench_out/
     python examples/bench_psum.py --out bench_out
+    # Checked only, no timing, at world 2, 3 and 4; exit status 1 on any
+    # mismatch. With fewer GPUs than ranks the ranks share them (and the
+    # jax.lax series are skipped: NCCL refuses two ranks on one GPU)
+    python examples/bench_psum.py --check --world 2,3,4
+    # The CPU backend at small sizes (tests/test_bench_cpu.py runs this)
+    python examples/bench_psum.py --cpu --check
 
-Every series is measured the same way, in the same run: K dependent calls
-inside one jitted program, minus the same program without the collective,
-divided by K; each sample runs the program a few times back to back (so the
-ranks' start skew is spread thin) and the median of the samples is kept.
-The programs keep a scale by 0.5 and an optimization barrier between calls,
-so the baseline has the same kernels minus the collectives.
+Ranks: rank r runs on GPU r % G of the G GPUs there are. A timed run whose
+ranks share a GPU says so: its times measure how the GPU time-slices
+between processes, not the collectives.
 
-Series (one two-process job each, since NCCL reads its environment once):
+Method (bench_common.median_seconds): K dependent calls inside one jitted
+program, each scaled by 1/world behind an optimization barrier, minus the
+same program without the collective, divided by K; each sample runs the
+program --reps times back to back (so the ranks' start skew is spread thin)
+and the median of --samples samples is kept.
 
-  arx-shm        jax_arx over the shm carrier: jax_arx.psum's own choice, and
-                 one-shot and two-shot forced (direct FFI calls); the kernels
-                 write the peer's inbox themselves, the one-shot as jax_arx
-                 chooses per size (today: up to 128 KiB in 16-byte lines
-                 that carry their flags inside the data, the "LL"
-                 one-shot; above, chunk by chunk, a flag per chunk, in
-                 32 KiB chunks (GPU inboxes) or 16 KiB chunks (host))
-  arx-shm-host   the same with the peers' data in pinned host memory
-                 (JAX_ARX_CUDA_PEER_MEMORY=0); arx-shm puts each rank's
-                 psum inbox in its GPU's memory, mapped into the peers' GPUs
-                 (over NVLink here), when every rank can map every peer's
-  arx-shm-noll   the same with the LL one-shot off
-                 (JAX_ARX_CUDA_LL_MAX_BYTES=0): chunk by chunk at every size
-  arx-shm-ll32k  the same with LL up to 32 KiB (ll64k: 64 KiB); with
-                 arx-shm-noll and arx-shm, what the built-in limit (LL up
-                 to its cap, 128 KiB) was chosen from (run them with
-                 --sizes 8192,16384,32768,65536,131072)
-  arx-shm-whole  the same with the one-shot in one piece, one flag, the
-                 blocks meeting before the flag (JAX_ARX_CUDA_PIPELINE=0)
-  arx-shm-pipe8k the same chunk by chunk in 8 KiB chunks
-                 (JAX_ARX_CUDA_PIPELINE=1, JAX_ARX_CUDA_CHUNK_BYTES=8KiB)
-  arx-shm-pipe4k the same in 4 KiB chunks
-  arx-shm-pipe32k the same in 32 KiB chunks (64k: 64 KiB)
-  arx-shm-proxy  the same with JAX_ARX_CUDA_DIRECT=0: the kernels publish and
-                 the proxy copies, as over tcp or verbs
-  arx-tcp        the same over the tcp carrier
-  nccl           jax.lax.psum, NCCL as it comes (NVLink between the GPUs)
-  nccl-p2p-off   NCCL_P2P_DISABLE=1 (through host memory)
-  nccl-socket    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo
+Configurations (--configs; default: the first five and every jax.lax one;
+``all``: every one). Each is a job of its own processes (NCCL and XLA read
+their environment once per process; --check runs those that need no
+environment of their own in one job), in this order:
 
-Each arx series also checks, once per size, that jax_arx.psum's result is
-bit-identical to the fp32 rank-order sum (the "exact" column of the JSON).
+  arx-shm           jax_arx over the shm carrier, as it comes: the kernels
+                    write the peers' inboxes themselves, in GPU memory where
+                    every rank can map every peer's (NVLink here)
+  arx-shm-host      the inboxes in pinned host memory
+                    (JAX_ARX_CUDA_PEER_MEMORY=0; the GB10 path)
+  arx-shm-proxy     the kernels publish and the proxy copies
+                    (JAX_ARX_CUDA_DIRECT=0), as over tcp or verbs
+  arx-tcp           the tcp carrier
+  arx-shm-ring      the ring topology (JAX_ARX_TOPOLOGY=ring: links to the
+                    previous and next rank only, relays at world 4; through
+                    the proxy); arx-tcp-ring over tcp. Skipped, saying so,
+                    by a jax_arx without that setting
+  arx-shm-noll      no LL one-shot (_tuning cuda_ll_max_bytes=0)
+  arx-shm-ll32k     LL up to 32 KiB (ll64k: 64 KiB); with arx-shm and
+                    arx-shm-noll, what the LL limit is chosen from
+  arx-shm-piece4k   one-shot pieces of 4 KiB (_tuning cuda_chunk_bytes;
+                    8k, 16k, 32k, 64k): what the piece sizes are chosen from
+  nccl              jax.lax.psum, NCCL as it comes (on --cpu: gloo)
+  nccl-p2p-off      NCCL_P2P_DISABLE=1 (through host memory)
+  nccl-socket       NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo
+  xla-oneshot       jax.lax.psum with XLA_FLAGS=--xla_gpu_unsupported_use_
+                    all_reduce_one_shot_kernel=true (up to XLA's size limit;
+                    XLA decides at run time, and its log lines about the
+                    choice are kept in the JSON, "logged")
+  xla-oneshot-1proc the same with one process driving the world's GPUs: the
+                    layout XLA's kernel is written for (one host, peer access)
 
-Writes bench_psum.json and bench_psum.png (matplotlib) into --out and prints
-a table. NCCL's NVLink multicast stays as the environment has it.
+Each jax_arx configuration runs three algorithm series (--algorithms), each
+in its own jax_arx.initialize() within the job:
+
+  jax_arx.psum  jax_arx's own choice (ffi/comm/plan.cc): LL, one-shot in
+                pieces, or two-shot, at the default one-shot limit; the
+                slot and send buffer raised just enough for the largest
+                size to run (world x slot >= it, for the two-shot), as its
+                message asks
+  one-shot      the slot (the one-shot limit) raised to the largest size:
+                one-shot at every size (LL where the plan takes it)
+  two-shot      JAX_ARX_ONESHOT_MAX_BYTES=16: two-shot at every size (GPUs
+                only: the CPU has no two-shot, and says so)
+
+The settings of a series are its own: the JAX_ARX_* variables that define
+series are dropped from the environment the jobs inherit, and every jax_arx
+series runs with JAX_ARX_FALLBACK=error, so a size jax_arx would leave to
+jax.lax fails instead of timing jax.lax under jax_arx's name.
+
+Every cell is checked before it is timed: a program of two calls, run
+--check-repeats times, every rank's results against the fp32 sum in rank
+order starting from rank 0's element, rounded once, bit for bit (jax.lax:
+within bf16 rounding of it). The JSON records, per cell, whether it was
+("exact" / "close"), what the core planned (Endpoint.plan) and which
+algorithms the handlers ran (Endpoint.stats()), "as_intended" when they are
+what the series asked for; per configuration, the route of its endpoints
+(Endpoint.route: 'proxy', 'direct', 'direct, GPU inboxes').
+
+Prints, per world: a line per cell as it runs; the table of the checks (a
+row per configuration and series, a column per size: the algorithm
+planned and run, 'LL', '1-shot/4' for 4 pieces, '2-shot'; 'ok' for
+jax.lax; 'skip' where it did not run); unless --check, the latency table
+(us per call) and the ratios of jax_arx to the baselines (target: at most
+0.5 x NCCL); then a summary of the checks. In the tables '!' marks a
+result that was not the reference, '?' an algorithm the series did not ask
+for. With --out DIR, it writes per world bench_psum.json (world 2) or
+bench_psum_world{N}.json, _check before the world for --check
+(bench_psum_check_world3.json), and a plot of a timed run (.png,
+matplotlib). The JSON's "results" are per configuration, per size, per
+series, in us. Exit status 0 when every job ran and every check passed, 1
+otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+import bench_jobs as bj
+import bench_report as report
+import bench_worker as bw
 import numpy as np
-
-from bench_common import median_seconds, run_config as launch_config, size_label
+from bench_common import pattern_bf16, rank_order_sum
 
 THIS = os.path.abspath(__file__)
-SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 2 << 20, 4 << 20]
+SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
+CPU_SIZES = [8 << 10, 64 << 10]
+SEED = 1
+XLA_ONESHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+XLA_WATCH = r"(?i)collective kernel|one.?shot"
 CONFIGS = {
-    "arx-shm": {"JAX_ARX_TRANSPORT": "shm"},
-    "arx-shm-host": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PEER_MEMORY": "0"},
-    "arx-shm-noll": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "0"},
-    "arx-shm-ll64k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "64KiB"},
-    "arx-shm-ll32k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_LL_MAX_BYTES": "32KiB"},
-    "arx-shm-whole": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "0"},
-    "arx-shm-pipe4k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "4KiB"},
-    "arx-shm-pipe8k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "8KiB"},
-    "arx-shm-pipe32k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "32KiB"},
-    "arx-shm-pipe64k": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_PIPELINE": "1", "JAX_ARX_CUDA_CHUNK_BYTES": "64KiB"},
-    "arx-shm-proxy": {"JAX_ARX_TRANSPORT": "shm", "JAX_ARX_CUDA_DIRECT": "0"},
-    "arx-tcp": {"JAX_ARX_TRANSPORT": "tcp"},
-    "nccl": {},
-    "nccl-p2p-off": {"NCCL_P2P_DISABLE": "1"},
-    "nccl-socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
+    **bj.ARX_CONFIGS,
+    "arx-shm-noll": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 0}, gpu_only=True),
+    "arx-shm-ll32k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 32 << 10}, gpu_only=True),
+    "arx-shm-ll64k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 64 << 10}, gpu_only=True),
+    **{f"arx-shm-piece{k}k": bj.arx_config(bj.SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
+       for k in (4, 8, 16, 32, 64)},
+    **bj.NCCL_CONFIGS,
+    "nccl-socket": bj.lax_config({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
+                                 gpu_only=True),
+    "xla-oneshot": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, watch=XLA_WATCH),
+    "xla-oneshot-1proc": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, one_process=True, watch=XLA_WATCH),
 }
-# Room for every size in both algorithms: one-shot up to the slot, two-shot
-# up to min(send buffer, world * slot).
-ARX_ENV = {"JAX_ARX_SLOT_BYTES": "4MiB", "JAX_ARX_SEND_BYTES": "4MiB"}
+DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "arx-shm-ring", "nccl", "nccl-p2p-off",
+           "nccl-socket", "xla-oneshot", "xla-oneshot-1proc")
+ALGORITHMS = ("jax_arx.psum", "one-shot", "two-shot")
+# What each algorithm series may run (stats' names), and the LL ceiling a
+# configuration sets: a cell that ran anything else is not "as_intended".
+ALLOWED = {"jax_arx.psum": {"ll", "one_shot", "two_shot"}, "one-shot": {"ll", "one_shot"}, "two-shot": {"two_shot"}}
+LL_CEILING = {"arx-shm-noll": 0, "arx-shm-ll32k": 32 << 10, "arx-shm-ll64k": 64 << 10}
+LAX = "jax.lax.psum"
+RATIOS = [
+    ("jax_arx.psum over NCCL as it comes", ("arx-shm", "jax_arx.psum"), ("nccl", LAX), 0.5),
+    ("jax_arx.psum over XLA's one-shot kernel", ("arx-shm", "jax_arx.psum"), ("xla-oneshot", LAX), None),
+    ("jax_arx.psum over XLA's one-shot kernel, one process", ("arx-shm", "jax_arx.psum"),
+     ("xla-oneshot-1proc", LAX), None),
+    ("host inboxes: jax_arx.psum over NCCL with P2P disabled", ("arx-shm-host", "jax_arx.psum"),
+     ("nccl-p2p-off", LAX), None),
+    ("two-shot over one-shot (below 1: two-shot is faster)", ("arx-shm", "two-shot"), ("arx-shm", "one-shot"), None),
+    ("host inboxes: two-shot over one-shot", ("arx-shm-host", "two-shot"), ("arx-shm-host", "one-shot"), None),
+]
 
 
-# --- the worker: one configuration, every size ------------------------------
+def algorithm_env(algorithm, max_bytes, world):
+    """The JAX_ARX_* settings of an algorithm series (see the docstring),
+    with room for partials of ``max_bytes``: jax_arx.psum keeps the default
+    one-shot limit, so that it runs what the library picks."""
+    from jax_arx.config import Config, size_setting
 
-ARX_COLLECTIVES = ("jax_arx.psum", "one-shot", "two-shot")
+    d = Config()
+    if algorithm == "one-shot":
+        slot = max(d.slot_bytes, max_bytes)
+        send = max(d.send_bytes, slot)
+    else:  # the two-shot stages a partial whole, and each rank's part fills at most a slot
+        slot = max(d.slot_bytes, -(-max_bytes // world))
+        send = max(d.send_bytes, max_bytes)
+    env = {"JAX_ARX_SLOT_BYTES": size_setting(slot), "JAX_ARX_SEND_BYTES": size_setting(send)}
+    if algorithm == "two-shot":
+        env["JAX_ARX_ONESHOT_MAX_BYTES"] = "16"
+    elif algorithm == "jax_arx.psum" and slot > d.slot_bytes:
+        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(d.slot_bytes)
+    return env
 
 
-def worker(config, sizes, k, samples, reps, out_path, which=ARX_COLLECTIVES):
-    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["JAX_PROCESS_ID"]
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+def as_intended(config, algorithm, nbytes, planned, ran):
+    """Whether a cell of series ``algorithm`` ran what it asks for: the
+    planned algorithm, one the series allows, and LL only up to the
+    configuration's ceiling."""
+    allowed = set(ALLOWED[algorithm])
+    if nbytes > LL_CEILING.get(config, nbytes):
+        allowed.discard("ll")
+    return planned in allowed and set(ran) == {planned}
 
-    import jax_arx
 
-    jax_arx.distributed_initialize()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
-    arx = config.startswith("arx")
-    comm = None
-    if arx:
-        jax_arx.initialize(mesh)
-        from jax_arx import _comm
-        comm = _comm.communicator("x")
-        if jax.process_index() == 0:
-            print(f"{config}: psum inboxes in {comm.endpoints[0].endpoint.psum_inboxes} memory", flush=True)
+# --- the worker: one job, every configuration of it --------------------------------
 
-    def direct(x, algorithm):
-        call = jax.ffi.ffi_call("jax_arx_psum", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
-        return call(x, comm_id=np.int64(comm.comm_id), algorithm=np.int64(algorithm), site=np.int64(0))
+class Worker(bw.BenchWorker):
+    configs = CONFIGS
 
-    collectives = {"none": lambda y: y}
-    if arx:
-        arx_calls = {"jax_arx.psum": lambda y: jax_arx.psum(y, "x"), "one-shot": lambda y: direct(y, 1),
-                     "two-shot": lambda y: direct(y, 2)}
-        collectives.update({name: arx_calls[name] for name in which})
-    else:
-        collectives["jax.lax.psum"] = lambda y: jax.lax.psum(y, "x")
+    def __init__(self, job):
+        super().__init__(job)
+        self._inputs = {}
 
-    def program(coll):
-        def body(x):
-            y = x
+    def arx(self, config, spec, run):
+        for algorithm in self.job["algorithms"]:
+            if algorithm == "two-shot" and self.job["cpu"]:
+                for nbytes in self.job["sizes"]:
+                    self.rec.skip(config, nbytes, algorithm, "the CPU backend has no two-shot")
+                continue
+            env = algorithm_env(algorithm, max(self.job["sizes"]), self.world)
+            self.phase(config, spec, env, run, f"{config} {algorithm}",
+                       lambda comm, a=algorithm: self.series(config, a, lambda y: self.jax_arx.psum(y, bw.AXIS), comm))
+
+    def other(self, config, spec):
+        self.series(config, LAX, lambda y: self.jax.lax.psum(y, bw.AXIS))
+
+    def series(self, config, series, call, comm=None):
+        """Every size of one series. ``comm``: jax_arx's communicator
+        (None: jax.lax, checked within rounding)."""
+        for nbytes in self.job["sizes"]:
+            x, want, tolerance = self.inputs(nbytes)
+            self.cell(config, series, nbytes, call, (x,), lambda rank, w=want: w, comm=comm, plan_op="psum",
+                      tolerance=None if comm is not None else lambda rank, t=tolerance: t, chain=self.chain,
+                      baseline=nbytes, intended=lambda planned, ran, n=nbytes: as_intended(config, series, n,
+                                                                                          planned, ran))
+
+    def inputs(self, nbytes):
+        """The sharded input of a size, the reference sum (the same on every
+        rank) and the tolerance of jax.lax's result (bf16 roundings of the
+        partial sums)."""
+        if nbytes not in self._inputs:
+            n = nbytes // 2
+            x = bw.sharded(self.jax, self.mesh, (n,), lambda r: pattern_bf16(SEED, r, 0, n))
+            parts = np.stack([pattern_bf16(SEED, r, 0, n) for r in range(self.world)])
+            tolerance = 2.0 ** -6 * rank_order_sum(np.abs(parts.astype(np.float32)))
+            self._inputs[nbytes] = (x, rank_order_sum(parts), tolerance)
+        return self._inputs[nbytes]
+
+    def chain(self, call):
+        """K dependent calls (bench_common's method), each scaled by
+        1/world; call None: the same program without them."""
+        jnp, k = self.jax.numpy, self.job["k"]
+        scale = jnp.asarray(1.0 / self.world, jnp.bfloat16)
+
+        def body(y):
             for _ in range(k):
-                y = jax.lax.optimization_barrier(coll(y) * jnp.asarray(0.5, y.dtype))
+                y = self.jax.lax.optimization_barrier((y if call is None else call(y)) * scale)
             return y
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-
-    def timed(f, x):
-        return median_seconds(f, x, samples, reps)
-
-    results = {}
-    for nbytes in sizes:
-        n = nbytes // 2
-        flat = np.random.default_rng(0).standard_normal(2 * n).astype(jnp.bfloat16)
-        x = jax.make_array_from_callback(flat.shape, NamedSharding(mesh, P("x")), lambda idx: flat[idx])
-        base = timed(program(collectives["none"]), x)
-        row = {}
-        if arx:
-            # The contract, once per size: the fp32 sum in rank order, rounded once.
-            import ml_dtypes
-            want = (flat[:n].astype(np.float32) + flat[n:].astype(np.float32)).astype(ml_dtypes.bfloat16)
-            once = jax.jit(jax.shard_map(lambda y: jax_arx.psum(y, "x"), mesh=mesh, in_specs=P("x"),
-                                         out_specs=P("x"), check_vma=False))(x)
-            row["exact"] = all(np.array_equal(np.asarray(s.data).view(np.uint16), want.view(np.uint16))
-                               for s in once.addressable_shards)
-        for name, coll in collectives.items():
-            if name == "none":
-                continue
-            if name == "one-shot" and nbytes > comm.slot_bytes:
-                continue
-            if name == "two-shot" and nbytes > min(comm.send_bytes, 2 * comm.slot_bytes):
-                continue
-            t = timed(program(coll), x)
-            row[name] = max(0.0, (t - base) / k * 1e6)
-        row["baseline_program_us"] = base * 1e6
-        results[str(nbytes)] = row
-        if jax.process_index() == 0:
-            print(f"{config} {nbytes:>8} B: " + ", ".join(f"{a} {b:.1f} us" if not isinstance(b, bool) else f"{a} {b}"
-                                                          for a, b in row.items()), flush=True)
-    if arx:
-        jax_arx.check()
-    if jax.process_index() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+        return self.smap(body)
 
 
-# --- the driver ----------------------------------------------------------------
+# --- the driver ------------------------------------------------------------------------
 
-def run_config(config, args, out_dir):
-    env = dict(os.environ)
-    env.update(CONFIGS[config])
-    if config.startswith("arx"):
-        env.update(ARX_ENV)
-    path = os.path.join(out_dir, f"bench_{config}.json")
-    return launch_config(THIS, config, env, ["--k", str(args.k), "--samples", str(args.samples), "--reps",
-                                             str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
-                                             "--collectives", args.collectives], path, args.timeout)
-
-
-def table(all_results, sizes):
-    series = []
-    for config, res in all_results.items():
-        if not res:
-            continue
-        names = [n for n, v in next(iter(res.values())).items()
-                 if n != "baseline_program_us" and not isinstance(v, bool)]
-        for name in names:
-            series.append((config if config.startswith("nccl") else f"{config} {name}", config, name))
-    head = f"{'series':<28}" + "".join(f"{size_label(s):>10}" for s in sizes)
-    lines = [head, "-" * len(head)]
-    for label, config, name in series:
-        cells = []
-        for s in sizes:
-            v = all_results[config].get(str(s), {}).get(name)
-            cells.append(f"{v:>10.1f}" if v is not None else f"{'-':>10}")
-        lines.append(f"{label:<28}" + "".join(cells))
-    return "\n".join(lines), series
+def table_rows(doc, names, algorithms):
+    rows = []
+    for config in names:
+        if CONFIGS[config]["kind"] == "arx":
+            rows += [(config, a, f"{config} {a}") for a in algorithms]
+        else:
+            rows.append((config, LAX, config))
+    return [r for r in rows if r[0] in doc["results"] or r[0] in doc["checks"]]
 
 
-def plot(all_results, series, sizes, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
-        return
-    fig, ax = plt.subplots(figsize=(9, 6))
-    colors = plt.cm.tab20(np.linspace(0, 1, max(len(series), 2)))
-    for (label, config, name), color in zip(series, colors):
-        xs = [s for s in sizes if name in all_results[config].get(str(s), {})]
-        ys = [all_results[config][str(s)][name] for s in xs]
-        style = "--" if config.startswith("nccl") else "-"
-        ax.plot([s / 1024 for s in xs], ys, style, marker="o", color=color, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("partial per rank (KB, bf16)")
-    ax.set_ylabel("per-call latency (us)")
-    ax.set_title("psum, 2 processes x 1 H200: K dependent calls in one jit, minus baseline")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(doc, rows, path, title):
+    lines = [(c, s, label, "-" if CONFIGS[c]["kind"] == "arx" else "--") for c, s, label in rows]
+    report.plot_latencies(doc, [("psum", lines)], doc["meta"]["sizes"], path, title, "partial per rank (bf16)")
 
 
-def main(argv):
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--k", type=int, default=32, help="dependent calls per program")
-    ap.add_argument("--samples", type=int, default=9)
-    ap.add_argument("--reps", type=int, default=5, help="programs per sample, back to back")
-    ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--collectives", default=",".join(ARX_COLLECTIVES),
-                    help="arx series to time (of jax_arx.psum, one-shot, two-shot)")
-    ap.add_argument("--worker")
-    ap.add_argument("--json")
+    bj.add_arguments(ap, f"configurations (default {','.join(DEFAULT)}; all: every one)",
+                     "partials per rank, e.g. 8KB,4MB (default 8 KB to 4 MB; --cpu: 8 and 64 KB)")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="series of each jax_arx configuration")
     args = ap.parse_args(argv)
-    args.sizes = [int(s) for s in args.sizes.split(",")]
     if args.worker:
-        worker(args.worker, args.sizes, args.k, args.samples, args.reps, args.json,
-               tuple(c for c in args.collectives.split(",") if c))
-        return
-    os.makedirs(args.out, exist_ok=True)
-    all_results = {}
-    for config in args.configs.split(","):
-        all_results[config] = run_config(config, args, args.out)
-    text, series = table(all_results, args.sizes)
-    meta = dict(k=args.k, samples=args.samples, reps=args.reps, sizes=args.sizes, configs=CONFIGS, arx_env=ARX_ENV,
-                method="K dependent calls in one jitted program minus the same program without the collective, "
-                       "/ K; median of samples")
-    with open(os.path.join(args.out, "bench_psum.json"), "w") as f:
-        json.dump(dict(meta=meta, results=all_results), f, indent=1)
-    plot(all_results, series, args.sizes, os.path.join(args.out, "bench_psum.png"))
-    print("\nper-call latency, us (bf16, 2 processes x 1 GPU)\n" + text, flush=True)
+        return args
+    args.k, args.samples, args.reps = args.k or 32, args.samples or 9, args.reps or 5
+    bj.finish_arguments(ap, args, CONFIGS, DEFAULT, CPU_SIZES if args.cpu else SIZES)
+    args.algorithms = bj.parse_series(ap, args.algorithms, ALGORITHMS, "--algorithms")
+    return args
+
+
+def bench(args, world):
+    return dict(name="psum", script=THIS, configs=CONFIGS, job=dict(algorithms=args.algorithms),
+                meta=dict(algorithms={a: algorithm_env(a, max(args.sizes), world) for a in args.algorithms}),
+                rows=lambda doc: table_rows(doc, args.names, args.algorithms), ratios=RATIOS, plot=plot,
+                label_width=30)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(bj.main(parse_args, Worker, bench, sys.argv[1:]))

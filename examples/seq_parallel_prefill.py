@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jax_arx import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
 
 from bench_common import (  # noqa: E402  (beside this file)
-    RATIO_NOTE, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)
+    RATIO_NOTE, combine_rows, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)
 
 AXIS = "sp"
 
@@ -211,16 +211,6 @@ def make_prefill(mesh, a, kind, record=False):
 
 
 # ---- the reference -------------------------------------------------------------
-
-def combine_rows(y, pos, w, shared):
-    """One rank's combined MoE rows, in numpy: float32, rounded once to
-    bfloat16 (the products are exact: bfloat16-valued weights and rows)."""
-    rows = y.astype(np.float32)[np.clip(pos, 0, y.shape[0] - 1)]  # [T, topk, H]
-    acc = shared.astype(np.float32)
-    for k in range(pos.shape[1]):
-        acc = (acc + (w[:, k, None] * rows[:, k]).astype(np.float32)).astype(np.float32)
-    return acc.astype(shared.dtype)
-
 
 def check_collectives(kinds, log):
     """Every recorded collective, on every rank, against numpy. Returns how

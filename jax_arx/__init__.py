@@ -37,6 +37,8 @@ Public API:
   shutdown()              close them (collective)
   transport(axis_name)    the carrier initialize() chose for an axis ("shm", "tcp", "verbs")
   check()                 raise CollectiveError (a subclass per kind) if a communicator has failed
+  stats()                 per communicator and collective: calls, bytes, algorithms, failures,
+                          stalls (the watchdog's last report); the fallbacks to jax.lax
   distributed_initialize()  jax.distributed.initialize from JAX_COORDINATOR_ADDRESS,
                           JAX_NUM_PROCESSES, JAX_PROCESS_ID (what the launcher sets)
   errors                  the exceptions, one family under JaxArxError; errors.translated()
@@ -47,6 +49,7 @@ Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 from jax_arx._comm import check, initialize, shutdown, transport
 from jax_arx._bulk import all_gather, moe_combine, moe_combine_psum_scatter, psum_scatter
 from jax_arx._psum import psum
+from jax_arx._stats import stats
 from jax_arx import errors
 from jax_arx.errors import (
     CollectiveError,
@@ -83,6 +86,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "shutdown",
+    "stats",
     "transport",
 ]
 
@@ -91,6 +95,9 @@ __all__ = [
 # jax.distributed.initialize. Without the C++ module nothing is registered
 # and jax_arx.psum falls back to jax.lax.psum.
 from jax_arx import _comm as _comm_module
+from jax_arx import _grad as _grad_module
 
 _comm_module.register_ffi_targets()
-del _comm_module
+# jax.grad's sums under shard_map(check_vma=True) go to jax_arx too (_grad.py).
+_grad_module.install()
+del _comm_module, _grad_module

@@ -15,10 +15,13 @@ site's tag, and the gathered / scattered dimension (the handler does the
 strided copies a dimension other than the first needs: no transposes around
 the call). They transpose to each other, as jax's do.
 
-Each call is one bulk collective of the endpoint (ffi/base/layout.h), with
-its own sequence numbers, up to ``JAX_ARX_PREFILL_SLOT_BYTES`` per call (the
-gathered output, or the scattered input). What jax_arx does not run falls
-back to ``jax.lax`` as ``jax_arx/_policy.py`` says, as for psum.
+Each call is one bulk collective (ffi/base/layout.h), with its own sequence
+numbers, up to ``JAX_ARX_PREFILL_SLOT_BYTES`` per call (the gathered output,
+or the scattered input), on the axis's bulk endpoints, which the first one
+traced makes (``jax_arx/_bulk_endpoints.py``: every process must trace the
+same program). What jax_arx does not run falls back to ``jax.lax`` as
+``jax_arx/_policy.py`` says, as for psum; whatever the carrier (shm, tcp,
+verbs), jax_arx runs what is within that envelope.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_arx import _bulk_endpoints
 from jax_arx import _compat
 from jax_arx import _ordering
 from jax_arx import _policy
@@ -59,8 +63,10 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     jax_arx runs a gather over one axis that ``jax_arx.initialize(mesh)`` set
     up, of any element type of at least one byte (the bytes are copied as
     they are), whose gathered output fits ``JAX_ARX_PREFILL_SLOT_BYTES``, on
-    CPUs or NVIDIA GPUs over the shm or tcp carrier (not yet over verbs).
-    Anything else is computed by
+    CPUs or NVIDIA GPUs, over any carrier (shm, tcp, verbs). The first bulk
+    collective traced on an axis sets up its buffers, on every process
+    together: every process must trace the same program. Anything else is
+    computed by
     ``jax.lax.all_gather`` (logged once per reason on the ``"jax_arx"``
     logger, or raising ``JaxArxFallbackError`` if ``JAX_ARX_FALLBACK=error``).
 
@@ -117,10 +123,9 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
 
     jax_arx runs a sum over one axis that ``jax_arx.initialize(mesh)`` set
     up, of float32, bfloat16 or float16, whose input fits
-    ``JAX_ARX_PREFILL_SLOT_BYTES``, on CPUs or NVIDIA GPUs over the shm or
-    tcp carrier (not yet over verbs); anything else falls back to
-    ``jax.lax.psum_scatter`` as
-    ``all_gather`` does.
+    ``JAX_ARX_PREFILL_SLOT_BYTES``, on CPUs or NVIDIA GPUs over any carrier
+    (shm, tcp, verbs), setting up as ``all_gather`` does; anything else
+    falls back to ``jax.lax.psum_scatter`` as ``all_gather`` does.
 
     Args:
       x: array or pytree of arrays.
@@ -177,16 +182,17 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     buffer and sends them piece by piece while computing the rest.
 
     The float32 arithmetic is exactly: ``acc = shared[t]``, then for k in
-    order ``acc = fma(w[t, k], y[pos[t, k]], acc)`` (with e4m3 ``y``:
-    ``acc = fma(w[t, k] * y_scale[pos[t, k], c // 128], y[pos[t, k], c], acc)``,
-    the weight times the scale rounded first): each term added with one
-    rounding, as the reference CUDA kernel computes ``acc += w * y`` and as
-    XLA computes ``acc + w * y`` where it fuses the two. (``moe_combine``
-    below writes ``acc + w * y``; XLA's CPU backend does not always fuse it,
-    so with weights of full float32 precision it can differ from the fused
-    op in the last bit of a sum, before the rounding to bfloat16. Where the
-    products are exact, e.g. bfloat16-valued weights, they agree bit for
-    bit.)
+    order, with ``f = w[t, k]`` (e4m3 ``y``: ``f = w[t, k] *
+    y_scale[pos[t, k], c // 128]``, rounded), split into ``hi`` (``f`` with
+    its 8 lowest significand bits cleared) and ``lo = f - hi``:
+    ``acc = acc + hi * y[pos[t, k]]``, then, where ``lo != 0``,
+    ``acc = acc + lo * y[pos[t, k]]``, each rounded. Every product is then
+    exact in float32, so whether a compiler fuses a multiply and an add
+    changes no bit: the fused op equals ``moe_combine`` for any float32
+    weights, as long as no nonzero ``|w * y|`` is below 2^-100 (float32's
+    subnormals, which backends may flush to zero, start at 2^-126). With
+    bfloat16-valued weights ``lo`` is 0 and each term is the one rounding of
+    ``acc + w * y``.
 
     Args:
       y: ``[R, H]`` bfloat16, or ``jnp.float8_e4m3fn`` with ``y_scale``: the
@@ -213,8 +219,8 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
 
     jax_arx runs it with ``T`` up to what the prefill slot holds
     (``Tpad * H * 2 <= JAX_ARX_PREFILL_SLOT_BYTES``), ``topk`` up to 16 and
-    ``H`` a multiple of 8, on CPUs or NVIDIA GPUs over shm or tcp (not yet
-    over verbs); otherwise
+    ``H`` a multiple of 8, on CPUs or NVIDIA GPUs over any carrier (shm,
+    tcp, verbs), setting up as ``all_gather`` does; otherwise
     (logged once per reason) it computes ``moe_combine`` with jax ops and
     reduce-scatters it with ``jax_arx.psum_scatter``. No ``jax.grad`` or
     ``jax.vmap`` rules: it is meant for inference.
@@ -255,21 +261,34 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
 def moe_combine(y, pos, w, shared, *, y_scale=None, padded_tokens=None):
     """The combine of ``moe_combine_psum_scatter`` on one device, in plain jax
     ops: ``[Tpad, H]`` bfloat16 rows, ``shared[t] + sum_k w[t, k] * y[pos[t, k]]``
-    in float32 rounded once, zero past ``T``. The reference the fused op is
-    tested against, and its fallback (see the note on rounding there)."""
+    in float32 rounded once, zero past ``T``, each term added as the fused
+    op's docstring says (its bits, for any float32 weights). The reference
+    the fused op is tested against, and its fallback."""
     T, topk = pos.shape
     tpad = T if padded_tokens is None else int(padded_tokens)
     rows = jnp.take(y, pos, axis=0, mode="clip").astype(jnp.float32)  # [T, topk, H]
     if y_scale is not None:
         scale = jnp.take(y_scale, pos, axis=0, mode="clip")  # [T, topk, H / 128]
-        factor = jnp.repeat(w[:, :, None] * scale, 128, axis=2)  # w * scale per column, rounded once
+        # w * scale, rounded once, split, then per column.
+        hi, lo = (jnp.repeat(v, 128, axis=2) for v in _split_weights(w[:, :, None] * scale))
     else:
-        factor = jnp.broadcast_to(w[:, :, None], rows.shape)
+        hi, lo = (v[:, :, None] for v in _split_weights(w))
     acc = shared.astype(jnp.float32)
     for k in range(topk):
-        acc = acc + factor[:, k] * rows[:, k]  # one fma per term where XLA fuses them
+        # Exact products (ffi/base/combine.h): a fused multiply-add or not, the same bits.
+        acc = acc + hi[:, k] * rows[:, k]
+        acc = jnp.where(lo[:, k] != 0, acc + lo[:, k] * rows[:, k], acc)
     out = acc.astype(jnp.bfloat16)
     return jnp.pad(out, ((0, tpad - T), (0, 0))) if tpad > T else out
+
+
+def _split_weights(f):
+    """``f`` (float32) as ``hi + lo`` exactly: ``hi`` is ``f`` with its 8
+    lowest significand bits cleared (at most 16 significant bits), ``lo``
+    the rest (at most 8); a non-finite ``f`` stays whole in ``hi``."""
+    bits = jax.lax.bitcast_convert_type(f, jnp.uint32)
+    hi = jnp.where(jnp.isfinite(f), jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFFF00), jnp.float32), f)
+    return hi, jnp.where(jnp.isfinite(f), f - hi, jnp.float32(0))
 
 
 def _check_moe_shapes(y, pos, w, shared, y_scale):
@@ -365,7 +384,12 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> _Dec
         return total // world
 
     comm = _policy.decide(op, aval, axes, axis_index_groups, dtype_refusal=dtype_refusal, lane_bytes=lane_bytes)
-    return None if comm is None else _Decision(comm.comm_id, comm.endpoints[0].world)
+    if comm is None:
+        return None
+    # The first bulk collective of the axis makes its endpoints (collective:
+    # every process traces it; see _bulk_endpoints.py).
+    bulk = _bulk_endpoints.communicator_for(comm, op)
+    return _Decision(bulk.comm_id, bulk.endpoints[0].world)
 
 
 ### rules

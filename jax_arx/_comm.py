@@ -74,6 +74,10 @@ class Communicator:
     device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
     endpoints: tuple[LocalEndpoint, ...]
     topology: str = "mesh"  # "ring": each group's ranks reach only their neighbours
+    # What its endpoints were made from (this process's groups, the options):
+    # the bulk collectives' endpoints are made from it at their first call
+    # (jax_arx/_bulk_endpoints.py).
+    setup: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def plan(self, op: str, nbytes: int) -> tuple[int, str]:
         """What runs a collective ``op`` with ``nbytes`` per rank on this
@@ -89,6 +93,9 @@ class Communicator:
 
 _lock = threading.RLock()
 _communicators: dict[Hashable, Communicator] = {}
+# The bulk collectives' communicators, by axis, made at their first call
+# (jax_arx/_bulk_endpoints.py); closed by shutdown() with the others.
+_bulk_communicators: dict[Hashable, Communicator] = {}
 _generation = 0
 
 # The C++ module, imported on first use so that jax_arx imports (and falls
@@ -141,6 +148,12 @@ def communicator(axis_name: Hashable) -> Communicator | None:
     return _communicators.get(axis_name)
 
 
+def communicators() -> dict[Hashable, Communicator]:
+    """Every communicator set up in this process, by mesh axis (a copy)."""
+    with _lock:
+        return dict(_communicators)
+
+
 def transport(axis_name: Hashable) -> str | None:
     """The carrier jax_arx.initialize chose for mesh axis ``axis_name`` in
     this process: ``"shm"``, ``"tcp"`` or ``"verbs"`` (several, joined by
@@ -153,7 +166,8 @@ def transport(axis_name: Hashable) -> str | None:
 
 
 def communicator_by_id(comm_id: int) -> Communicator | None:
-    for comm in list(_communicators.values()):
+    """The communicator (a bulk collectives' one too) of id ``comm_id``."""
+    for comm in list(_communicators.values()) + list(_bulk_communicators.values()):
         if comm.comm_id == comm_id:
             return comm
     return None
@@ -259,12 +273,15 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
         store = _Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
         try:
             _check_same_mesh_everywhere(store, mesh, wanted)
-            _communicators.update(_set_up(core, cfg, store, mesh, wanted, _tuning))
+            made = _set_up(core, cfg, store, mesh, wanted, _tuning)
+            _communicators.update(made)
         finally:
             # On success every process has read everything (the set-up ends
             # at a barrier); on failure, peers waiting for our keys time out
             # as they would without them.
             store.remove_published()
+        from jax_arx import _bulk_endpoints  # it builds on this module
+        _bulk_endpoints.restore(made.values())
 
 
 def _check_ring_size(cfg, axis, size) -> None:
@@ -330,8 +347,20 @@ class _Plan:
     group: int
     members: list  # devices, by rank
     transport: str
+    name: str = ""  # the endpoints' name in messages: the axis, and the group where there are several
     nonce: bytes = b""
     secret: bytes = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one communicator's endpoints in this process were made from: the
+    plans of this process's groups (secrets included) and the endpoint
+    options, from which jax_arx/_bulk_endpoints.py makes the bulk ones."""
+
+    plans: tuple
+    options: dict
+    cfg: Any  # the config.Config they were made with
 
 
 def group_secret(user_secret: str | None, nonce: bytes, comm_id: int, group: int) -> bytes:
@@ -359,11 +388,13 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
     hosts, rdma_of = _exchange_hosts(store, {d.process_index for d in mesh.devices.flat}, rdma)
     plans: list[_Plan] = []
     for axis, comm_id in wanted.items():
-        for g, members in enumerate(groups(mesh, axis)):
+        axis_groups = groups(mesh, axis)
+        for g, members in enumerate(axis_groups):
             if any(d.process_index == me for d in members):
                 transport = choose_transport(cfg, [hosts[d.process_index] for d in members],
                                              [rdma_of[d.process_index] for d in members])
-                plans.append(_Plan(axis, comm_id, g, members, transport))
+                name = str(axis) if len(axis_groups) == 1 else f"{axis}[{g}]"
+                plans.append(_Plan(axis, comm_id, g, members, transport, name))
     _debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
            ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
 
@@ -384,23 +415,42 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
     if any(p.transport == "tcp" for p in plans):
         tcp_addr = cfg.tcp_addr or default_tcp_addr(_compat.coordinator_address())
         _debug(cfg, "process %d: tcp address %s", me, tcp_addr)
-    options = cfg.endpoint_options(tcp_addr, tuning)
+    # No bulk lanes: the bulk collectives get endpoints of their own at
+    # their first call (jax_arx/_bulk_endpoints.py, bulk_options).
+    options = dict(cfg.endpoint_options(tcp_addr, tuning), bulk_lanes="0")
+    made = connect_endpoints(core, store, plans, options, "jax_arx.initialize")
+    comms = {}
+    for axis, comm_id in wanted.items():
+        comms[axis] = Communicator(
+            axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
+            mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
+            endpoints=tuple(le for p, le in made if p.axis == axis), topology=cfg.topology,
+            setup=Setup(tuple(p for p in plans if p.axis == axis), options, cfg))
+    _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
+    return comms
 
+
+def connect_endpoints(core, store, plans, options, what: str) -> list[tuple[_Plan, LocalEndpoint]]:
+    """Makes this process's endpoint of each local member of each of
+    ``plans``' groups with ``options``, exchanges their details with the
+    other members through ``store``, connects them all and meets the other
+    processes at the store's barrier. ``what`` begins the error messages
+    (the call that sets them up). On failure closes what it made and
+    raises InitializationError."""
+    me = jax.process_index()
     made: list[tuple[_Plan, LocalEndpoint]] = []
     try:
         for p in plans:
-            n_groups = mesh.devices.size // len(p.members)
-            name = str(p.axis) if n_groups == 1 else f"{p.axis}[{p.group}]"
             for rank, device in enumerate(p.members):
                 if device.process_index != me:
                     continue
                 ordinal = _compat.xla_device_ordinal(device)
                 try:
                     ep = core.Endpoint(p.comm_id, ordinal, rank, len(p.members), p.transport,
-                                       _platform(device), name, p.secret, options)
+                                       _platform(device), p.name, p.secret, options)
                 except RuntimeError as e:
                     raise InitializationError(
-                        f"jax_arx.initialize: could not create the endpoint of axis {p.axis!r} group {p.group} "
+                        f"{what}: could not create the endpoint of axis {p.axis!r} group {p.group} "
                         f"rank {rank} on {device}: {e}") from e
                 made.append((p, LocalEndpoint(p.group, rank, len(p.members), device, ordinal, p.transport, ep)))
                 store.set(f"{p.comm_id}/{p.group}/details/{rank}", ep.details())
@@ -416,25 +466,16 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
                     f"the connection details of axis {p.axis!r} group {p.group} rank {rank} from process "
                     f"{device.process_index}"))
             jobs.append((p, le, details))
-        _connect_all(jobs)
-        _debug(cfg, "process %d: %d endpoint(s) connected; waiting for the other processes", me, len(made))
+        _connect_all(jobs, what)
         store.barrier("connected", "every process to connect its endpoints")
     except BaseException:
         for _, le in made:
             _close_quietly(le.endpoint)
         raise
-
-    comms = {}
-    for axis, comm_id in wanted.items():
-        comms[axis] = Communicator(
-            axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
-            mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
-            endpoints=tuple(le for p, le in made if p.axis == axis), topology=cfg.topology)
-    _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
-    return comms
+    return made
 
 
-def _connect_all(jobs) -> None:
+def _connect_all(jobs, what) -> None:
     # connect() waits until every peer has dialled in, and peers may live in
     # this very process (several local devices in one group): connecting
     # one endpoint after the other would wait on an endpoint that has not
@@ -446,7 +487,7 @@ def _connect_all(jobs) -> None:
             le.endpoint.connect(details)
         except RuntimeError as e:
             raise InitializationError(
-                f"jax_arx.initialize: axis {p.axis!r} group {p.group} rank {le.rank} on {le.device} could not "
+                f"{what}: axis {p.axis!r} group {p.group} rank {le.rank} on {le.device} could not "
                 f"connect over {p.transport}: {e}") from e
 
     if len(jobs) == 1:
@@ -647,14 +688,23 @@ def default_tcp_addr(coordinator: str | None) -> str:
 
 # --- the rendezvous store ---------------------------------------------------
 
-class _Store:
-    """jax.distributed's key-value store under one initialize()'s prefix, or
-    a plain dict when this process is alone (no jax.distributed client)."""
+_INITIALIZE_HINT = ("Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
+                    "than others, raise JAX_ARX_TIMEOUT_S.")
 
-    def __init__(self, client, prefix: str, timeout_s: float):
+
+class _Store:
+    """jax.distributed's key-value store under one set-up's prefix, or a
+    plain dict when this process is alone (no jax.distributed client).
+    ``what`` and ``hint`` begin and end the message of a wait that gives
+    up: the call that sets up, and what the user should check."""
+
+    def __init__(self, client, prefix: str, timeout_s: float, what: str = "jax_arx.initialize",
+                 hint: str = _INITIALIZE_HINT):
         self._client = client
         self._prefix = prefix
         self._timeout_s = timeout_s
+        self._what = what
+        self._hint = hint
         self._local: dict[str, bytes] = {}
         self._published: list[str] = []
 
@@ -699,10 +749,8 @@ class _Store:
 
     def _timed_out(self, waiting_for, e):
         return InitializationError(
-            f"jax_arx.initialize: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
-            f"{waiting_for} ({type(e).__name__}: {_first_line(e)}). "
-            "Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
-            "than others, raise JAX_ARX_TIMEOUT_S.")
+            f"{self._what}: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
+            f"{waiting_for} ({type(e).__name__}: {_first_line(e)}). {self._hint}")
 
 
 # --- shutdown and check -----------------------------------------------------
@@ -725,8 +773,9 @@ def shutdown() -> None:
     with _lock:
         if not _communicators:
             return
-        comms = list(_communicators.values())
+        comms = list(_communicators.values()) + list(_bulk_communicators.values())
         _communicators.clear()
+        _bulk_communicators.clear()
         client = _compat.distributed_client()
         if client is not None and jax.process_count() > 1 and not _distributed.uncaught_exception():
             try:

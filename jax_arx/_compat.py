@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from functools import partial
 from typing import Any
 
 import jax
@@ -49,6 +50,13 @@ def register_jvp(primitive, rule) -> None:
     JVP, in place of the one ``deflinear2`` derives (jax_arx.psum's own
     skips zero tangents and drops its prefetch operands)."""
     _ad.primitive_jvps[primitive] = rule
+
+
+def override_linear_transpose(primitive, rule) -> None:
+    """Makes ``rule(ct, *args, **params)`` the transpose of a linear
+    primitive (jax's own included), as ``deflinear2`` registers one: a
+    symbolic zero cotangent never reaches it. The JVP stays as it is."""
+    _ad.primitive_transposes[primitive] = partial(_ad.linear_transpose2, rule)
 
 
 def register_batcher(primitive, rule) -> None:
@@ -181,6 +189,12 @@ def unreduced_axes(aval) -> frozenset:
     if mat is None:
         return frozenset()
     return frozenset(getattr(mat, "unreduced", ())) | frozenset(getattr(mat, "reduced", ()))
+
+
+# jax's invariant -> varying cast (no data moves); its transpose is a psum.
+# (pvary_p and ad.linear_transpose2, used by override_linear_transpose, are
+# as here in jax 0.10.0 and 0.10.2.)
+lax_pvary_p = _core.pvary_p
 
 
 def pvary(x, axes: tuple):

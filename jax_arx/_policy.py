@@ -16,6 +16,8 @@ place for sizes and algorithms). Anything else goes to ``jax.lax``:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Callable
@@ -34,7 +36,21 @@ logger = logging.getLogger("jax_arx")
 REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
 _logged_reasons: set = set()
+_fallbacks: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced that fell back (jax_arx.stats())
 _logged_lock = threading.Lock()
+# What the calls being decided are, when not the user's own (jax_arx/_grad.py):
+# said in their fallback messages.
+_note = contextvars.ContextVar("jax_arx_fallback_note", default="")
+
+
+@contextlib.contextmanager
+def noting(note: str):
+    """Within it, fallback messages end with ``note`` (in parentheses)."""
+    token = _note.set(note)
+    try:
+        yield
+    finally:
+        _note.reset(token)
 
 
 def fallback(op: str, key: tuple, why: str) -> None:
@@ -43,15 +59,28 @@ def fallback(op: str, key: tuple, why: str) -> None:
     concerns) come up; or raises JaxArxFallbackError when
     JAX_ARX_FALLBACK=error."""
     lax_name = f"jax.lax.{'psum_scatter' if op == 'moe_combine_psum_scatter' else op}"
+    note = _note.get()
+    if note:
+        why, key = f"{why} ({note})", (*key, note)
     if _config.load().fallback == "error":
         raise JaxArxFallbackError(f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to "
                                   f"{lax_name} (unset it to fall back)")
     with _logged_lock:
         first = (op, key) not in _logged_reasons
         _logged_reasons.add((op, key))
+        reasons = _fallbacks.setdefault(op, {})
+        reasons[why] = reasons.get(why, 0) + 1
     if first:
         logger.warning("jax_arx.%s: %s; using %s", op, why, lax_name)
     return None
+
+
+def fallback_counts() -> dict[str, dict[str, int]]:
+    """How many calls of each op fell back to jax.lax, by reason, since
+    jax_arx was imported (a copy): counted when a call is traced or
+    lowered, not each time a compiled program runs."""
+    with _logged_lock:
+        return {op: dict(reasons) for op, reasons in _fallbacks.items()}
 
 
 def check_axes_bound(op: str, axes: tuple) -> None:

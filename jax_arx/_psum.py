@@ -72,7 +72,12 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
     ``size * x`` and the result's type is invariant over the axis; ``jax.grad``
     and ``jax.vmap`` behave as they do through ``jax.lax.psum``. The sum is
     taken in float32 in rank order and rounded once, so every device gets
-    the same bits.
+    the same bits. The sums of the backward pass run on jax_arx too: with
+    ``check_vma=True`` they are jax's ``pvary`` transposed, which jax_arx
+    takes on the axes it set up (``jax_arx/_grad.py``,
+    ``JAX_ARX_GRAD_SUMS``); with ``check_vma=False`` this psum transposes
+    to itself, and ``shard_map`` sums its replicated inputs' gradients with
+    ``jax.lax.psum``.
 
     jax_arx runs one sum over one axis that ``jax_arx.initialize(mesh)`` set
     up, of a float32, bfloat16 or float16 array whose bytes fit the one-shot

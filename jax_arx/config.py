@@ -22,6 +22,10 @@ JAX_ARX_TOPOLOGY           mesh (every rank reaches every other:    mesh
                            ``topology`` argument overrides it
 JAX_ARX_FALLBACK           lax (use jax.lax, log once per reason)   lax
                            | error (raise JaxArxFallbackError)
+JAX_ARX_GRAD_SUMS          jax_arx: the sums jax.grad adds under    jax_arx
+                           shard_map(check_vma=True) (jax's pvary,
+                           transposed) run on jax_arx where it has
+                           the axis | lax: jax.lax sums them
 JAX_ARX_ON_FAILURE         raise | abort (exit the process with     raise
                            the failure message)
 JAX_ARX_SLOT_BYTES         per-peer slot; the one-shot size limit   1 MiB
@@ -30,8 +34,9 @@ JAX_ARX_ONESHOT_MAX_BYTES  one-shot up to here, then two-shot (GPU)  slot
                            up to min(send, world x slot)            bytes
 JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the bulk ops        32 MiB
                            (all_gather output, psum_scatter input,
-                           world x the largest slice; 0: none, they
-                           fall back to jax.lax)
+                           world x the largest slice; pinned 4 x
+                           from the first one traced; 0: none,
+                           they fall back to jax.lax)
 JAX_ARX_SECRET             a secret every process of the job        unset
                            shares (16+ characters): the tcp
                            carrier's pair keys need it, so even
@@ -98,6 +103,7 @@ TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes")
 # Variables of earlier releases whose settings benchmarks have decided.
 RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
 FALLBACKS = ("lax", "error")
+GRAD_SUMS = ("jax_arx", "lax")
 ON_FAILURE = ("raise", "abort")
 
 # The C++ endpoint lays its slots out in 16-byte units (ffi/comm/config.cc
@@ -115,12 +121,14 @@ class Config:
     transport: str | None = None  # None: chosen per communicator (see _comm.choose_transport)
     topology: str = "mesh"  # or "ring": links to the previous and next rank only (ffi/base/topology.h)
     fallback: str = "lax"
+    grad_sums: str = "jax_arx"  # jax_arx/_grad.py
     on_failure: str = "raise"
     slot_bytes: int = 1 << 20
     oneshot_max_bytes: int | None = None  # None: slot_bytes (see ffi/comm/plan.cc)
     send_bytes: int = 4 << 20
     # all_gather / psum_scatter / the fused MoE combine: the largest gathered
-    # output (or scattered input) per call. An endpoint pins 4x this.
+    # output (or scattered input) per call. Their endpoints, made at the
+    # first one traced (_bulk_endpoints.py), pin 4x this.
     bulk_bytes: int = 32 << 20
     tcp_addr: str | None = None  # None: the address that routes to the coordinator
     # JAX_ARX_SECRET; never printed (repr=False). See _comm.group_secret.
@@ -203,6 +211,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         transport=_choice(env, "JAX_ARX_TRANSPORT", TRANSPORTS, None),
         topology=_choice(env, "JAX_ARX_TOPOLOGY", TOPOLOGIES, defaults.topology),
         fallback=_choice(env, "JAX_ARX_FALLBACK", FALLBACKS, defaults.fallback),
+        grad_sums=_choice(env, "JAX_ARX_GRAD_SUMS", GRAD_SUMS, defaults.grad_sums),
         on_failure=_choice(env, "JAX_ARX_ON_FAILURE", ON_FAILURE, defaults.on_failure),
         slot_bytes=slot_bytes,
         oneshot_max_bytes=_size(env, "JAX_ARX_ONESHOT_MAX_BYTES", None),

@@ -3,9 +3,51 @@
 ``summary_line`` lets a test put a line into pytest's terminal summary, which
 is printed even under ``-q`` and with output captured: CI logs show there
 what a long test that ran elsewhere (the soft-RoCE VM) actually did.
+``core_built``: jax_arx is installed with its C++ module (the multi-process
+tests run it from outside the source tree); skipped where it is not, failed
+in CI (tests/needs.py).
+
+The tests that run in this process import jax_arx from the source tree when
+pytest runs from its root (``python -m pytest`` puts the working directory
+first on sys.path), where the C++ module is not built: it is in the
+installed package (``pip install .``). ``jax_arx._core`` is found there, so
+those tests run the tree's Python with the installed core.
 """
 
+import importlib.util
+import pathlib
+import sys
+
+import needs
 import pytest
+
+
+def _installed_core_for_the_source_tree() -> None:
+    if "jax_arx" in sys.modules:
+        return
+    spec = importlib.util.find_spec("jax_arx")
+    if spec is None or spec.origin is None:
+        return
+    here = pathlib.Path(spec.origin).parent.resolve()
+    if any(here.glob("_core*.so")):
+        return
+    for entry in sys.path:
+        there = (pathlib.Path(entry or ".") / "jax_arx").resolve()
+        if there != here and any(there.glob("_core*.so")):
+            # Imported here with both folders on its path from the start:
+            # jax_arx's own import already looks for its C++ module.
+            spec.submodule_search_locations.append(str(there))
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["jax_arx"] = module
+            spec.loader.exec_module(module)
+            return
+
+
+_installed_core_for_the_source_tree()
+
+# The in-process tests' stand-in core and fixtures (and this process's jax
+# on 4 CPU devices, set before any test starts it).
+pytest_plugins = ["stand_in_core"]
 
 _SUMMARY: list[str] = []
 
@@ -14,6 +56,11 @@ _SUMMARY: list[str] = []
 def summary_line():
     """Call it with a line to show at the end of the test run."""
     return _SUMMARY.append
+
+
+@pytest.fixture(scope="session")
+def core_built(tmp_path_factory):
+    needs.require_core(tmp_path_factory.mktemp("probe"))
 
 
 def pytest_terminal_summary(terminalreporter):

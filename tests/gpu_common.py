@@ -298,7 +298,7 @@ def assert_route(run: Run, reports: dict, env: dict, summary_line) -> str:
 
 def assert_relays(reports: dict, env: dict) -> None:
     """In a ring of 4 every rank relayed its previous rank's puts to the
-    rank two away (Endpoint.stats()["relayed"]); nowhere else did any."""
+    rank two away (Endpoint.stats()["relayed_puts"]); nowhere else did any."""
     for rank, r in reports.items():
         if env.get("JAX_ARX_TOPOLOGY") == "ring" and r["world"] == 4:
             assert all(n > 0 for n in r["relayed"].values()), (rank, r["relayed"])
@@ -373,8 +373,6 @@ class GpuWorker(suites._Worker):
     of every result it checked. jax.lax's collectives are never run (they
     would be NCCL's, which refuses ranks sharing a GPU)."""
 
-    against_lax = False
-
     def __init__(self, cpu_smoke: bool = False):
         super().__init__()
         self.smoke = cpu_smoke
@@ -402,13 +400,28 @@ class GpuWorker(suites._Worker):
             return str(e)
         return ""
 
-    def endpoints(self):
+    def endpoints(self, bulk: bool = False):
+        """This process's endpoints of the axis: initialize()'s, or
+        (``bulk``) the bulk collectives', which the first of those made
+        (none before it)."""
         from jax_arx import _comm
 
+        if bulk:
+            comm = _comm._bulk_communicators.get(AXIS)
+            return comm.endpoints if comm is not None else ()
         return _comm.communicator(AXIS).endpoints
 
     def stats(self) -> dict:
-        return {le.rank: le.endpoint.stats() for le in self.endpoints()}
+        """Each local rank's Endpoint.stats() "calls" and "algorithms",
+        summed over its endpoints (psum's and the bulk collectives')."""
+        out = {}
+        for le in self.endpoints() + self.endpoints(bulk=True):
+            mine = out.setdefault(le.rank, {"calls": {}, "algorithms": {}})
+            st = le.endpoint.stats()
+            for group, counts in mine.items():
+                for k, v in st[group].items():
+                    counts[k] = counts.get(k, 0) + v
+        return out
 
     def counted(self, fn, *args, **kwargs) -> dict:
         """Runs fn; returns each local rank's Endpoint.stats() calls and
@@ -432,9 +445,14 @@ class GpuWorker(suites._Worker):
 
     def report(self, **extra) -> None:
         """The phase's RESULT line (see the module doc), for every local rank."""
-        eps = self.endpoints() if not extra.get("init_error") else ()
+        routes, relayed = {}, {}
+        if not extra.get("init_error"):
+            # Puts made for another rank (a ring of 4), bulk endpoints' included.
+            for le in self.endpoints() + self.endpoints(bulk=True):
+                relayed[le.rank] = relayed.get(le.rank, 0) + le.endpoint.stats()["relayed_puts"]
+            routes = {str(le.rank): le.endpoint.route for le in self.endpoints()}
+            routes.update({f"{le.rank}/bulk": le.endpoint.route for le in self.endpoints(bulk=True)})
         emit(phase=self.phase_name, platform=self.platform, world=self.world,
              ranks=[self.rank_of(d) for d in self.jax.local_devices()],
-             routes={le.rank: le.endpoint.route for le in eps}, cases=self.cases, digest=self.crc,
-             relayed={le.rank: le.endpoint.stats()["relayed"] for le in eps},
+             routes=routes, cases=self.cases, digest=self.crc, relayed=relayed,
              xla_flags=os.environ.get("XLA_FLAGS", ""), **extra)

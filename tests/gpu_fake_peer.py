@@ -7,11 +7,11 @@ kernel would (ffi/base/layout.h), or withholds them, and reads what the
 endpoint's kernels sent, recorded and zeroed.
 
 What the test must mirror of the core, each named where it is defined: the
-OpCode and DType numbers and the flag word (ffi/base/layout.h), the tags the
-kernels mix into their descriptors (ffi/cuda/oneshot.cu ``pieces_tag``,
-ffi/cuda/ll.cu ``ll_tag``), the Control block's and a Trigger's words
-(layout.h). A mirror that is wrong makes the kernel see a mismatch: the
-tests fail, they cannot pass wrongly.
+OpCode numbers, the flag word and the header slots (ffi/base/words.h), the
+DType numbers, the Control block's and a Trigger's words (ffi/base/layout.h),
+the tags the kernels mix into their descriptors (ffi/cuda/oneshot.cu
+``pieces_tag``, ffi/cuda/ll.cu ``ll_tag``). A mirror that is wrong makes the
+kernel see a mismatch: the tests fail, they cannot pass wrongly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 M64 = (1 << 64) - 1
 DESC_BITS = 24
-OP_PSUM, OP_PSUM_SCATTER, OP_PSUM_GATHER = 1, 2, 3  # layout.h, OpCode
+OP_PSUM, OP_PSUM_SCATTER, OP_PSUM_GATHER = 1, 2, 3  # base/words.h, OpCode
 DTYPE_CODE = {"float32": 1, "bfloat16": 2, "float16": 3}  # layout.h, DType
 ALGORITHM = {1: "one_shot", 2: "two_shot", 3: "ll"}  # comm/plan.h, Algorithm
 EVERY_PEER = M64  # layout.h, kEveryPeer
@@ -35,7 +35,7 @@ RING = 256  # layout.h, kRing: the trigger ring's entries
 TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
 LL_LINE, LL_PAYLOAD = 16, 8  # layout.h, kLLLineBytes, kLLLinePayload
 TRIGGER_HEADER = 1 << 8  # layout.h, kTriggerHeader: a piece-0 trigger puts the staged header first
-# layout.h, "The flag page": kPsumWords + kMaxWorld x kChunks x kRoots bulk
+# base/words.h, "The flag page": kPsumWords + kMaxWorld x kChunks x kRoots bulk
 # words, then 2 families x kMaxWorld heard words, then the header slots of
 # kDescriptorWords words by (family, parity, source).
 MAX_WORLD, DESCRIPTOR_WORDS = 8, 4
@@ -45,7 +45,7 @@ HEADER_WORD_BASE = 256 + MAX_WORLD * 8 * 2 + 2 * MAX_WORLD
 class Desc(int):
     """A collective's descriptor: its 24-bit hash (this int, what flag words
     carry) and ``words``, the exact Descriptor (op, type, count, tag) that the
-    header slots hold (layout.h, "Headers")."""
+    header slots hold (base/words.h, "Headers")."""
 
     def __new__(cls, hashed, words):
         d = int.__new__(cls, hashed)
@@ -54,7 +54,7 @@ class Desc(int):
 
 
 def header_word(family, parity, src):
-    """layout.h, header_word: the first word of a header slot."""
+    """base/words.h, header_word: the first word of a header slot."""
     return HEADER_WORD_BASE + ((family * 2 + parity) * MAX_WORLD + src) * DESCRIPTOR_WORDS
 
 
@@ -75,7 +75,7 @@ def ll_flag(seq, desc):
 
 
 def chunk_range(nbytes, n, j):
-    """layout.h's chunk_range: part j of n of nbytes, 16-byte steps."""
+    """base/words.h, chunk_range: part j of n of nbytes, 16-byte steps."""
     step = ((nbytes + n - 1) // n + 15) & ~15
     return min(step * j, nbytes), min(step * (j + 1), nbytes)
 
@@ -143,7 +143,7 @@ class FakePeer:
         return self.describe(OP_PSUM, dtype, count, ll_tag(tag))
 
     def word(self, src, piece, root=0):
-        """The psum flag word (src, piece, root): layout.h, FlagWords."""
+        """The psum flag word (src, piece, root): base/words.h, FlagWords."""
         return src * self.stride + piece * self.roots + root
 
     # --- playing the peers ---

@@ -127,13 +127,6 @@ def test_every_block_says_what_it_is():
 RUN = [b for b in BLOCKS if b.kind == "python"]
 
 
-@pytest.fixture(scope="module")
-def core_built(tmp_path_factory):
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("block", RUN, ids=_ids(RUN))
 def test_python_block_runs_as_written(core_built, tmp_path, block):

@@ -25,7 +25,7 @@ each test launches this file as its worker, ``--worker SUITE``):
   nothing in /dev/shm once every process is gone.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
-otherwise. tests/test_gpu_failures.py runs the same suites on GPUs.
+otherwise (failed in CI: tests/needs.py). tests/test_gpu_failures.py runs the same suites on GPUs.
 """
 
 from __future__ import annotations
@@ -55,13 +55,6 @@ THIS = os.path.abspath(__file__)
 RESULT = launched.RESULT
 TIMEOUT_S = 5  # JAX_ARX_TIMEOUT_S of the stopped-peer suite
 STOPPED_S = 30  # how long rank 1 stays stopped: far past every bound below
-
-
-@pytest.fixture(scope="module")
-def core_built(tmp_path_factory):
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
 
 
 # --- the tests (tests/test_gpu_failures.py runs the same on GPUs) ---------------
@@ -125,11 +118,11 @@ def check_stopped_peer(cwd, op, gpus):
            "JAX_ARX_PREFILL_SLOT_BYTES": "80M" if op == "all_gather" else "0"}
     results = _run(f"stopped_peer:{op}", "tcp", cwd, env, gpus, timeout=400)
     r = results[0]
-    assert r["warmup_exact"], r
+    assert r["warmup_exact"] and r["peer_stopped"], r
     # Each bounded by the timeout, with as much again for a loaded machine;
     # the old carrier took until the peer resumed, 30 s later.
     for what in (op, "shutdown"):
-        assert r[what]["seconds"] < 2 * TIMEOUT_S + 2, (what, r)
+        assert r[what]["seconds"] <= 2 * TIMEOUT_S, (what, r)
     # Never a result; the error (raised by the call on the CPU, by check()
     # on GPUs, where the kernel gives NaN) names the peer.
     assert not r[op]["finite"] and "rank 1" in r[op]["error"] + r["check"], r
@@ -363,12 +356,14 @@ def _suite_stopped_peer(op):
     if me == 1:
         # Stop this whole process; a helper outside it resumes it later.
         subprocess.Popen(["sh", "-c", f"sleep {STOPPED_S}; kill -CONT {os.getpid()}"], start_new_session=True)
+        client.key_value_set("test_failures/stopping", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
         report["resumed"] = True
         client.key_value_set("test_failures/resumed", "1")
         jax_arx.shutdown()
         return report
-    time.sleep(1)  # let rank 1 stop
+    report["peer_stopped"] = _until_stopped(int(client.blocking_key_value_get("test_failures/stopping", 120_000)),
+                                            within_s=60)
     report[op] = _timed(lambda: np.asarray(f(x).addressable_data(0)))
     try:
         jax_arx.check()
@@ -381,6 +376,18 @@ def _suite_stopped_peer(op):
     # Exit together (process 0 hosts jax.distributed's coordinator).
     client.blocking_key_value_get("test_failures/resumed", (STOPPED_S + 120) * 1000)
     return report
+
+
+def _until_stopped(pid: int, within_s: float) -> bool:
+    """Polls until process ``pid`` is stopped (state T in /proc/PID/stat);
+    whether it was within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        time.sleep(0.01)
+    return False
 
 
 def _suite_killed_in_initialize():

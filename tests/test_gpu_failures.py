@@ -98,7 +98,7 @@ def check_mismatch(run):
             assert "different collective" in r["error"], (phase, rank, r["error"])
     missing = run.phase("missing_peer")
     alone = missing[0]
-    assert alone["nan"] and alone["check_type"] == "CollectiveError", alone
+    assert alone["nan"] and alone["check_type"] == "CollectiveTimeoutError", alone
     assert "timed out" in alone["check"] and "rank 1, 2" in alone["check"], alone["check"]
     if alone["platform"] == "cuda":
         assert TIMEOUT_S <= alone["seconds"] <= 2 * TIMEOUT_S, alone

@@ -27,7 +27,7 @@ tcp                    JAX_ARX_TRANSPORT=tcp; pieces of 16 KiB      proxy (tcp c
 ring                   JAX_ARX_TOPOLOGY=ring                        proxy (shm carrier), links to
                                                                     prev and next only; at world 4
                                                                     every rank relays (Endpoint.
-                                                                    stats()["relayed"])
+                                                                    stats()["relayed_puts"])
 ring_tcp               JAX_ARX_TOPOLOGY=ring, JAX_ARX_TRANSPORT=    proxy (tcp carrier), likewise
                        tcp; pieces of 16 KiB
 =====================  ===========================================  ==============================

@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 
 import launched
+import needs
 
 THIS = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(THIS))
@@ -69,12 +70,10 @@ def missing_packages():
 
 @pytest.fixture(scope="module")
 def ready(tmp_path_factory):
-    missing = missing_packages()
-    if missing:
-        pytest.skip("examples/minilm.py needs " + ", ".join(missing))
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
+    lacking = missing_packages()
+    if lacking:
+        needs.missing("examples/minilm.py needs " + ", ".join(lacking))
+    needs.require_core(tmp_path_factory.mktemp("probe"))
 
 
 def fixture():

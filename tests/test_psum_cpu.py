@@ -38,7 +38,7 @@ and a CRC of all jax_arx results must be the same on every rank.
   ``jax_arx.check()`` raises it too.
 
 Needs jax_arx installed with its C++ module (``pip install .``); skipped
-otherwise.
+otherwise (failed in CI: tests/needs.py).
 """
 
 from __future__ import annotations
@@ -59,13 +59,6 @@ SLOT_BYTES = 64 * 1024  # JAX_ARX_SLOT_BYTES in the workers: the one-shot limit
 
 
 # --- the tests ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def core_built(tmp_path_factory):
-    reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
-    if reason:
-        pytest.skip(reason)
-
 
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("shm", 3), ("tcp", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
@@ -469,6 +462,7 @@ def _suite_failures(w):
     jax_arx.initialize(w.mesh)
     f = w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())
     x = w.put(np.ones((w.world, 64), np.float32))
+    f = f.lower(x).compile()  # the call alone is timed, not its compilation
 
     def alone():
         np.asarray(w.shards(f(x))[0])  # waits for the result (or raises)

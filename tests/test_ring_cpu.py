@@ -19,7 +19,7 @@ in a mesh, and reports per topology:
   dependent on others, fresh inputs each time: the relay records and lanes
   are reused over and over (a relay ring holds kRing records);
 - a CRC of every result, which must be the same in the ring and in the mesh;
-- what the proxies relayed (``Endpoint.stats()["relayed"]``): at world 4 in
+- what the proxies relayed (``Endpoint.stats()["relayed_puts"]``): at world 4 in
   the ring, every rank forwarded its previous rank's puts; elsewhere none.
 
 Failures, over tcp (``JAX_ARX_TIMEOUT_S=5``):
@@ -224,7 +224,7 @@ def run_topology(w, topology):
     collectives = sum(sum(a["calls"].values()) - sum(b["calls"].values()) for a, b in zip(after, before))
     w.jax_arx.check()
     return {"cases": w.cases, "digests": w.digests, "bursts": bursts, "collectives": collectives,
-            "relayed": sum(a["relayed"] - b["relayed"] for a, b in zip(after, before)),
+            "relayed": sum(a["relayed_puts"] - b["relayed_puts"] for a, b in zip(after, before)),
             "topology": comm.topology, "transport": w.jax_arx.transport("sp")}
 
 

@@ -56,6 +56,7 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
     else if (k == "send_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.send_bytes));
     else if (k == "oneshot_max_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.oneshot_max_bytes));
     else if (k == "bulk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.bulk_bytes));
+    else if (k == "bulk_lanes") c.bulk_lanes = v == "1" || v == "true";
     else if (k == "timeout_s") ARX_RETURN_IF_ERROR(parse_f64(k, v, c.timeout_s));
     else if (k == "idle_spin_ms") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_spin_ms));
     else if (k == "idle_nap_us") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.idle_nap_us));

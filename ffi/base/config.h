@@ -20,6 +20,12 @@ struct Config {
   uint64_t send_bytes = 4 << 20;  // per parity: a two-shot partial
   uint64_t oneshot_max_bytes = 0;  // JAX_ARX_ONESHOT_MAX_BYTES: one-shot psum up to here (0: slot_bytes), then two-shot
   uint64_t bulk_bytes = 32 << 20;  // JAX_ARX_PREFILL_SLOT_BYTES: per parity, a bulk op's gathered output / input (0: none)
+  // Whether this endpoint's region holds the bulk lanes (bulk_bytes of
+  // them, 4 x in all). jax_arx makes its psum endpoints without (false) and
+  // gives the bulk collectives an endpoint of their own at their first call
+  // (jax_arx/_bulk_endpoints.py), so a psum-only program pins nothing for
+  // them. bulk_bytes stays the envelope either way (comm/plan.h).
+  bool bulk_lanes = true;
   double timeout_s = 30;          // JAX_ARX_TIMEOUT_S: bound of every wait on peers
   int64_t idle_spin_ms = 200;     // JAX_ARX_IDLE_SPIN_MS: proxy spins this long after work
   int64_t idle_nap_us = 200;      // JAX_ARX_IDLE_NAP_US: then naps this long per turn (0: spin)

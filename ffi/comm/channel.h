@@ -79,7 +79,7 @@ struct Inbox {
     return data + (uint64_t)parity * parity_bytes + (uint64_t)src * lane_bytes;
   }
   ARX_HD const uint64_t* word(int src, int piece, int root) const { return flags + words.index(src, piece, root); }
-  // The exact Descriptor `src` issued at a seq of this parity (layout.h, "Headers").
+  // The exact Descriptor `src` issued at a seq of this parity (base/words.h, "Headers").
   ARX_HD const uint64_t* header(int parity, int src) const { return flags + header_word(family, parity, src); }
 };
 

@@ -52,7 +52,7 @@ Status Endpoint::create(const EndpointSpec& spec, std::shared_ptr<Endpoint>& out
   std::shared_ptr<Endpoint> ep(new Endpoint());
   ep->spec_ = spec;
   ep->layout_ = Layout::of(Geometry{(uint32_t)spec.world, spec.config.slot_bytes, spec.config.send_bytes,
-                                    spec.config.bulk_bytes, spec.config.topology});
+                                    spec.config.bulk_lanes ? spec.config.bulk_bytes : 0, spec.config.topology});
   ep->label_ = strf("communicator '%s' rank %d of %d", spec.name.c_str(), spec.rank, spec.world);
   ARX_RETURN_IF_ERROR(Region::create(ep->layout_.total, spec.transport == TransportKind::kShm, ep->region_));
   TransportContext ctx;

@@ -34,21 +34,27 @@ enum class Platform : uint32_t { kHost = 1, kCuda = 2 };
 
 // What an endpoint has run, for jax_arx.stats(): per kind of collective the
 // calls whose handler ran on the host (a replay of a captured CUDA graph runs
-// no host code and is not counted) and their bytes (a psum's partial, a bulk
-// collective's lane); per algorithm the calls it ran (comm/plan.h's numbers);
-// and the stalls the watchdog reported. Relaxed counters: read by messages.
+// no host code and is not counted), their bytes (a psum's partial, a bulk
+// collective's lane), the algorithm each ran (comm/plan.h's numbers) and the
+// calls whose handler failed (on the CPU; a GPU kernel's failure is the
+// endpoint's failure record, which no handler sees); the stalls the
+// watchdog reported; and the puts this rank relayed. Relaxed counters:
+// nothing is ordered by them.
 struct Stats {
   enum Kind { kPsum = 0, kAllGather, kPsumScatter, kMoeCombine, kKinds };
+  static constexpr int kAlgorithms = 5;  // Algorithm's values, kNone included
   std::atomic<uint64_t> calls[kKinds] = {};
   std::atomic<uint64_t> bytes[kKinds] = {};
-  std::atomic<uint64_t> by_algorithm[5] = {};
+  std::atomic<uint64_t> failed[kKinds] = {};
+  std::atomic<uint64_t> by_algorithm[kKinds][kAlgorithms] = {};
   std::atomic<uint64_t> stalls{0};
   std::atomic<uint64_t> relayed{0};  // puts this rank made for prev (a ring of 4: comm/relay.h)
   void count(Kind k, uint64_t n, int algorithm) {
     calls[k].fetch_add(1, std::memory_order_relaxed);
     bytes[k].fetch_add(n, std::memory_order_relaxed);
-    if (algorithm >= 0 && algorithm < 5) by_algorithm[algorithm].fetch_add(1, std::memory_order_relaxed);
+    if (algorithm >= 0 && algorithm < kAlgorithms) by_algorithm[k][algorithm].fetch_add(1, std::memory_order_relaxed);
   }
+  void count_failure(Kind k) { failed[k].fetch_add(1, std::memory_order_relaxed); }
 };
 
 struct EndpointSpec {
@@ -128,9 +134,9 @@ class Endpoint {
 
   Stats stats;
 
-  // Held by a host-side handler for a whole collective. XLA's CPU runtime
-  // may run independent custom calls concurrently; the sequence state and
-  // the buffers belong to one collective at a time.
+  // Held by a host-side handler for a whole collective: the sequence state
+  // and the buffers belong to one collective at a time. A second collective
+  // that finds it held fails (xla/handlers_host.cc, CallGuard).
   std::mutex host_call_mu;
 
   // State a device side keeps with the endpoint (the CUDA side's device

@@ -27,6 +27,7 @@ struct Fingerprint {
   uint64_t cuda_chunk_bytes;
   int64_t cuda_ll_max_bytes;
   uint32_t cuda_direct;
+  uint32_t bulk_lanes;  // whether the region holds the bulk lanes (base/config.h)
   uint32_t transport, platform, topology;
   uint32_t layout_bytes;  // the shared blocks' sizes, so builds that disagree on them do not talk
 };
@@ -48,6 +49,7 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.cuda_chunk_bytes = s.config.cuda_chunk_bytes;
   f.cuda_ll_max_bytes = s.config.cuda_ll_max_bytes;
   f.cuda_direct = s.config.cuda_direct;
+  f.bulk_lanes = s.config.bulk_lanes;
   f.transport = (uint32_t)s.transport;
   f.platform = (uint32_t)s.platform;
   f.topology = (uint32_t)s.config.topology;
@@ -91,6 +93,10 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
     return num("send_bytes", mine.send_bytes, theirs.send_bytes, "set JAX_ARX_SEND_BYTES the same everywhere");
   if (mine.bulk_bytes != theirs.bulk_bytes)
     return num("bulk bytes", mine.bulk_bytes, theirs.bulk_bytes, "set JAX_ARX_PREFILL_SLOT_BYTES the same everywhere");
+  if (mine.bulk_lanes != theirs.bulk_lanes)
+    return strf("rank %d %s the bulk lanes, this rank %s; every rank of a communicator must lay its region out "
+                "alike (a bug of the caller: jax_arx sets this, not the user)",
+                j, theirs.bulk_lanes ? "holds" : "does not hold", mine.bulk_lanes ? "does" : "does not");
   if (mine.oneshot_max_bytes != theirs.oneshot_max_bytes)
     return num("oneshot_max_bytes", mine.oneshot_max_bytes, theirs.oneshot_max_bytes,
                "set JAX_ARX_ONESHOT_MAX_BYTES the same everywhere");

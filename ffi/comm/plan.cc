@@ -94,15 +94,19 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
   Plan p;
   // The envelope users set: every rank's lane together within
   // JAX_ARX_PREFILL_SLOT_BYTES (the lanes themselves hold a little more,
-  // rounded up to 16 bytes).
+  // rounded up to 16 bytes). It is the communicator's, whether or not this
+  // endpoint holds the lanes (Config::bulk_lanes): Python asks it of the
+  // psum endpoint before the bulk endpoint exists, and the handlers of the
+  // one that runs it (xla/handlers.h, endpoint_for) refuse an endpoint
+  // without lanes.
   if (lane_bytes * (uint64_t)L.world <= ep.spec().config.bulk_bytes) {
     p.algorithm = Algorithm::kBulk;
     p.pieces = kChunks;
     return p;
   }
   p.why_not = strf("%s moves %llu bytes per rank, %llu for all %d ranks, more than JAX_ARX_PREFILL_SLOT_BYTES=%llu; "
-                   "set JAX_ARX_PREFILL_SLOT_BYTES=%s on every process to run it with jax_arx (each endpoint pins "
-                   "4 x JAX_ARX_PREFILL_SLOT_BYTES)",
+                   "set JAX_ARX_PREFILL_SLOT_BYTES=%s on every process to run it with jax_arx (the bulk collectives pin "
+                   "4 x JAX_ARX_PREFILL_SLOT_BYTES per device, from their first call on)",
                    op, (unsigned long long)lane_bytes, (unsigned long long)(lane_bytes * L.world), L.world,
                    (unsigned long long)ep.spec().config.bulk_bytes, size_setting(lane_bytes * L.world).c_str());
   return p;

@@ -21,6 +21,7 @@ enum class Algorithm : int64_t {
   kLL = 3,       // the one-shot with its flags inside the data (CUDA, direct channel)
   kBulk = 4,     // a bulk collective, in kChunks pieces
 };
+static_assert((int)Algorithm::kBulk + 1 == Stats::kAlgorithms, "Stats counts every algorithm");
 
 struct Plan {
   Algorithm algorithm = Algorithm::kNone;

@@ -95,7 +95,7 @@ Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
       continue;
     }
     // The exact Descriptor first, on root 0: the piece's flag on that root
-    // comes after it on the same ordered channel (layout.h, "Headers").
+    // comes after it on the same ordered channel (base/words.h, "Headers").
     if (t.family & kTriggerHeader)
       ARX_RETURN_IF_ERROR(carrier->put(peer, 0, header, L.flag_offset(header_word(family, par, rank)),
                                        8 * kDescriptorWords, kNoFlag, 0));
@@ -179,7 +179,7 @@ class Watchdog {
 // rank whose wait gave up (a peer stopped past the timeout, say) tells every
 // peer, and a peer that has not finished that collective yet fails it too
 // instead of completing it later with the data it got. The notice is a flag
-// word of the failing rank's own (layout.h, notice_word), put through the
+// word of the failing rank's own (base/words.h, notice_word), put through the
 // carrier, best effort (a broken link takes none); each proxy looks at its
 // peers' notice words and turns one into its endpoint's failure, which
 // aborts every wait. A peer that had finished the collective before the

@@ -6,7 +6,7 @@
 // issued a different collective (kMismatch). Past it, the peer finished the
 // seq, which it could only do after agreeing with ours: arrived (channel.h,
 // "Flag words"). Once a piece's words arrived, the peer's exact Descriptor
-// in its header slot must be ours too (layout.h, "Headers"): the hash alone
+// in its header slot must be ours too (base/words.h, "Headers"): the hash alone
 // lets one collective in 2^24 pass for another. Every wait is bounded in time (the Poll's clock, never a count of
 // polls, which does not measure time) and by the endpoint's abort word; the
 // Poll says how to spend the time between looks (the host yields the core,

@@ -38,6 +38,7 @@
 
 #include <algorithm>
 
+#include "base/combine.h"
 #include "cuda/device_side.h"
 #include "cuda/grid.cuh"
 #include "cuda/kernels.h"
@@ -138,9 +139,9 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
 
 // Rows [r0, r1) of destination j's part of the combined MoE output, bf16,
 // row r at dst + (r - r0) * row_bytes: for token t = j * rows_per_rank + r,
-//   acc = shared[t]; for k in order: acc = fma(w[t, k], y[pos[t, k]], acc)
-// (e4m3 y: fma(w[t, k] * scale, y, acc), the product w * scale rounded
-// first), rounded once; zero past the tokens. The arithmetic of
+//   acc = shared[t]; for k in order: acc += w[t, k] * y[pos[t, k]]
+// (e4m3 y: w[t, k] * scale, that product rounded first), each term added
+// as base/combine.h says, rounded once; zero past the tokens. The arithmetic of
 // ffi/host/bulk.cc's combine_row, term by term, so both device sides give
 // the same bits. A warp per row, its lanes over the columns.
 __device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, uint8_t* dst) {
@@ -177,17 +178,27 @@ __device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, 
         if (a.y_scale) {
           // The weight times the 128-column block's scale, rounded, then per
           // element (8 columns never straddle a block: 128 % 8 == 0).
-          const float f = __fmul_rn(wq, a.y_scale[(uint64_t)p * (H / 128) + h0 / 128]);
+          const WeightSplit f = split_weight(__fmul_rn(wq, a.y_scale[(uint64_t)p * (H / 128) + h0 / 128]));
           const uint8_t* y8 = static_cast<const uint8_t*>(a.y) + (uint64_t)p * H + h0;
-          for (uint64_t k = 0; k < per; ++k) acc[k] = __fmaf_rn(f, e4m3_to_f32(y8[k]), acc[k]);
+          for (uint64_t k = 0; k < per; ++k) {
+            const float v = e4m3_to_f32(y8[k]);
+            acc[k] = __fmaf_rn(f.hi, v, acc[k]);
+            if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
+          }
         } else {
+          const WeightSplit f = split_weight(wq);
           const uint16_t* y = static_cast<const uint16_t*>(a.y) + (uint64_t)p * H + h0;
           if (vec) {
             const uint4 yv = *reinterpret_cast<const uint4*>(y);
 #pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] = __fmaf_rn(wq, Elem<DType::kBF16>::get(yv, k), acc[k]);
+            for (int k = 0; k < 8; ++k) {
+              const float v = Elem<DType::kBF16>::get(yv, k);
+              acc[k] = __fmaf_rn(f.hi, v, acc[k]);
+              if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
+            }
           } else {
-            acc[0] = __fmaf_rn(wq, bf16_to_f32(y[0]), acc[0]);
+            acc[0] = __fmaf_rn(f.hi, bf16_to_f32(y[0]), acc[0]);
+            if (f.lo != 0.f) acc[0] = __fmaf_rn(f.lo, bf16_to_f32(y[0]), acc[0]);
           }
         }
       }

@@ -4,15 +4,16 @@
 // still copies piece 1; then the pieces are waited for and moved into XLA's
 // output one after another.
 //
-// The combine's arithmetic is written out as it is meant: each product
-// added with one rounding, std::fmaf, as the CUDA kernel computes it and as
-// XLA computes it when it fuses the multiply and the add. The rest of the
-// core is built with -ffp-contract=off, so nothing else is contracted
-// differently on x86 and ARM.
+// The combine's arithmetic is base/combine.h's: each weight split in two,
+// so that every product is exact and std::fmaf gives the bits of a
+// multiply and an add, as the CUDA kernel and jax_arx.moe_combine compute
+// them. The rest of the core is built with -ffp-contract=off, so nothing
+// else is contracted differently on x86 and ARM.
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "base/combine.h"
 #include "comm/plan.h"
 #include "host/convert.h"
 #include "host/device_side.h"
@@ -70,12 +71,18 @@ void combine_row(const MoeCombine& a, uint64_t t, float* acc, uint16_t* dst) {
       const float* scale = a.y_scale + (uint64_t)p * (H / 128);
       const float* lut = e4m3_table();
       for (uint64_t c0 = 0; c0 < H; c0 += 128) {
-        const float f = wq * scale[c0 / 128];  // the weight times the block's scale, rounded, then per element
-        for (uint64_t h = c0; h < c0 + 128; ++h) acc[h] = std::fmaf(f, lut[y8[h]], acc[h]);
+        // The weight times the block's scale, rounded, then per element.
+        const WeightSplit f = split_weight(wq * scale[c0 / 128]);
+        for (uint64_t h = c0; h < c0 + 128; ++h) acc[h] = std::fmaf(f.hi, lut[y8[h]], acc[h]);
+        if (f.lo != 0.f)
+          for (uint64_t h = c0; h < c0 + 128; ++h) acc[h] = std::fmaf(f.lo, lut[y8[h]], acc[h]);
       }
     } else {
       const uint16_t* y = static_cast<const uint16_t*>(a.y) + (uint64_t)p * H;
-      for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(wq, bf16_to_f32(y[h]), acc[h]);
+      const WeightSplit f = split_weight(wq);
+      for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(f.hi, bf16_to_f32(y[h]), acc[h]);
+      if (f.lo != 0.f)
+        for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(f.lo, bf16_to_f32(y[h]), acc[h]);
     }
   }
   for (uint64_t h = 0; h < H; ++h) dst[h] = f32_to_bf16(acc[h]);

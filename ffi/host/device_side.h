@@ -46,9 +46,9 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
 // The fused MoE combine (see jax_arx.moe_combine_psum_scatter): row t of
 // the combined output, for t < tokens,
 //   shared[t] + sum_k w[t, k] * y[pos[t, k]]
-// in fp32: acc = shared[t], then for k in order acc = fma(w[t, k], y, acc)
-// (one rounding per term; for e4m3 y, fma(w[t, k] * scale, y, acc) with the
-// weight-times-scale product rounded first), rounded once to bf16; rows
+// in fp32: acc = shared[t], then for k in order each term added as
+// base/combine.h says (for e4m3 y, of w[t, k] * scale, that product
+// rounded first), rounded once to bf16; rows
 // tokens <= t < padded are zero. Each destination's rows are computed
 // straight into what the channel sends, piece by piece; then out[padded /
 // world, hidden] = the rank-order sum of every rank's rows for this rank. pos

@@ -73,15 +73,19 @@ constexpr uint64_t kMaxChunk = 1ull << 30;
 constexpr int kMaxDevices = 2 * kRoots;  // a ring: two ports, a device per root on each
 
 constexpr uint32_t kWireMagic = 0x56585241;  // "ARXV"
-constexpr uint32_t kWireVersion = 3;
+constexpr uint32_t kWireVersion = 4;
 
 // What this rank tells its peers (details()). Raw bytes: every rank runs the
 // same jax_arx (the endpoint's fingerprint checks the version), and the
-// targets are all little-endian.
+// targets are all little-endian. The details travel through the rendezvous
+// store, which anyone who reaches the coordinator reads: they hold nothing
+// derived from the communicator's secret (version 2 held a 64-bit hash of
+// it, against which JAX_ARX_SECRET could be guessed offline). That the
+// details are this communicator's is the endpoint fingerprint's check
+// (communicator id and name, comm/fingerprint.cc).
 struct Wire {
   uint32_t magic, version;
   int32_t rank, world, roots, ring;
-  uint64_t secret_hash;  // details of another communicator are refused
   uint64_t region_addr, region_bytes;
   uint64_t inbox_lo, inbox_hi;  // offsets from region_addr that peers may write: flags and psum slots
   uint64_t bulk_lo, bulk_hi;    // and the bulk slots (empty when the endpoint has none)

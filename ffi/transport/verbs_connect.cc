@@ -13,12 +13,6 @@
 namespace arx {
 namespace {
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
-
 // A queue-pair setting from Config, checked again here: Config::parse
 // checks what Python hands over, but C++ callers fill Config in directly.
 Status knob(const char* name, const char* var, int64_t v, int64_t lo, int64_t hi, int& out) {
@@ -96,7 +90,6 @@ Status VerbsTransport::open() {
   wire_.world = ctx_.world;
   wire_.roots = roots_;
   wire_.ring = ring_;
-  wire_.secret_hash = fnv1a(ctx_.secret);
   wire_.region_addr = (uint64_t)(uintptr_t)region->base();
   wire_.region_bytes = region->size();
   wire_.inbox_lo = lay.inbox_lo();
@@ -243,9 +236,8 @@ Status VerbsTransport::connect(const std::vector<std::string>& details, double t
       return labelled(strf("jax_arx: rank %d's connection details are not a verbs carrier's (magic 0x%x, version "
                            "%u; expected 0x%x, %u)",
                            j, p.magic, p.version, kWireMagic, kWireVersion));
-    if (p.rank != j || p.world != ctx_.world || p.secret_hash != wire_.secret_hash)
-      return labelled(strf("jax_arx: rank %d's connection details belong to rank %d of %d of %s communicator", j,
-                           p.rank, p.world, p.secret_hash == wire_.secret_hash ? "this" : "another"));
+    if (p.rank != j || p.world != ctx_.world)
+      return labelled(strf("jax_arx: rank %d's connection details belong to rank %d of %d", j, p.rank, p.world));
     if (p.ring != wire_.ring)
       return labelled(strf("jax_arx: rank %d is cabled as a %s, this rank as a %s; set JAX_ARX_TOPOLOGY the same "
                            "everywhere",

@@ -27,14 +27,23 @@ inline std::optional<DType> dtype_of(ffi::DataType t) {
   }
 }
 
-// The endpoint a call runs on, or an error saying how to get one.
-inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::shared_ptr<Endpoint>& ep) {
+// The endpoint a call of `family` runs on, or an error saying how to get
+// one. A bulk collective needs one whose region holds the bulk lanes
+// (Config::bulk_lanes): the one jax_arx makes for them at the first bulk
+// collective it traces, under a communicator id of its own.
+inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::shared_ptr<Endpoint>& ep,
+                               Family family = Family::kPsum) {
   ep = find_endpoint(comm_id, device_ordinal);
   if (!ep)
     return ffi::Error::InvalidArgument(strf(
         "jax_arx: no communicator %lld on local device %d in this process; call jax_arx.initialize(mesh) (after "
         "jax.distributed.initialize) with the mesh the collective runs over, before running it",
         (long long)comm_id, (int)device_ordinal));
+  if (family == Family::kBulk && ep->layout().bulk_lane == 0)
+    return ffi::Error::InvalidArgument(strf(
+        "jax_arx: %s holds no bulk lanes, so no all_gather, psum_scatter or MoE combine runs on it (communicator "
+        "%lld is not the one jax_arx made for them; JAX_ARX_PREFILL_SLOT_BYTES=0 turns them off)",
+        ep->label().c_str(), (long long)comm_id));
   return ffi::Error::Success();
 }
 
@@ -42,6 +51,13 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
 // the plan chose for it.
 inline void count_call(Endpoint& ep, Stats::Kind kind, uint64_t bytes, const Plan& plan) {
   ep.stats.count(kind, bytes, (int)plan.algorithm);
+}
+
+// Counts a call that failed where the host sees it (Endpoint::stats) and
+// passes its error on.
+inline ffi::Error failed_call(Endpoint& ep, Stats::Kind kind, ffi::Error e) {
+  ep.stats.count_failure(kind);
+  return e;
 }
 
 // The attributes of a psum call, the same on both platforms: comm_id, site

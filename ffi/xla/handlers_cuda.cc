@@ -20,8 +20,9 @@ namespace {
 // The endpoint of (comm_id, device ordinal), attached to its GPU; an error
 // if there is none, or if the endpoint has failed (the "next host-side call
 // raises" contract: the kernels would fill NaN and return at once anyway).
-ffi::Error cuda_endpoint(const char* op, int64_t comm_id, int32_t device_ordinal, std::shared_ptr<Endpoint>& ep) {
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+ffi::Error cuda_endpoint(const char* op, int64_t comm_id, int32_t device_ordinal, std::shared_ptr<Endpoint>& ep,
+                         Family family = Family::kPsum) {
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, family); e.failure()) return e;
   if (!cuda::attached(*ep))
     return ffi::Error::InvalidArgument(strf("jax_arx.%s: %s was not set up for CUDA (platform 'cuda' in "
                                             "jax_arx.initialize)",
@@ -90,7 +91,7 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
 ffi::Error all_gather_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
                            ffi::RemainingRets rets, int64_t comm_id, int64_t site, int64_t dimension) {
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = cuda_endpoint("all_gather", comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = cuda_endpoint("all_gather", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   if (args.size() < rets.size()) return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
   const uint64_t world = (uint64_t)ep->spec().world;
   for (size_t i = 0; i < rets.size(); ++i) {
@@ -109,7 +110,7 @@ ffi::Error all_gather_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Rem
 ffi::Error psum_scatter_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, int64_t comm_id, int64_t site, int64_t dimension) {
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = cuda_endpoint("psum_scatter", comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = cuda_endpoint("psum_scatter", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   if (args.size() < rets.size())
     return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
   const uint64_t world = (uint64_t)ep->spec().world;
@@ -130,7 +131,7 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
                                          ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
                                          int64_t scaled) {
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = cuda_endpoint("moe_combine_psum_scatter", comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = cuda_endpoint("moe_combine_psum_scatter", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   MoeOperands m;
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   const Plan plan = plan_bulk(*ep, "moe_combine_psum_scatter", m.padded / ep->spec().world * m.hidden * 2);

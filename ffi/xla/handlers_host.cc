@@ -23,6 +23,37 @@ void fill_failed_results(ffi::RemainingRets& rets, size_t from) {
     }
 }
 
+// Every rank must issue its collectives in one order, and a handler holds
+// its endpoint (Endpoint::host_call_mu) for a whole collective. Two
+// collectives on one endpoint at once have no such order: they come from
+// several threads, or from programs the runtime runs concurrently
+// (jax_arx/_ordering.py orders the calls within one program), and a peer
+// may take them the other way round, summing one's data into the other's
+// result when their shapes agree. So the second does not wait its turn: it
+// fails, and fails the endpoint, whose proxy tells the peers (comm/proxy.cc,
+// notices), so that the collective in flight fails on every rank too. Runs
+// that only follow each other in different orders on different ranks, never
+// overlapping, are not seen here (README, "Failures and security").
+class CallGuard {
+ public:
+  explicit CallGuard(Endpoint& ep) : lock_(ep.host_call_mu, std::try_to_lock) {}
+  bool busy() const { return !lock_.owns_lock(); }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
+ffi::Error overlapping(Endpoint& ep, Stats::Kind kind, const char* op) {
+  const std::string m = strf(
+      "jax_arx: %s: a %s began while another collective of this endpoint was still running. Collectives issued "
+      "from several threads at once (or by programs run concurrently) have no order every rank agrees on, and "
+      "could be summed into each other's results: issue jax_arx's collectives from one thread. This endpoint has "
+      "failed, and its peers are told; call jax_arx.shutdown() and jax_arx.initialize() on every process to go on",
+      ep.label().c_str(), op);
+  ep.fail(m);
+  return failed_call(ep, kind, ffi::Error::Internal(m));
+}
+
 // x[0..n) -> y[0..n), each summed over the communicator, one collective per
 // pair in operand order. Operands past the n-th are dependency operands
 // (never read: they only make XLA run this call after their producers, see
@@ -36,7 +67,11 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
   if (ffi::Error e = psum_attributes(attrs, args.size(), rets.size(), at); e.failure()) return e;
   std::shared_ptr<Endpoint> ep;
   if (ffi::Error e = endpoint_for(at.comm_id, device_ordinal, ep); e.failure()) return e;
-  std::lock_guard<std::mutex> lock(ep->host_call_mu);
+  const CallGuard guard(*ep);
+  if (guard.busy()) {
+    fill_failed_results(rets, 0);
+    return overlapping(*ep, Stats::kPsum, "psum");
+  }
   for (size_t i = 0; i < rets.size(); ++i) {
     PsumPair p;
     if (ffi::Error e = psum_pair(args, rets, i, p); e.failure()) return e;
@@ -45,7 +80,7 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     const Status s = host::psum(*ep, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);  // the rest of the call too, never stale memory
-      return ffi::Error::Internal(s.message());
+      return failed_call(*ep, Stats::kPsum, ffi::Error::Internal(s.message()));
     }
   }
   return ffi::Error::Success();
@@ -59,9 +94,13 @@ ffi::Error all_gather_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi:
   if (args.size() < rets.size())
     return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   const uint64_t world = (uint64_t)ep->spec().world;
-  std::lock_guard<std::mutex> lock(ep->host_call_mu);
+  const CallGuard guard(*ep);
+  if (guard.busy()) {
+    fill_failed_results(rets, 0);
+    return overlapping(*ep, Stats::kAllGather, "all_gather");
+  }
   for (size_t i = 0; i < rets.size(); ++i) {
     BulkPair p;
     if (ffi::Error e = bulk_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
@@ -70,7 +109,7 @@ ffi::Error all_gather_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi:
                                       (uint64_t)site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
-      return ffi::Error::Internal(s.message());
+      return failed_call(*ep, Stats::kAllGather, ffi::Error::Internal(s.message()));
     }
   }
   return ffi::Error::Success();
@@ -84,9 +123,13 @@ ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ff
   if (args.size() < rets.size())
     return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   const uint64_t world = (uint64_t)ep->spec().world;
-  std::lock_guard<std::mutex> lock(ep->host_call_mu);
+  const CallGuard guard(*ep);
+  if (guard.busy()) {
+    fill_failed_results(rets, 0);
+    return overlapping(*ep, Stats::kPsumScatter, "psum_scatter");
+  }
   for (size_t i = 0; i < rets.size(); ++i) {
     BulkPair p;
     if (ffi::Error e = bulk_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
@@ -94,7 +137,7 @@ ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ff
     const Status s = host::reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, (uint64_t)site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
-      return ffi::Error::Internal(s.message());
+      return failed_call(*ep, Stats::kPsumScatter, ffi::Error::Internal(s.message()));
     }
   }
   return ffi::Error::Success();
@@ -106,7 +149,7 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
                                          ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
                                          int64_t scaled) {
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep); e.failure()) return e;
+  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   MoeOperands m;
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   host::MoeCombine a;
@@ -121,11 +164,15 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
   a.hidden = m.hidden;
   a.topk = m.topk;
   const uint64_t lane = m.padded / ep->spec().world * m.hidden * 2;
+  const CallGuard guard(*ep);
+  if (guard.busy()) {
+    host::fill_nan(DType::kBF16, out->untyped_data(), out->element_count());
+    return overlapping(*ep, Stats::kMoeCombine, "moe_combine_psum_scatter");
+  }
   count_call(*ep, Stats::kMoeCombine, lane, plan_bulk(*ep, "moe_combine_psum_scatter", lane));
-  std::lock_guard<std::mutex> lock(ep->host_call_mu);
   const Status s = host::moe_combine_reduce_scatter(*ep, a, static_cast<uint16_t*>(out->untyped_data()),
                                                     (uint64_t)site * 64);
-  if (!s.ok()) return ffi::Error::Internal(s.message());
+  if (!s.ok()) return failed_call(*ep, Stats::kMoeCombine, ffi::Error::Internal(s.message()));
   return ffi::Error::Success();
 }
 

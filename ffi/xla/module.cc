@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -131,23 +132,40 @@ class PyEndpoint {
     return {(int)p.algorithm, p.pieces, p.why_not};
   }
 
-  // Endpoint::stats, as a dict.
+  // Endpoint::stats, as a dict (the keys: the "stats" docstring below).
   nb::dict stats() const {
     static const char* kinds[] = {"psum", "all_gather", "psum_scatter", "moe_combine_psum_scatter"};
     static const char* algorithms[] = {"none", "one_shot", "two_shot", "ll", "bulk"};
+    static_assert(std::size(kinds) == Stats::kKinds && std::size(algorithms) == Stats::kAlgorithms);
     const Stats& st = ep_->stats;
-    nb::dict calls, bytes, by_algorithm, d;
+    auto n = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+    nb::dict calls, bytes, by_algorithm, ops, d;
+    uint64_t total[Stats::kAlgorithms] = {};
     for (int k = 0; k < Stats::kKinds; ++k) {
-      calls[kinds[k]] = st.calls[k].load(std::memory_order_relaxed);
-      bytes[kinds[k]] = st.bytes[k].load(std::memory_order_relaxed);
+      calls[kinds[k]] = n(st.calls[k]);
+      bytes[kinds[k]] = n(st.bytes[k]);
+      nb::dict op, ran;
+      for (int a = 1; a < Stats::kAlgorithms; ++a) {
+        total[a] += n(st.by_algorithm[k][a]);
+        if (n(st.by_algorithm[k][a])) ran[algorithms[a]] = n(st.by_algorithm[k][a]);
+      }
+      op["calls"] = n(st.calls[k]);
+      op["bytes"] = n(st.bytes[k]);
+      op["failed"] = n(st.failed[k]);
+      op["algorithms"] = ran;
+      ops[kinds[k]] = op;
     }
-    for (int a = 1; a < 5; ++a) by_algorithm[algorithms[a]] = st.by_algorithm[a].load(std::memory_order_relaxed);
+    for (int a = 1; a < Stats::kAlgorithms; ++a) by_algorithm[algorithms[a]] = total[a];
     d["calls"] = calls;
     d["bytes"] = bytes;
     d["algorithms"] = by_algorithm;
-    d["stalls"] = st.stalls.load(std::memory_order_relaxed);
-    d["relayed"] = st.relayed.load(std::memory_order_relaxed);  // puts made for prev (a ring of 4)
-    d["last_stall"] = ep_->last_stall();
+    d["ops"] = ops;
+    d["stalls"] = n(st.stalls);
+    const std::string stall = ep_->last_stall();
+    d["last_stall"] = stall.empty() ? nb::none() : nb::object(nb::str(stall.c_str()));
+    d["relayed_puts"] = n(st.relayed);
+    const std::string failure = ep_->failure();
+    d["failure"] = failure.empty() ? nb::none() : nb::object(nb::str(failure.c_str()));
     return d;
   }
 
@@ -217,13 +235,20 @@ NB_MODULE(_core, m) {
       .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
       .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
       .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
+      .def_prop_ro("region_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().total; },
+                   "Bytes of this endpoint's region (pinned host memory; shared memory with the shm carrier).")
+      .def_prop_ro("bulk_lane_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().bulk_lane; },
+                   "Bytes of one bulk lane (the region holds 4 x world of them); 0 where the endpoint holds none.")
       .def("plan", &PyEndpoint::plan, nb::arg("op"), nb::arg("bytes"),
            "What runs a collective of `op` with `bytes` per rank here: (algorithm, pieces, why_not). algorithm 0: "
            "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk.")
       .def("stats", &PyEndpoint::stats,
-           "What this endpoint ran: {'calls': {kind: n}, 'bytes': {kind: n}, 'algorithms': {name: n}, 'stalls': "
-           "n, 'last_stall': the watchdog's last report, in words}. Calls are counted when their handler runs on the host: a replay of a captured CUDA graph runs no "
-           "host code and is not counted.")
+           "What this endpoint ran (jax_arx.stats() gathers them): {'ops': {kind: {'calls': n, 'bytes': n, 'failed': "
+           "n, 'algorithms': {name: n}}}, 'calls': {kind: n}, 'bytes': {kind: n}, 'algorithms': {name: n} (every "
+           "kind), 'stalls': n, 'last_stall': the watchdog's last report or None, 'relayed_puts': n, 'failure': the "
+           "failure message or None}. Kinds: psum, all_gather, psum_scatter, moe_combine_psum_scatter; algorithms: "
+           "one_shot, two_shot, ll, bulk. Calls are counted when their handler runs on the host: a replay of a "
+           "captured CUDA graph runs no host code and is not counted.")
       .def_prop_ro("route", [](const PyEndpoint& p) {
         const arx::Endpoint::Route& r = p.endpoint()->route();
         return std::string(!r.direct ? "proxy" : r.gpu_inboxes ? "direct, GPU inboxes" : "direct");

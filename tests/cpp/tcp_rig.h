@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -159,6 +160,76 @@ inline int port_of(const std::string& details) {
   tcp_auth::Details d;
   std::string why;
   return tcp_auth::parse_details(details, d, why) ? d.port : -1;
+}
+
+// Waits (bounded) until the peer of `fd` has closed its end: the test's side
+// shut its writes, so a receiver that read everything up to that EOF and
+// then closed the stream shows as EOF here. Whether it did within timeout_s.
+inline bool wait_peer_closed(int fd, double timeout_s = 10) {
+  const auto t0 = Clock::now();
+  while (since(t0) < timeout_s) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) > 0) {
+      char c;
+      const ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT);
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return true;
+    }
+  }
+  return false;
+}
+
+// This network namespace's TCP sockets (/proc/net/tcp and tcp6): calls
+// fn(local port, remote port, state, bytes queued to send) for each.
+template <typename Fn>
+void each_tcp_socket(Fn fn) {
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    FILE* f = fopen(path, "r");
+    if (!f) continue;
+    char line[512];
+    if (!fgets(line, sizeof line, f)) {  // the header
+      fclose(f);
+      continue;
+    }
+    while (fgets(line, sizeof line, f)) {
+      char local[64] = {}, remote[64] = {};
+      unsigned state = 0;
+      unsigned long tx = 0;
+      if (sscanf(line, " %*d: %63s %63s %x %lx", local, remote, &state, &tx) != 4) continue;
+      const char *lc = strrchr(local, ':'), *rc = strrchr(remote, ':');
+      if (lc && rc) fn((int)strtol(lc + 1, nullptr, 16), (int)strtol(rc + 1, nullptr, 16), state, tx);
+    }
+    fclose(f);
+  }
+}
+
+// The streams open on local port `port` (ESTABLISHED or CLOSE_WAIT, the
+// listener aside): a receiver's inbound streams that it has not closed yet.
+inline int streams_on(int port) {
+  int n = 0;
+  each_tcp_socket([&](int local, int, unsigned state, unsigned long) {
+    n += local == port && (state == 0x01 || state == 0x08);
+  });
+  return n;
+}
+
+// Bytes queued to send on the streams to remote port `port`.
+inline unsigned long queued_to(int port) {
+  unsigned long n = 0;
+  each_tcp_socket([&](int, int remote, unsigned, unsigned long tx) {
+    if (remote == port) n += tx;
+  });
+  return n;
+}
+
+// Waits (bounded) until no stream is open on `port`; whether none was left
+// within timeout_s.
+inline bool wait_streams_closed(int port, double timeout_s = 10) {
+  const auto t0 = Clock::now();
+  while (streams_on(port) > 0) {
+    if (since(t0) > timeout_s) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
 }
 
 // ---- a rank the test plays: its own key pair and listener ----

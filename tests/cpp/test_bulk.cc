@@ -5,7 +5,7 @@
 // the inputs, never from the library's buffers). Also: bulk collectives
 // interleaved with psum on one endpoint, many calls back to back (parity and
 // ring reuse), a producer that publishes triggers out of order (as GPU blocks
-// do), timeouts and mismatches. Runs under ThreadSanitizer with --quick (tcp;
+// do), timeouts and mismatches; an endpoint made without the bulk lanes. Runs under ThreadSanitizer with --quick (tcp;
 // see test_core.cc for why not shm).
 //
 // usage: test_bulk [--quick] [carrier ...]   (default: shm tcp)
@@ -22,6 +22,7 @@
 
 #include "base/atomics.h"
 #include "comm/endpoint.h"
+#include "comm/plan.h"
 #include "comm/wait.h"
 #include "host/device_side.h"
 #include "rig.h"
@@ -209,6 +210,39 @@ struct MoeCase {
   bool e4m3;
 };
 
+// acc plus the term f * y as base/combine.h defines it, written out here:
+// f split into hi (its 8 lowest significand bits cleared) and lo = f - hi,
+// so that each product is exact and a contracted multiply-add or not gives
+// the same bits; lo added only where it is not 0; a non-finite f whole.
+float ref_add_term(float acc, float f, float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7F800000u) == 0x7F800000u) return acc + f * y;
+  bits &= 0xFFFFFF00u;
+  float hi;
+  std::memcpy(&hi, &bits, 4);
+  const float lo = f - hi;
+  acc = acc + hi * y;
+  return lo != 0.f ? acc + lo * y : acc;
+}
+
+// Token 0 made one that tells the documented arithmetic from a single
+// rounding of each term (tests/test_prefill_cpu.py, tie_token, says how):
+// shared 1, y = 145 * 2^-7 (row 0), one weight 49265 * 2^-17 + 2^-25. Its
+// row is 1.421875 in bf16; 1.4296875 with one rounding per term.
+void tie_token(const MoeCase& c, std::vector<uint8_t>& y, std::vector<int32_t>& pos, std::vector<float>& w,
+               std::vector<uint16_t>& shared) {
+  const uint16_t y_bits = ref_to_bf16(145.0f / 128), one = ref_to_bf16(1.0f);
+  for (uint64_t h = 0; h < c.hidden; ++h) {
+    std::memcpy(&y[h * 2], &y_bits, 2);
+    shared[h] = one;
+  }
+  for (uint64_t q = 0; q < c.topk; ++q) {
+    pos[q] = 0;
+    w[q] = q == 0 ? std::ldexp(49265.0f, -17) + std::ldexp(1.0f, -25) : 0.0f;
+  }
+}
+
 // Every rank's combined rows, computed here from the inputs.
 std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::vector<uint8_t>& y,
                                   const std::vector<float>& scale, const std::vector<int32_t>& pos,
@@ -219,14 +253,13 @@ std::vector<uint16_t> ref_combine(const MoeCase& c, uint64_t padded, const std::
       float acc = ref_bf16(shared[t * c.hidden + h]);
       for (uint64_t q = 0; q < c.topk; ++q) {
         const int64_t p = std::clamp<int64_t>(pos[t * c.topk + q], 0, (int64_t)c.rows - 1);
-        // One rounding per term: a fused multiply-add (IEEE fma).
         if (c.e4m3) {
-          const float f = w[t * c.topk + q] * scale[p * (c.hidden / 128) + h / 128];
-          acc = std::fmaf(f, ref_e4m3(y[p * c.hidden + h]), acc);
+          const float f = w[t * c.topk + q] * scale[p * (c.hidden / 128) + h / 128];  // rounded
+          acc = ref_add_term(acc, f, ref_e4m3(y[p * c.hidden + h]));
         } else {
           uint16_t b;
           std::memcpy(&b, &y[(p * c.hidden + h) * 2], 2);
-          acc = std::fmaf(w[t * c.topk + q], ref_bf16(b), acc);
+          acc = ref_add_term(acc, w[t * c.topk + q], ref_bf16(b));
         }
       }
       rows[t * c.hidden + h] = ref_to_bf16(acc);
@@ -262,6 +295,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
         w[r].push_back(d(rng) / 2);
       }
       for (uint64_t i = 0; i < c.tokens * c.hidden; ++i) shared[r].push_back(ref_to_bf16(d(rng)));
+      if (!c.e4m3) tie_token(c, y[r], pos[r], w[r], shared[r]);
       combined[r] = ref_combine(c, padded, y[r], scale[r], pos[r], w[r], shared[r]);
       out[r].assign(per * c.hidden, 0xABAB);
     }
@@ -444,9 +478,16 @@ void test_timeout(TransportKind kind) {
     sts[r] = host::reduce_scatter(*rig.eps[r], DType::kBF16, in[r].data(), out[r].data(), 10, 1, 0);
   });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT(!sts[0].ok() && sts[0].message().find("rank 2") != std::string::npos &&
-             sts[0].message().find("psum_scatter #1") != std::string::npos,
-         "timeout names the op and the missing rank: %s", sts[0].message().c_str());
+  // The rank that timed out first names the op and the missing rank; the
+  // other may learn of it by that rank's notice first, which says it timed out.
+  auto names = [](const Status& s) {
+    return s.message().find("rank 2") != std::string::npos && s.message().find("psum_scatter #1") != std::string::npos;
+  };
+  for (int r = 0; r < 2; ++r)
+    EXPECT(!sts[r].ok() && (names(sts[r]) || sts[r].message().find("timed out after") != std::string::npos),
+           "rank %d: a timeout, or a peer's notice of one: %s", r, sts[r].message().c_str());
+  EXPECT(names(sts[0]) || names(sts[1]), "no rank named the op and the missing rank: '%s' / '%s'",
+         sts[0].message().c_str(), sts[1].message().c_str());
   EXPECT(took < 5, "timeout took %.2f s", took);
   EXPECT(out[0][0] == 0x7fc0 && out[1][9] == 0x7fc0, "output is NaN after a failed call");
   std::vector<uint8_t> x(16, 1), y(48, 0);
@@ -492,6 +533,56 @@ void test_too_big(TransportKind kind) {
   EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
 }
 
+// An endpoint made without the bulk lanes (Config::bulk_lanes = false, what
+// jax_arx makes for psum): its region has none, so it is smaller by the 4 x
+// bulk_bytes they take; psum runs on it; its plan still says what the
+// communicator takes (the envelope); and it does not pair with an endpoint
+// laid out with them.
+void test_psum_only_endpoint(TransportKind kind) {
+  Config with = test_config(), without = test_config();
+  without.bulk_lanes = false;
+  Rig rig;
+  if (!bulk_rig(kind, 2, rig, without)) { EXPECT(false, "rig"); return; }
+  const Layout full = Layout::of(Geometry{2, with.slot_bytes, with.send_bytes, with.bulk_bytes, with.topology});
+  const Layout& none = rig.eps[0]->layout();
+  EXPECT(none.bulk_lane == 0 && none.total + 4 * with.bulk_bytes <= full.total,
+         "an endpoint without lanes holds none: lane %llu, %llu bytes against %llu", (unsigned long long)none.bulk_lane,
+         (unsigned long long)none.total, (unsigned long long)full.total);
+  EXPECT(plan_bulk(*rig.eps[0], "all_gather", with.bulk_bytes / 2).algorithm == Algorithm::kBulk &&
+             plan_bulk(*rig.eps[0], "all_gather", with.bulk_bytes / 2 + 16).algorithm == Algorithm::kNone,
+         "the plan is the communicator's envelope, lanes or not");
+  std::vector<std::vector<float>> x(2, std::vector<float>(1000));
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 1000; ++i) x[r][i] = (float)(i * (r + 1));
+  std::vector<Status> sts(2);
+  on_ranks(2, [&](int r) { sts[r] = host::psum(*rig.eps[r], DType::kF32, x[r].data(), x[r].data(), 1000, 0); });
+  EXPECT(sts[0].ok() && sts[1].ok() && x[0][999] == 999.f * 3 && x[1][1] == 3.f, "psum without lanes: %s",
+         sts[0].message().c_str());
+
+  // One rank laid out with lanes, the other without: connect refuses, on both.
+  std::vector<std::shared_ptr<Endpoint>> eps(2);
+  std::vector<std::string> details(2);
+  for (int r = 0; r < 2; ++r) {
+    EndpointSpec s;
+    s.comm_id = 12;
+    s.rank = r;
+    s.world = 2;
+    s.transport = kind;
+    s.name = "lanes";
+    s.secret = "secret-of-this-test";
+    s.config = r == 0 ? with : without;
+    s.config.timeout_s = 2;
+    if (!Endpoint::create(s, eps[r]).ok()) { EXPECT(false, "create"); return; }
+    details[r] = eps[r]->details();
+  }
+  on_ranks(2, [&](int r) { sts[r] = eps[r]->connect(details); });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT(!sts[r].ok() && sts[r].message().find("bulk lanes") != std::string::npos,
+           "rank %d connects to a peer laid out otherwise: %s", r, sts[r].message().c_str());
+    eps[r]->close();
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -521,6 +612,7 @@ int main(int argc, char** argv) {
     test_timeout(k);
     test_mismatch(k);
     test_too_big(k);
+    test_psum_only_endpoint(k);
     g_topology = TopologyKind::kRing;
     for (int world : {2, 3, 4}) {
       test_all_gather(k, world, ag_sizes);

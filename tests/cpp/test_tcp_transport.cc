@@ -332,9 +332,11 @@ void test_faulty_peer() {
   const int c = in[1][0];
   FrameHeader bye{kByeMagic, 0, 0, 0, 0};
   raw_send(c, &bye, sizeof bye);
-  shutdown(c, SHUT_RDWR);
+  shutdown(c, SHUT_WR);
   // An orderly close is no failure: it must not be reported as a lost peer.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The receiver closes the stream only after it read the goodbye and the
+  // EOF and decided what they were: once its end is closed, any report is in.
+  CHECK(wait_peer_closed(c), "the receiver did not close a stream that said goodbye and ended");
   {
     std::lock_guard<std::mutex> lk(me.lost_mu);
     CHECK(me.lost.size() == 2, "EOF after a goodbye was reported as a lost peer (%zu reports)", me.lost.size());
@@ -389,7 +391,7 @@ void test_stopped_peer() {
     // check instead of hanging the test; close() then frees it.
     while (!done.load() && since(t0) < 4 * timeout_s + 10) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     const double took = since(t0);
-    CHECK(done.load() && took < 2 * timeout_s + 3, "a put to a peer that does not read took %.1f s (timeout %g s)%s",
+    CHECK(done.load() && took <= 2 * timeout_s, "a put to a peer that does not read took %.1f s (timeout %g s)%s",
           took, timeout_s, done.load() ? "" : " and had not returned");
     if (!done.load()) me.t->close();
     sender.join();
@@ -413,8 +415,13 @@ void test_stopped_peer() {
                      me.layout.flag_offset(flag_index(0, 1)), 1);
       done.store(true);
     });
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // let the send fill the buffers and block
-    CHECK(!done.load(), "the put should still be blocked on the stopped peer");
+    // The send is under way (bytes wait in the socket for a peer that never
+    // reads) and cannot finish: close() must then free it.
+    const auto t1 = Clock::now();
+    while (queued_to(w.fake(1).port) == 0 && !done.load() && since(t1) < 10)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    CHECK(queued_to(w.fake(1).port) > 0 && !done.load(), "the put should be blocked on the stopped peer (%lu bytes "
+          "queued, %s)", queued_to(w.fake(1).port), done.load() ? "returned" : "not returned");
     const auto t0 = Clock::now();
     me.t->close();
     const double took = since(t0);
@@ -542,10 +549,11 @@ void test_close() {
   // The first failed send is the sticky one.
   CHECK(w[0].t->poll().message() == err[1].message(), "poll: '%s', first failed put: '%s'",
         w[0].t->poll().message().c_str(), err[1].message().c_str());
-  // The puts failed because rank 1's sockets are gone, so its goodbyes and
-  // EOFs reached rank 0 before; give rank 0's receiver a moment to read
-  // them, then check that it did not report them as a lost peer.
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Rank 0's receiver closes each inbound stream only after it read its
+  // goodbye and EOF and decided what they were: once both of rank 1's are
+  // closed on rank 0's port, any report is in.
+  CHECK(wait_streams_closed(port_of(w[0].t->details())), "rank 0 still has %d of rank 1's streams open",
+        streams_on(port_of(w[0].t->details())));
   CHECK(w[0].lost_count() == 0, "rank 0 reported rank 1's orderly close as a lost peer: %s",
         w[0].lost_text().c_str());
   w[0].t->close();

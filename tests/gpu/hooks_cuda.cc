@@ -101,7 +101,7 @@ ARX_TESTING_API int arx_testing_open(int64_t comm_id, int device_ordinal, int ra
 // out[0..11] = host address of the region; offsets of flags, recv, send,
 // ring, ll_recv; slot_bytes, send_bytes, total bytes; the roots the
 // receiving channel waits on (2 proxy, 1 direct); the psum words' stride per
-// source and pieces per source (layout.h, FlagWords).
+// source and pieces per source (base/words.h, FlagWords).
 ARX_TESTING_API int arx_testing_layout(int64_t comm_id, int device_ordinal, uint64_t* out) {
   auto ep = find(comm_id, device_ordinal);
   if (!ep) return -1;

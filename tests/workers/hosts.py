@@ -65,7 +65,7 @@ def main():
                         return 1
                 checked[op] += 1
     jax_arx.check()
-    relayed = sum(ep.endpoint.stats()["relayed"] for ep in jax_arx._comm.communicator("x").endpoints)
+    relayed = sum(ep.endpoint.stats()["relayed_puts"] for ep in jax_arx._comm.communicator("x").endpoints)
     print(json.dumps(dict(ok=True, checked=checked, process=me, transport=transport, relayed=relayed,
                           topology=jax_arx._comm.communicator("x").topology)))
     jax_arx.shutdown()

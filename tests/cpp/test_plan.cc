@@ -1,0 +1,187 @@
+// What runs a collective of each size (comm/plan.h), on endpoints that are
+// created but never connected: the host and the CUDA device sides, every
+// route, the settings that move the limits. The expectations are the rules
+// as the configuration table (jax_arx/config.py) and the README state them,
+// written out here on their own:
+//   psum: LL up to its limit (CUDA, direct route: 128 KiB, or
+//   cuda_ll_max_bytes), the one-shot up to the slot (or
+//   JAX_ARX_ONESHOT_MAX_BYTES, at most the slot), the two-shot (CUDA only)
+//   up to min(send, world x slot); past that nothing, with a message that
+//   names the setting to raise;
+//   bulk: every rank's lane together within JAX_ARX_PREFILL_SLOT_BYTES.
+// No CUDA is needed: an endpoint of the CUDA platform is plain memory until
+// its device side attaches, and the plan reads only its config and route.
+#include <cstdio>
+#include <string>
+
+#include "base/layout.h"
+#include "comm/plan.h"
+#include "rig.h"
+
+using namespace arx;
+using arx::testing::g_failures;
+
+namespace {
+
+constexpr uint64_t kKiB = 1024;
+
+struct Case {
+  Platform platform;
+  bool direct, gpu_inboxes;
+  Config cfg;
+  int world = 2;
+};
+
+std::shared_ptr<Endpoint> open_endpoint(const Case& c) {
+  EndpointSpec s;
+  s.comm_id = 11;
+  s.rank = 0;
+  s.world = c.world;
+  s.transport = TransportKind::kTcp;
+  s.platform = c.platform;
+  s.name = "plan";
+  s.secret = "secret-of-this-test";
+  s.config = c.cfg;
+  std::shared_ptr<Endpoint> ep;
+  const Status st = Endpoint::create(s, ep);
+  EXPECT(st.ok(), "create: %s", st.message().c_str());
+  if (ep) ep->set_route(Endpoint::Route{c.direct, c.gpu_inboxes});
+  return ep;
+}
+
+const char* name(Algorithm a) {
+  switch (a) {
+    case Algorithm::kNone: return "none";
+    case Algorithm::kOneShot: return "one_shot";
+    case Algorithm::kTwoShot: return "two_shot";
+    case Algorithm::kLL: return "ll";
+    case Algorithm::kBulk: return "bulk";
+  }
+  return "?";
+}
+
+// The psum rules above, for `bytes` on case `c`.
+Algorithm expected_psum(const Case& c, uint64_t bytes) {
+  const bool cuda = c.platform == Platform::kCuda;
+  const uint64_t slot = c.cfg.slot_bytes;
+  const uint64_t oneshot = c.cfg.oneshot_max_bytes ? std::min(c.cfg.oneshot_max_bytes, slot) : slot;
+  const int64_t ll_cfg = c.cfg.cuda_ll_max_bytes;
+  const uint64_t ll = !cuda || !c.direct ? 0 : ll_cfg < 0 ? 128 * kKiB : std::min<uint64_t>(ll_cfg, 128 * kKiB);
+  if (bytes <= oneshot) return bytes <= ll ? Algorithm::kLL : Algorithm::kOneShot;
+  if (cuda && bytes <= std::min<uint64_t>(c.cfg.send_bytes, (uint64_t)c.world * slot)) return Algorithm::kTwoShot;
+  return Algorithm::kNone;
+}
+
+void check_psum(const char* what, const Case& c, std::initializer_list<uint64_t> sizes) {
+  auto ep = open_endpoint(c);
+  if (!ep) return;
+  int seen[5] = {};
+  for (uint64_t bytes : sizes) {
+    const Plan p = plan_psum(*ep, bytes);
+    const Algorithm want = expected_psum(c, bytes);
+    ++seen[(int)want];
+    EXPECT(p.algorithm == want, "%s: a psum of %llu bytes ran %s, want %s", what, (unsigned long long)bytes,
+           name(p.algorithm), name(want));
+    if (want == Algorithm::kNone) {
+      const bool oneshot_limited = c.cfg.oneshot_max_bytes && c.cfg.oneshot_max_bytes < c.cfg.slot_bytes &&
+                                   bytes <= c.cfg.slot_bytes;
+      const char* setting = oneshot_limited ? "JAX_ARX_ONESHOT_MAX_BYTES=" : "JAX_ARX_SLOT_BYTES=";
+      EXPECT(p.why_not.find(setting) != std::string::npos, "%s: %llu bytes refused without naming %s: '%s'", what,
+             (unsigned long long)bytes, setting, p.why_not.c_str());
+    } else {
+      EXPECT(p.why_not.empty(), "%s: a plan that runs says why not: '%s'", what, p.why_not.c_str());
+    }
+    if (p.algorithm == Algorithm::kOneShot) EXPECT(p.pieces >= 1, "%s: %d pieces", what, p.pieces);
+  }
+  ep->close();
+}
+
+// The pieces of a one-shot with cuda_chunk_bytes set: that many bytes each,
+// up to the flag words there are.
+void check_pieces() {
+  for (bool direct : {true, false}) {
+    Case c{Platform::kCuda, direct, false, Config{}};
+    c.cfg.cuda_ll_max_bytes = 0;
+    c.cfg.cuda_chunk_bytes = 4096;
+    auto ep = open_endpoint(c);
+    if (!ep) return;
+    const FlagWords w = psum_words(c.world, direct ? 1 : ep->roots());
+    const int cap = direct ? w.pieces : std::min(w.pieces, kChunks);
+    for (uint64_t bytes : std::initializer_list<uint64_t>{16, 4096, 4097, 40000, 1 << 20}) {
+      const Plan p = plan_psum(*ep, bytes);
+      const int want = (int)std::min<uint64_t>((bytes + 4095) / 4096, (uint64_t)cap);
+      EXPECT(p.algorithm == Algorithm::kOneShot && p.pieces == want, "%s route: %llu bytes in %d pieces, want %d",
+             direct ? "direct" : "proxy", (unsigned long long)bytes, p.pieces, want);
+    }
+    ep->close();
+  }
+  // The host device side copies, then waits: always one piece.
+  Case h{Platform::kHost, true, false, Config{}};
+  h.cfg.cuda_chunk_bytes = 4096;
+  if (auto ep = open_endpoint(h)) {
+    EXPECT(plan_psum(*ep, 40000).pieces == 1, "host: %d pieces", plan_psum(*ep, 40000).pieces);
+    ep->close();
+  }
+}
+
+void check_bulk() {
+  for (uint64_t bulk : std::initializer_list<uint64_t>{256 * kKiB, 32 << 20, 0}) {
+    for (int world : {2, 3, 8}) {
+      Case c{Platform::kHost, true, false, Config{}, world};
+      c.cfg.bulk_bytes = bulk;
+      auto ep = open_endpoint(c);
+      if (!ep) return;
+      const uint64_t at = bulk / world;
+      for (const char* op : {"all_gather", "psum_scatter", "moe_combine_psum_scatter"}) {
+        for (uint64_t lane : {(uint64_t)16, at, at + 16}) {
+          if (lane == 0) continue;
+          const Plan p = plan_bulk(*ep, op, lane);
+          const bool fits = lane * world <= bulk;
+          EXPECT(p.algorithm == (fits ? Algorithm::kBulk : Algorithm::kNone),
+                 "%s, world %d, bulk %llu: a lane of %llu bytes ran %s", op, world, (unsigned long long)bulk,
+                 (unsigned long long)lane, name(p.algorithm));
+          if (!fits)
+            EXPECT(p.why_not.find("JAX_ARX_PREFILL_SLOT_BYTES=") != std::string::npos &&
+                       p.why_not.find(op) != std::string::npos,
+                   "%s refused without the op and the setting: '%s'", op, p.why_not.c_str());
+          else
+            EXPECT(p.pieces == kChunks, "%s: %d pieces", op, p.pieces);
+        }
+      }
+      ep->close();
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  const uint64_t slot = 1 << 20;
+  // Sizes on both sides of every limit the cases below have.
+  const std::initializer_list<uint64_t> sizes = {
+      2,         16,        16 * kKiB,       16 * kKiB + 16, 64 * kKiB, 64 * kKiB + 16, 128 * kKiB, 128 * kKiB + 16,
+      slot - 16, slot,      slot + 16,       2 * slot,       2 * slot + 16, 4 * slot,  4 * slot + 16, 16 * slot};
+  Config dflt;
+  check_psum("host, defaults", {Platform::kHost, true, false, dflt}, sizes);
+  check_psum("host over the proxy", {Platform::kHost, false, false, dflt}, sizes);
+  check_psum("cuda, GPU inboxes", {Platform::kCuda, true, true, dflt}, sizes);
+  check_psum("cuda, host inboxes", {Platform::kCuda, true, false, dflt}, sizes);
+  check_psum("cuda over the proxy", {Platform::kCuda, false, false, dflt}, sizes);
+  check_psum("cuda, world 4 (send-bound two-shot)", {Platform::kCuda, true, true, dflt, 4}, sizes);
+  Config small_send = dflt;
+  small_send.send_bytes = 3 * slot / 2;
+  check_psum("cuda, a send buffer of 1.5 slots", {Platform::kCuda, true, true, small_send}, sizes);
+  Config oneshot = dflt;
+  oneshot.oneshot_max_bytes = 64 * kKiB;
+  check_psum("host, JAX_ARX_ONESHOT_MAX_BYTES=64K", {Platform::kHost, true, false, oneshot}, sizes);
+  check_psum("cuda, JAX_ARX_ONESHOT_MAX_BYTES=64K", {Platform::kCuda, false, false, oneshot}, sizes);
+  Config no_ll = dflt, ll16 = dflt;
+  no_ll.cuda_ll_max_bytes = 0;
+  ll16.cuda_ll_max_bytes = 16 * kKiB;
+  check_psum("cuda, no LL", {Platform::kCuda, true, true, no_ll}, sizes);
+  check_psum("cuda, LL to 16K", {Platform::kCuda, true, false, ll16}, sizes);
+  check_pieces();
+  check_bulk();
+  printf("plan: %s\n", g_failures ? "FAILED" : "ok");
+  return g_failures ? 1 : 0;
+}
