@@ -178,7 +178,7 @@ def suite_mesh2d():
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(a0, a1), out_specs=P(a0, a1), check_vma=False))
             x = put(data)
             compiled = f.lower(x).compile()
-            jax_arx_client_barrier(case)  # jax.lax's gloo waits give up after a fixed time: start together
+            _start_together(case)  # jax.lax's gloo waits give up after a fixed time: start together
             before = _stats(names)
             out = jax.block_until_ready(compiled(x))  # every handler has run
             after = _stats(names)
@@ -192,7 +192,7 @@ def suite_mesh2d():
     jax_arx.shutdown()
 
 
-def jax_arx_client_barrier(name):
+def _start_together(name):
     from jax_arx import _compat
 
     _compat.distributed_client().wait_at_barrier(f"test_core_cpu/{name}", 600_000)

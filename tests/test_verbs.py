@@ -20,7 +20,7 @@ its phases; test_ring_of_four_soft_roce (ARX_TEST_RING4_VM=1: about 18
 minutes) boots it with eight devices on four wires and runs jax_arx.psum in
 a ring of four processes. All are skipped, with the reason, where the VM
 cannot start: not root, or the VM's packages (qemu, a Debian kernel, ...)
-not installed. The tests never install them: `.ci/run` does, and so does
+not installed (failed in CI: tests/needs.py). The tests never install them: `.ci/run` does, and so does
 `tests/verbs/rxe_vm.sh --prepare` run by hand as root.
 RXE_VM_NDEV=2 runs the one-root half only.
 """
@@ -36,6 +36,8 @@ import textwrap
 import time
 
 import pytest
+
+import needs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VM = ROOT / "tests" / "verbs" / "rxe_vm.sh"
@@ -53,7 +55,7 @@ CANNOT_START = 77  # rxe_vm.sh: the VM cannot start on this machine
 def _cxx():
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
-        pytest.skip(f"no C++ compiler ({cxx})")
+        needs.missing(f"no C++ compiler ({cxx})")
     return cxx
 
 
@@ -151,7 +153,8 @@ def test_package_without_verbs(tmp_path):
     rc, out = _run([*cmd, ROOT], timeout=900, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
     if rc != 0 and re.search(r"No matching distribution|Could not find a version|NewConnectionError|"
                              r"Temporary failure in name resolution", out):
-        pytest.skip(f"cannot fetch the build requirements (nanobind, scikit-build-core): {out.strip()[-300:]}")
+        needs.missing(f"cannot fetch the build requirements (nanobind, scikit-build-core): "
+                      f"{out.strip()[-300:]}")
     assert rc == 0, f"building jax_arx with JAX_ARX_VERBS=OFF failed:\n{out[-6000:]}"
     ninja = build / "build.ninja"
     if ninja.exists():
@@ -174,10 +177,10 @@ def _prepare_vm():
     """Builds the VM's initramfs; skips, naming what is missing, where the VM
     cannot start here (installing is .ci/run's job, never a test's)."""
     if os.geteuid() != 0:
-        pytest.skip("the soft-RoCE VM needs root (it reads /boot/vmlinuz-* and sets up network namespaces)")
+        needs.missing("the soft-RoCE VM needs root (it reads /boot/vmlinuz-* and sets up network namespaces)")
     rc, out = _run([VM, "--prepare"], timeout=900)
     if rc == CANNOT_START:
-        pytest.skip(out.strip().splitlines()[-1])
+        needs.missing(out.strip().splitlines()[-1])
     assert rc == 0, out
 
 
@@ -187,7 +190,7 @@ def test_verbs_soft_roce(tmp_path):
     _prepare_vm()
     cxx = _cxx()
     if not _have_verbs_headers(cxx):
-        pytest.skip("no rdma-core headers (infiniband/verbs.h) even after rxe_vm.sh --prepare")
+        needs.missing("no rdma-core headers (infiniband/verbs.h) even after rxe_vm.sh --prepare")
     binary = tmp_path / "test_verbs_transport"
     _finish(_build(cxx, binary, True), "test_verbs_transport")
 
@@ -201,7 +204,7 @@ def test_verbs_soft_roce(tmp_path):
     print(out)
     print(f"soft-RoCE VM test: {wall:.1f} s wall")
     if rc == CANNOT_START:
-        pytest.skip(out.strip().splitlines()[-1])
+        needs.missing(out.strip().splitlines()[-1])
     assert rc == 0, out[-6000:]
     runs = 3 if ndev == "4" else 1  # two roots, one root, a ring of 2
     assert "FAIL" not in out, out
@@ -243,7 +246,7 @@ def test_psum_soft_roce(summary_line):
     probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
                            cwd="/", timeout=120)
     if probe.returncode != 0:
-        pytest.skip(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
+        needs.missing(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
                     f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
     ndev = os.environ.get("RXE_VM_NDEV", "4")
     # Hang guards, not speed checks (the psum phases took 516 s of the old
@@ -255,7 +258,7 @@ def test_psum_soft_roce(summary_line):
     print(out)
     print(f"soft-RoCE psum test: {wall:.1f} s wall")
     if rc == CANNOT_START:
-        pytest.skip(out.strip().splitlines()[-1])
+        needs.missing(out.strip().splitlines()[-1])
     assert rc == 0, out[-8000:]
     assert "FAIL" not in out, out[-8000:]
     phases = (["two-roots", "ring"] if ndev == "4" else []) + ["one-root", "auto-verbs", "auto-tcp"]
@@ -368,7 +371,7 @@ def test_ib_settings_travel_as_endpoint_options():
     r = subprocess.run([sys.executable, "-c", script], cwd="/", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     if r.stdout.startswith("NO CORE"):
-        pytest.skip(f"jax_arx's C++ module is not installed ({r.stdout.strip()}); pip install . first")
+        needs.missing(f"jax_arx's C++ module is not installed ({r.stdout.strip()}); pip install . first")
     assert "REFUSED" in r.stdout, r.stdout
 
 
