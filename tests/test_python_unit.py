@@ -64,7 +64,7 @@ _cv = threading.Condition()
 _connecting = {}
 OPTION_KEYS = {"slot_bytes", "send_bytes", "bulk_bytes", "bulk_lanes", "oneshot_max_bytes", "timeout_s", "idle_spin_ms",
                "idle_nap_us", "stall_report_s", "cuda_direct", "cuda_peer_memory", "cuda_chunk_bytes",
-               "cuda_ll_max_bytes", "ib_chunk_bytes", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ibverbs_lib",
+               "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ibverbs_lib",
                "abort_on_failure", "tcp_addr", "ib_hca", "ib_gid_index", "verbose"}
 
 def version(): return "fake"
