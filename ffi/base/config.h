@@ -48,6 +48,10 @@ struct Config {
   bool cuda_direct = true;         // JAX_ARX_CUDA_DIRECT: GPUs of one host write the peers' inboxes themselves
   // tuning: the pieces of a one-shot psum (comm/plan.cc); 0: built in.
   uint64_t cuda_chunk_bytes = 0;
+  // tuning: the host device side cuts a bulk collective's lane into pieces
+  // of at least this many bytes, at most kChunks (comm/plan.cc, bulk_pieces);
+  // 0: built in.
+  uint64_t bulk_piece_bytes = 0;
   // tuning: on the direct channel, a one-shot psum up to this size goes LL,
   // its flags inside the data (cuda/ll.cu). -1: built in; 0: never.
   int64_t cuda_ll_max_bytes = -1;

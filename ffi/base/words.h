@@ -185,20 +185,24 @@ ARX_HD void chunk_range(uint64_t bytes, int n, int j, uint64_t& lo, uint64_t& hi
   hi = step * (j + 1) < bytes ? step * (j + 1) : bytes;
 }
 
-// Piece c of kChunks of a bulk lane's `bytes`: [lo, hi). Pieces start
-// 16-aligned; the last takes the rest; pieces may be empty and still carry
-// their flag.
-ARX_HD void piece_range(uint64_t bytes, int c, uint64_t& lo, uint64_t& hi) {
-  const uint64_t step = (bytes / kChunks + 15) & ~15ull;
+// Piece c of n (at most kChunks; kChunks when not given) of a bulk lane's
+// `bytes`: [lo, hi). Pieces start 16-aligned; the last takes the rest;
+// pieces may be empty and still carry their flag. A collective cut in fewer
+// pieces leaves the flag words of the others alone: a later one that uses
+// them waits for their seq to reach its own, as for any word.
+ARX_HD void piece_range(uint64_t bytes, int n, int c, uint64_t& lo, uint64_t& hi) {
+  const uint64_t step = (bytes / n + 15) & ~15ull;
   lo = step * c < bytes ? step * c : bytes;
-  hi = c == kChunks - 1 ? bytes : (step * (c + 1) < bytes ? step * (c + 1) : bytes);
+  hi = c == n - 1 ? bytes : (step * (c + 1) < bytes ? step * (c + 1) : bytes);
 }
+ARX_HD void piece_range(uint64_t bytes, int c, uint64_t& lo, uint64_t& hi) { piece_range(bytes, kChunks, c, lo, hi); }
 
-// Rows [lo, hi) of piece k of a destination's `rows`-row lane (the fused MoE
-// combine). Sender and receiver compute the same split.
-ARX_HD void row_piece(uint64_t rows, int k, uint64_t& lo, uint64_t& hi) {
-  lo = rows * (uint64_t)k / kChunks;
-  hi = rows * (uint64_t)(k + 1) / kChunks;
+// Rows [lo, hi) of piece k of n of a destination's `rows`-row lane (the
+// fused MoE combine). Sender and receiver compute the same split.
+ARX_HD void row_piece(uint64_t rows, int n, int k, uint64_t& lo, uint64_t& hi) {
+  lo = rows * (uint64_t)k / n;
+  hi = rows * (uint64_t)(k + 1) / n;
 }
+ARX_HD void row_piece(uint64_t rows, int k, uint64_t& lo, uint64_t& hi) { row_piece(rows, kChunks, k, lo, hi); }
 
 }  // namespace arx

@@ -24,7 +24,7 @@ struct Fingerprint {
   uint64_t timeout_ms;
   // How the kernels cut a psum and which medium they take (both are in the
   // descriptors, but a difference found here is a clearer message).
-  uint64_t cuda_chunk_bytes;
+  uint64_t cuda_chunk_bytes, bulk_piece_bytes;
   int64_t cuda_ll_max_bytes;
   uint32_t cuda_direct;
   uint32_t bulk_lanes;  // whether the region holds the bulk lanes (base/config.h)
@@ -47,6 +47,7 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.oneshot_max_bytes = s.config.oneshot_max_bytes;
   f.timeout_ms = (uint64_t)(s.config.timeout_s * 1000);
   f.cuda_chunk_bytes = s.config.cuda_chunk_bytes;
+  f.bulk_piece_bytes = s.config.bulk_piece_bytes;
   f.cuda_ll_max_bytes = s.config.cuda_ll_max_bytes;
   f.cuda_direct = s.config.cuda_direct;
   f.bulk_lanes = s.config.bulk_lanes;
@@ -104,11 +105,13 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
     return num("a timeout of (ms)", mine.timeout_ms, theirs.timeout_ms, "set JAX_ARX_TIMEOUT_S the same everywhere");
   if (mine.cuda_direct != theirs.cuda_direct)
     return num("cuda_direct", mine.cuda_direct, theirs.cuda_direct, "set JAX_ARX_CUDA_DIRECT the same everywhere");
-  if (mine.cuda_chunk_bytes != theirs.cuda_chunk_bytes || mine.cuda_ll_max_bytes != theirs.cuda_ll_max_bytes)
-    return strf("rank %d was set up with other tuning (chunk %llu, LL up to %lld bytes; this rank %llu, %lld): pass "
-                "the same _tuning to jax_arx.initialize everywhere",
+  if (mine.cuda_chunk_bytes != theirs.cuda_chunk_bytes || mine.cuda_ll_max_bytes != theirs.cuda_ll_max_bytes ||
+      mine.bulk_piece_bytes != theirs.bulk_piece_bytes)
+    return strf("rank %d was set up with other tuning (chunk %llu, LL up to %lld bytes, bulk pieces of %llu; this rank "
+                "%llu, %lld, %llu): pass the same _tuning to jax_arx.initialize everywhere",
                 j, (unsigned long long)theirs.cuda_chunk_bytes, (long long)theirs.cuda_ll_max_bytes,
-                (unsigned long long)mine.cuda_chunk_bytes, (long long)mine.cuda_ll_max_bytes);
+                (unsigned long long)theirs.bulk_piece_bytes, (unsigned long long)mine.cuda_chunk_bytes,
+                (long long)mine.cuda_ll_max_bytes, (unsigned long long)mine.bulk_piece_bytes);
   if (mine.transport != theirs.transport)
     return strf("rank %d uses the %s carrier, this rank %s; set JAX_ARX_TRANSPORT the same everywhere", j,
                 transport_name((TransportKind)theirs.transport), transport_name((TransportKind)mine.transport));

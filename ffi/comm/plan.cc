@@ -14,6 +14,11 @@ constexpr uint64_t kPieceBytesHostInboxes = 16 << 10;
 // fewer, larger ones. Not measured yet on RoCE; on the GPU machine only
 // through the tcp carrier.
 constexpr uint64_t kPieceBytesProxy = 64 << 10;
+// The host's bulk collectives through the proxy (tcp, verbs): each piece is
+// a trigger, a put per peer and root and a wait, which over tcp cost more
+// than the overlap of copying and sending buys below this size
+// (docs/performance.md, "Pieces of the bulk collectives on the CPU").
+constexpr uint64_t kPieceBytesBulkHostProxy = 512 << 10;
 
 uint64_t ll_limit(const Endpoint& ep) {
   const int64_t cfg = ep.spec().config.cuda_ll_max_bytes;
@@ -35,6 +40,18 @@ int psum_pieces(const Endpoint& ep, uint64_t bytes) {
   const int words = psum_words(ep.spec().world, r.direct ? 1 : ep.roots()).pieces;
   const int cap = r.direct ? words : std::min(words, kChunks);
   return (int)std::clamp<uint64_t>((bytes + target - 1) / target, 1, (uint64_t)cap);
+}
+
+// The pieces of a bulk collective's lanes of `lane_bytes`. The CUDA kernels
+// cut their grid for kChunks. The host copies with one thread: on the
+// direct channel (shm) a piece costs a flag store and a look, so kChunks;
+// through the proxy, pieces of at least kPieceBytesBulkHostProxy.
+int bulk_pieces(const Endpoint& ep, uint64_t lane_bytes) {
+  if (ep.spec().platform == Platform::kCuda) return kChunks;
+  const uint64_t cfg = ep.spec().config.bulk_piece_bytes;
+  if (!cfg && ep.route().direct) return kChunks;
+  const uint64_t target = cfg ? cfg : kPieceBytesBulkHostProxy;
+  return (int)std::clamp<uint64_t>((lane_bytes + target - 1) / target, 1, kChunks);
 }
 
 // The smallest value of a size variable that holds `n` bytes, as a person
@@ -101,7 +118,7 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
   // without lanes.
   if (lane_bytes * (uint64_t)L.world <= ep.spec().config.bulk_bytes) {
     p.algorithm = Algorithm::kBulk;
-    p.pieces = kChunks;
+    p.pieces = bulk_pieces(ep, lane_bytes);
     return p;
   }
   p.why_not = strf("%s moves %llu bytes per rank, %llu for all %d ranks, more than JAX_ARX_PREFILL_SLOT_BYTES=%llu; "

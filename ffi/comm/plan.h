@@ -19,13 +19,13 @@ enum class Algorithm : int64_t {
   kOneShot = 1,  // every rank puts its partial to every peer, in `pieces` pieces, then sums
   kTwoShot = 2,  // a reduce-scatter then an all-gather, a seq each
   kLL = 3,       // the one-shot with its flags inside the data (CUDA, direct channel)
-  kBulk = 4,     // a bulk collective, in kChunks pieces
+  kBulk = 4,     // a bulk collective, in `pieces` pieces (at most kChunks)
 };
 static_assert((int)Algorithm::kBulk + 1 == Stats::kAlgorithms, "Stats counts every algorithm");
 
 struct Plan {
   Algorithm algorithm = Algorithm::kNone;
-  int pieces = 1;       // kOneShot: pieces of the partial
+  int pieces = 1;       // kOneShot: pieces of the partial; kBulk: of each lane
   std::string why_not;  // kNone: the reason and the fix, for the fallback message
 };
 

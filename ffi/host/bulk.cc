@@ -1,8 +1,8 @@
 // The bulk collectives on the host, over a channel (comm/channel.h): each
-// goes in kChunks pieces, every piece signalled as soon as it is copied (or,
-// for the MoE rows, computed), so the proxy sends piece 0 while this thread
-// still copies piece 1; then the pieces are waited for and moved into XLA's
-// output one after another.
+// goes in the plan's pieces (comm/plan.cc, bulk_pieces), every piece
+// signalled as soon as it is copied (or, for the MoE rows, computed), so the
+// proxy sends piece 0 while this thread still copies piece 1; then the pieces
+// are waited for and moved into XLA's output one after another.
 //
 // The combine's arithmetic is base/combine.h's: each weight split in two,
 // so that every product is exact and std::fmaf gives the bits of a
@@ -22,8 +22,13 @@
 namespace arx::host {
 namespace {
 
-Status refused(Endpoint& ep, const char* op, uint64_t lane) {
-  return Status::Error(strf("jax_arx.%s: %s", op, plan_bulk(ep, op, lane).why_not.c_str()));
+// How many pieces the plan cuts a collective of `lane` bytes per lane into,
+// or 0 (and `why`) if jax_arx does not take it.
+int pieces_of(Endpoint& ep, const char* op, uint64_t lane, Status& why) {
+  const Plan plan = plan_bulk(ep, op, lane);
+  if (plan.algorithm == Algorithm::kBulk) return plan.pieces;
+  why = Status::Error(strf("jax_arx.%s: %s", op, plan.why_not.c_str()));
+  return 0;
 }
 
 // out[p] for the bytes [lo, hi) of this rank's part = the rank-order sum of
@@ -102,7 +107,9 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
     nan();
     return Status::Error(ep.failure());
   }
-  if (plan_bulk(ep, "all_gather", bytes).algorithm != Algorithm::kBulk) return refused(ep, "all_gather", bytes);
+  Status why;
+  const int pieces = pieces_of(ep, "all_gather", bytes, why);
+  if (!pieces) return why;
   if (outer == 0 || bytes % outer)
     return Status::Error(strf("jax_arx: all_gather on %s: %llu bytes do not make %llu rows", ep.label().c_str(),
                               (unsigned long long)bytes, (unsigned long long)outer));
@@ -112,9 +119,9 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
   uint8_t* dst = static_cast<uint8_t*>(out);
   return with_channel(ep, Family::kBulk, [&](const auto& ch) {
     const int par = c.parity();
-    for (int k = 0; k < kChunks; ++k) {
+    for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
-      piece_range(bytes, k, lo, hi);
+      piece_range(bytes, pieces, k, lo, hi);
       for (int i = 0; i < ch.fanout(kEveryPeer); ++i)
         std::memcpy(ch.put_dst(par, kEveryPeer, i, ch.in.lane_bytes) + lo, src + lo, hi - lo);
       uint64_t at = 0;
@@ -123,9 +130,9 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
       ch.signal(par, kEveryPeer, k, ch.in.lane_bytes, lo, hi, c.flag(), at, c.descriptor());
     }
     scatter_rows(dst + rank * block, src, 0, bytes, block, stride);
-    for (int k = 0; k < kChunks; ++k) {
+    for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
-      piece_range(bytes, k, lo, hi);
+      piece_range(bytes, pieces, k, lo, hi);
       if (!c.wait_peers(ch.in, k)) return c.fail(nan);
       for (int j = 0; j < world; ++j)
         if (j != rank) scatter_rows(dst + j * block, ch.in.lane(par, j), lo, hi, block, stride);
@@ -143,7 +150,9 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
     nan();
     return Status::Error(ep.failure());
   }
-  if (plan_bulk(ep, "psum_scatter", slice).algorithm != Algorithm::kBulk) return refused(ep, "psum_scatter", slice);
+  Status why;
+  const int pieces = pieces_of(ep, "psum_scatter", slice, why);
+  if (!pieces) return why;
   if (outer == 0 || count % outer)
     return Status::Error(strf("jax_arx: psum_scatter on %s: %llu elements do not make %llu rows",
                               ep.label().c_str(), (unsigned long long)count, (unsigned long long)outer));
@@ -155,9 +164,9 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
     // Piece-major, destinations in send order, so that the wire starts on
     // piece 0 of rank + 1 while the rest is copied. Destination j's part is
     // its rows j of every outer row.
-    for (int k = 0; k < kChunks; ++k) {
+    for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
-      piece_range(slice, k, lo, hi);
+      piece_range(slice, pieces, k, lo, hi);
       for (int step = 1; step < world; ++step) {
         const int j = (rank + step) % world;
         gather_rows(ch.put_dst(par, (uint64_t)j, 0, ch.in.lane_bytes), src + j * block, lo, hi, block, stride);
@@ -167,9 +176,9 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
         ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo, hi, c.flag(), at, c.descriptor());
       }
     }
-    for (int k = 0; k < kChunks; ++k) {
+    for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
-      piece_range(slice, k, lo, hi);
+      piece_range(slice, pieces, k, lo, hi);
       if (!c.wait_peers(ch.in, k)) return c.fail(nan);
       sum_piece(ch, par, rank, world, dtype, src + rank * block, block, stride, static_cast<uint8_t*>(out), lo, hi);
     }
@@ -191,8 +200,9 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
                               "least the tokens; e4m3 y needs hidden %% 128 == 0; pos needs rows to point at",
                               ep.label().c_str(), (unsigned long long)a.padded, world, (unsigned long long)a.tokens,
                               (unsigned long long)H, (unsigned long long)a.rows));
-  if (plan_bulk(ep, "moe_combine_psum_scatter", slice).algorithm != Algorithm::kBulk)
-    return refused(ep, "moe_combine_psum_scatter", slice);
+  Status why;
+  const int pieces = pieces_of(ep, "moe_combine_psum_scatter", slice, why);
+  if (!pieces) return why;
   Collective c(ep, Family::kBulk, descriptor(OpCode::kMoeCombine, (uint64_t)DType::kBF16, a.padded * H, tag));
   std::vector<float> acc(H);
   auto combine = [&](int j, uint64_t r0, uint64_t r1, uint8_t* dst) {
@@ -204,9 +214,9 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
     const int par = c.parity();
     // Piece-major, destinations in send order; each destination's rows go
     // straight to where the channel sends them from.
-    for (int k = 0; k < kChunks; ++k) {
+    for (int k = 0; k < pieces; ++k) {
       uint64_t r0, r1;
-      row_piece(rows_per_rank, k, r0, r1);
+      row_piece(rows_per_rank, pieces, k, r0, r1);
       for (int step = 1; step < world; ++step) {
         const int j = (rank + step) % world;
         combine(j, r0, r1, ch.put_dst(par, (uint64_t)j, 0, ch.in.lane_bytes));
@@ -218,9 +228,9 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
     }
     // This rank's own rows into out, where the sum below takes them, in place.
     combine(rank, 0, rows_per_rank, own);
-    for (int k = 0; k < kChunks; ++k) {
+    for (int k = 0; k < pieces; ++k) {
       uint64_t r0, r1;
-      row_piece(rows_per_rank, k, r0, r1);
+      row_piece(rows_per_rank, pieces, k, r0, r1);
       if (!c.wait_peers(ch.in, k)) return c.fail(nan);
       sum_piece(ch, par, rank, world, DType::kBF16, own, slice, slice, own, r0 * row, r1 * row);
     }

@@ -104,10 +104,14 @@ void ref_store(DType t, uint8_t* p, float f) {
 // reduce-scatter's and the combine's (one destination each) through its
 // relay lanes.
 TopologyKind g_topology = TopologyKind::kMesh;
+// The bulk pieces' size (Config::bulk_piece_bytes): 0, the built-in choice,
+// then small (main), so that small lanes go in many pieces on every carrier.
+uint64_t g_piece_bytes = 0;
 
 Config test_config() {
   Config c;
   c.topology = g_topology;
+  c.bulk_piece_bytes = g_piece_bytes;
   c.bulk_bytes = 8 << 20;
   c.slot_bytes = 64 << 10;
   c.send_bytes = 64 << 10;
@@ -342,9 +346,12 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
   std::vector<std::string> why(world);
   on_ranks(world, [&](int r) {
     Endpoint& ep = *rig.eps[r];
-    const uint64_t n = 37;  // per-rank elements: pieces of uneven sizes
-    std::vector<float> in(n * world), out(n * world);
+    // Per-rank elements: pieces of uneven sizes; every other round of the
+    // four calls larger (600 KB lanes), cut in another number of pieces
+    // where the plan cuts by size (comm/plan.cc, bulk_pieces).
+    std::vector<float> in(150038 * world), out(150038 * world);
     for (int c = 1; c <= calls && !bad[r]; ++c) {
+      const uint64_t n = (c / 4) % 2 ? 150038 : 37;
       auto value = [&](int rank, uint64_t i) { return (float)((c * 7 + rank * 3 + (int)i) % 1000); };
       switch (c % 4) {
         case 0: {  // all_gather
@@ -368,11 +375,12 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
           }
           break;
         }
-        case 2: {  // psum, in between
-          for (uint64_t i = 0; i < n; ++i) in[i] = value(r, i);
-          const Status s = host::psum(ep, DType::kF32, in.data(), out.data(), n, 4);
+        case 2: {  // psum, in between (within its slot)
+          const uint64_t m = 37;
+          for (uint64_t i = 0; i < m; ++i) in[i] = value(r, i);
+          const Status s = host::psum(ep, DType::kF32, in.data(), out.data(), m, 4);
           if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
-          for (uint64_t i = 0; i < n; ++i) {
+          for (uint64_t i = 0; i < m; ++i) {
             float want = 0;
             for (int j = 0; j < world; ++j) want += value(j, i);
             if (out[i] != want) { bad[r] = c; why[r] = "psum value"; }
@@ -533,6 +541,29 @@ void test_too_big(TransportKind kind) {
   EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
 }
 
+// The plan's pieces: kChunks on the direct channel (shm); through the proxy
+// (tcp), one per 512 KiB of lane, at least 1 and at most kChunks; and what
+// Config::bulk_piece_bytes asks for.
+void test_pieces(TransportKind kind) {
+  Rig rig;
+  if (!bulk_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
+  const bool proxy = !rig.eps[0]->route().direct;
+  const std::vector<std::pair<uint64_t, int>> want = {
+      {0, 1}, {16 << 10, 1}, {512 << 10, 1}, {(512 << 10) + 16, 2}, {1 << 20, 2}, {2 << 20, 4}, {4 << 20, 8}};
+  for (auto [lane, pieces] : want) {
+    const Plan p = plan_bulk(*rig.eps[0], "all_gather", lane);
+    EXPECT(p.algorithm == Algorithm::kBulk && p.pieces == (proxy ? pieces : kChunks),
+           "%s: a lane of %llu bytes goes in %d pieces", transport_name(kind), (unsigned long long)lane, p.pieces);
+  }
+  Config small = test_config();
+  small.bulk_piece_bytes = 4096;
+  Rig tuned;
+  if (!bulk_rig(kind, 2, tuned, small)) { EXPECT(false, "rig"); return; }
+  EXPECT(plan_bulk(*tuned.eps[0], "psum_scatter", 16 << 10).pieces == 4 &&
+             plan_bulk(*tuned.eps[0], "psum_scatter", 1 << 20).pieces == kChunks,
+         "%s: bulk_piece_bytes 4096 cuts 16 KiB in 4 pieces, 1 MiB in kChunks", transport_name(kind));
+}
+
 // An endpoint made without the bulk lanes (Config::bulk_lanes = false, what
 // jax_arx makes for psum): its region has none, so it is smaller by the 4 x
 // bulk_bytes they take; psum runs on it; its plan still says what the
@@ -612,6 +643,7 @@ int main(int argc, char** argv) {
     test_timeout(k);
     test_mismatch(k);
     test_too_big(k);
+    test_pieces(k);
     test_psum_only_endpoint(k);
     g_topology = TopologyKind::kRing;
     for (int world : {2, 3, 4}) {
@@ -621,5 +653,13 @@ int main(int argc, char** argv) {
       test_back_to_back(k, world, quick ? 200 : 1000);
     }
     g_topology = TopologyKind::kMesh;
+    g_piece_bytes = 4096;  // small lanes in many pieces, on every carrier
+    for (int world : {2, 3}) {
+      test_all_gather(k, world, ag_sizes);
+      test_reduce_scatter(k, world, DType::kBF16, rs_counts);
+      test_moe(k, world, moe);
+      test_back_to_back(k, world, quick ? 100 : 500);
+    }
+    g_piece_bytes = 0;
   });
 }
