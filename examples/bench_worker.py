@@ -10,8 +10,8 @@ initialize, run, shutdown). Every cell is checked on every rank and the
 verdicts go to process 0 through jax.distributed's key-value store
 (``Exchange``: no device collective, which would be NCCL's on GPUs, and
 NCCL refuses ranks that share a GPU); process 0 writes the job's JSON after
-each configuration (``Recorder``), so a job that fails later keeps what it
-had.
+each cell (``Recorder``), so a job that fails or is stopped later keeps
+what it had.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class Exchange:
 
 class Recorder:
     """A job's results on process 0, written to the job's JSON after every
-    configuration (so that a job that fails later keeps what it measured)."""
+    cell (so that a job that fails or is stopped later keeps what it
+    measured)."""
 
     def __init__(self, job, jax):
         self.job, self.rank0 = job, jax.process_index() == 0
@@ -104,9 +105,10 @@ class Recorder:
             print(f"{config} {series} {size_label(nbytes)}: skipped: {why}", flush=True)
 
     def write(self):
-        if self.rank0:
-            with open(self.job["out"], "w") as f:
+        if self.rank0:  # whole or not at all: the driver may stop the job at any moment
+            with open(self.job["out"] + ".part", "w") as f:
                 json.dump(self.doc, f)
+            os.replace(self.job["out"] + ".part", self.job["out"])
 
 
 class BenchWorker:
@@ -172,7 +174,8 @@ class BenchWorker:
         (timed once per ``baseline`` key). For a jax_arx series (``comm``):
         skipped where the core plans no algorithm for ``plan_op`` at
         ``nbytes`` (it would fall back), and ``intended(planned, ran)`` says
-        whether what the handlers ran is what the series asks for."""
+        whether what the handlers ran of ``plan_op`` is what the series asks
+        for."""
         check = {}
         if comm is not None:
             name, pieces, why = planned(comm, plan_op, nbytes)
@@ -180,11 +183,11 @@ class BenchWorker:
                 self.rec.skip(config, nbytes, series, why)
                 return
             check["planned"] = {"algorithm": name, "pieces": pieces}
-            before = algorithms_ran(comm)
+            before = algorithms_ran(comm, plan_op)
         twice = self.smap(lambda *a: (call(*a), call(*a)), len(args), 2)
         ok = self.checked(twice, args, want, tolerance)
         us = None if self.job["check_only"] else self.per_call_us(chain, call, args, baseline)
-        ran = ran_since(comm, before) if comm is not None else None
+        ran = ran_since(comm, plan_op, before) if comm is not None else None
         self.record(config, nbytes, series, check, ok, exact=tolerance is None, us=us, ran=ran,
                     intended=ran is not None and intended(check["planned"]["algorithm"], ran))
 
@@ -242,6 +245,7 @@ class BenchWorker:
         self.rec.check(config, nbytes, series, check)
         if us is not None:
             self.rec.time(config, nbytes, series, us)
+        self.rec.write()
         print(f"{config} {series} {size_label(nbytes)}: {describe_cell(check, us)}", flush=True)
 
 
@@ -281,18 +285,23 @@ def describe_route(comm):
                 route=", ".join(sorted({le.endpoint.route for le in eps})))
 
 
-def algorithms_ran(comm):
-    """How many calls of each algorithm this process's endpoints ran
-    (Endpoint.stats(): a handler run counts; a replay of a captured CUDA
-    graph runs none)."""
-    from jax_arx import _comm
+def axis_endpoints(comm):
+    """This process's endpoints of ``comm``'s axis: psum's and, once the
+    first bulk collective made them, the bulk collectives' own
+    (jax_arx/_bulk_endpoints.py)."""
+    from jax_arx import _bulk_endpoints, _comm
 
-    # The bulk collectives run on endpoints of their own, made at their first
-    # call (jax_arx/_bulk_endpoints.py).
-    bulk = _comm._bulk_communicators.get(comm.axis_name)
+    bulk = _comm.communicator_by_id(_bulk_endpoints.bulk_id(comm.comm_id))
+    return comm.endpoints + (bulk.endpoints if bulk is not None else ())
+
+
+def algorithms_ran(comm, op):
+    """How many calls of ``op`` each algorithm ran on this process's
+    endpoints of the axis (Endpoint.stats(): a handler run counts; a replay
+    of a captured CUDA graph runs none)."""
     total = collections.Counter()
-    for le in comm.endpoints + (bulk.endpoints if bulk is not None else ()):
-        total.update({k: v for k, v in le.endpoint.stats()["algorithms"].items() if v})
+    for le in axis_endpoints(comm):
+        total.update(le.endpoint.stats()["ops"][op]["algorithms"])
     return total
 
 
@@ -303,8 +312,8 @@ def planned(comm, op, nbytes):
     return ALGORITHM_NAMES.get(algorithm, str(algorithm)), pieces, why
 
 
-def ran_since(comm, before):
-    after = algorithms_ran(comm)
+def ran_since(comm, op, before):
+    after = algorithms_ran(comm, op)
     return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
 
 
