@@ -22,8 +22,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 
-import importlib.util  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
@@ -31,28 +29,21 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_arx  # noqa: E402
 from jax_arx import _bulk_endpoints, _comm, _policy  # noqa: E402
-from test_python_unit import FAKE_CORE_SOURCE  # noqa: E402
+from stand_in_core import fake_core  # noqa: E402, F401  (the stand-in core, a fixture)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices (JAX_NUM_CPU_DEVICES=4)")
 
 BULK_PRIMITIVES = {"jax_arx_all_gather", "jax_arx_psum_scatter", "jax_arx_moe_combine_psum_scatter"}
 
 
-@pytest.fixture
-def fake_core(tmp_path, monkeypatch):
-    path = tmp_path / "fake_core.py"
-    path.write_text(FAKE_CORE_SOURCE)
-    spec = importlib.util.spec_from_file_location("fake_core", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(_comm, "_core_module", module)
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    """No bulk endpoints remembered from another test, and none of the
+    environment's settings."""
     monkeypatch.setattr(_bulk_endpoints, "_made", set())
     for name in ("JAX_ARX_TRANSPORT", "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_FALLBACK"):
         monkeypatch.delenv(name, raising=False)
     _policy._logged_reasons.clear()
-    yield module
-    jax_arx.shutdown()
-    assert not module.registered, "shutdown() left endpoints registered"
 
 
 @pytest.fixture

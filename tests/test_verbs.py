@@ -16,7 +16,8 @@ carrier test inside it: two roots per rank, then one, then a ring of 2 (each
 rank's list: the port facing prev, then the port facing next).
 test_psum_soft_roce boots it again and runs jax_arx.psum between two
 processes over the carrier (tests/workers/verbs_psum.py), a ring of 2 among
-its phases; test_ring_of_four_soft_roce (ARX_TEST_RING4_VM=1: about 18
+its phases, and in the same processes all_gather, psum_scatter and the fused
+MoE combine (tests/workers/verbs_bulk.py); test_ring_of_four_soft_roce (ARX_TEST_RING4_VM=1: about 18
 minutes) boots it with eight devices on four wires and runs jax_arx.psum in
 a ring of four processes. All are skipped, with the reason, where the VM
 cannot start: not root, or the VM's packages (qemu, a Debian kernel, ...)
@@ -239,7 +240,12 @@ def test_psum_soft_roce(summary_line):
     sizes 1 to 131071, 288 back-to-back calls per phase): two roots per rank,
     one root (with small WRs), the automatic choice (verbs when both ranks name
     devices, tcp when one does not), then a rank exiting mid-stream, which the
-    other's psum reports, naming it, within seconds. Uses this interpreter
+    other's psum reports, naming it, within seconds. On two roots (one with
+    RXE_VM_NDEV=2), 300 bulk calls too, bit for bit against numpy: all_gather
+    and psum_scatter (100 each, 4 MiB gathered or scattered) and the fused MoE
+    combine (50 with bf16 expert outputs, 50 with e4m3), never a fallback
+    (JAX_ARX_FALLBACK=error), every call counted by the bulk endpoints over
+    verbs. Uses this interpreter
     (the VM sees the host's filesystem read-only), so jax_arx must be
     installed in it, as CI does."""
     _prepare_vm()
@@ -251,9 +257,9 @@ def test_psum_soft_roce(summary_line):
     ndev = os.environ.get("RXE_VM_NDEV", "4")
     # Hang guards, not speed checks (the psum phases took 516 s of the old
     # 500 s in-VM bound at load 15 on 2 cores; about 2 minutes when idle).
-    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="1800")
+    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="2400")
     t0 = time.monotonic()
-    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER], timeout=1900, env=env)
+    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER], timeout=2500, env=env)
     wall = time.monotonic() - t0
     print(out)
     print(f"soft-RoCE psum test: {wall:.1f} s wall")
@@ -272,6 +278,13 @@ def test_psum_soft_roce(summary_line):
         assert "psum calls over verbs (JAX_ARX_IB_HCA=rxe2,rxe2,rxe0,rxe0)" in out, out[-4000:]
     assert re.search(r"PASS auto-tcp: \d+ psum calls over tcp", out)
     assert out.count("psum calls over verbs (JAX_ARX_IB_HCA=rxe0,rxe2)") == (1 if ndev == "4" else 0)
+    # The bulk collectives, on both ranks: every call jax_arx's, over verbs, on
+    # both NIC roots where there are two.
+    bulk_phase, roots = ("two-roots", 2) if ndev == "4" else ("one-root", 1)
+    for rank in (0, 1):
+        bulk = re.search(rf"verbs_psum: \[rank {rank}\] PASS {bulk_phase}: .*; (\d+) bulk calls over verbs with "
+                         rf"(\d) root", out)
+        assert bulk and int(bulk.group(1)) == 300 and int(bulk.group(2)) == roots, (rank, bulk and bulk.group(0))
     # The lost peer: rank 0's psum fails, naming rank 1, long before the timeout.
     lost = re.search(r"verbs_psum: \[rank 0\] PASS lose-peer: psum failed ([0-9.]+) s after its first call without "
                      r"rank 1 .*the error names the peer: .*rank 1", out)

@@ -377,26 +377,40 @@ void test_abort_on_failure(TransportKind kind) {
          "abort message names the peer and the setting: %s", err.c_str());
 }
 
-// Ranks whose settings differ fail connect, saying what differs.
+// Ranks whose settings differ fail connect, on both sides, saying what
+// differs: each case changes rank 1's config and names what the message says.
 void test_fingerprint(TransportKind kind) {
-  std::vector<std::shared_ptr<Endpoint>> eps(2);
-  std::vector<std::string> details(2);
-  for (int r = 0; r < 2; ++r) {
-    EndpointSpec s;
-    s.comm_id = 9;
-    s.rank = r;
-    s.world = 2;
-    s.transport = kind;
-    s.name = "fp";
-    s.secret = std::string(1, 'x');  // not = "x": GCC 12 warns falsely on that assignment (its bug 105329)
-    s.config.slot_bytes = r ? 1 << 16 : 1 << 20;
-    EXPECT(Endpoint::create(s, eps[r]).ok(), "create");
-    details[r] = eps[r]->details();
+  const std::vector<std::pair<std::function<void(Config&)>, std::vector<std::string>>> cases = {
+      {[](Config& c) { c.slot_bytes = 1 << 16; }, {"slot_bytes", "JAX_ARX_SLOT_BYTES"}},
+      {[](Config& c) { c.bulk_lanes = false; }, {"bulk lanes"}},
+      {[](Config& c) { c.bulk_piece_bytes = 4096; }, {"bulk pieces", "_tuning"}},
+  };
+  for (const auto& [change, words] : cases) {
+    std::vector<std::shared_ptr<Endpoint>> eps(2);
+    std::vector<std::string> details(2);
+    for (int r = 0; r < 2; ++r) {
+      EndpointSpec s;
+      s.comm_id = 9;
+      s.rank = r;
+      s.world = 2;
+      s.transport = kind;
+      s.name = "fp";
+      s.secret = std::string(1, 'x');  // not = "x": GCC 12 warns falsely on that assignment (its bug 105329)
+      s.config.slot_bytes = 1 << 20;
+      s.config.timeout_s = 2;
+      if (r == 1) change(s.config);
+      EXPECT(Endpoint::create(s, eps[r]).ok(), "create");
+      details[r] = eps[r]->details();
+    }
+    std::vector<Status> sts(2);
+    testing::on_ranks(2, [&](int r) { sts[r] = eps[r]->connect(details); });
+    for (int r = 0; r < 2; ++r) {
+      bool named = !sts[r].ok();
+      for (const std::string& w : words) named = named && sts[r].message().find(w) != std::string::npos;
+      EXPECT(named, "rank %d: the fingerprint mismatch names %s: %s", r, words[0].c_str(), sts[r].message().c_str());
+      eps[r]->close();
+    }
   }
-  const Status s = eps[0]->connect(details);
-  EXPECT(!s.ok() && s.message().find("slot_bytes") != std::string::npos &&
-             s.message().find("JAX_ARX_SLOT_BYTES") != std::string::npos,
-         "fingerprint mismatch names the field: %s", s.message().c_str());
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Runs inside the rxe VM (rxe_vm.sh): jax_arx.psum between two processes over
-# the verbs carrier, tests/workers/verbs_psum.py, rank 0 on the A side, rank 1
-# on the B side.
+# Runs inside the rxe VM (rxe_vm.sh): jax_arx.psum, and in one phase the bulk
+# collectives, between two processes over the verbs carrier,
+# tests/workers/verbs_psum.py, rank 0 on the A side, rank 1 on the B side.
 #   rxe_vm.sh tests/verbs/vm_psum_test.sh PYTHON WORKER [--ranks N] [--phase ... to replace the default phases]
 # --ranks N: N processes instead of two (their devices come with the phases).
 # PYTHON must have jax (CPU) and jax_arx installed; the VM sees the host's
@@ -19,16 +19,22 @@ A=$RXE_DEV_A B=$RXE_DEV_B
 if (($#)); then
   PHASES=("$@")
 else
+  # The bulk collectives (bulk=N calls of each) on two roots where there are
+  # two, else on the one.
   PHASES=()
-  [[ ${RXE_NDEV:-2} == 4 ]] && PHASES+=(--phase "name=two-roots transport=verbs hca=$A,$RXE_DEV_C/$B,$RXE_DEV_D expect=verbs")
-  # A ring of 2: each rank's list names the port facing prev, then the port
-  # facing next (two roots each: soft-RoCE has one device per netdev, opened
-  # twice). Rank 0's next port rxe0 is wired to rank 1's prev port rxe1,
-  # rank 1's next port rxe3 to rank 0's prev port rxe2.
   C=$RXE_DEV_C D=$RXE_DEV_D
-  [[ ${RXE_NDEV:-2} == 4 ]] && PHASES+=(--phase "name=ring transport=verbs topology=ring hca=$C,$C,$A,$A/$B,$B,$D,$D expect=verbs")
-  PHASES+=(--phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB"
-           --phase "name=auto-verbs transport=auto hca=$A/$B expect=verbs calls=2"
+  if [[ ${RXE_NDEV:-2} == 4 ]]; then
+    PHASES+=(--phase "name=two-roots transport=verbs hca=$A,$C/$B,$D expect=verbs bulk=100")
+    # A ring of 2: each rank's list names the port facing prev, then the port
+    # facing next (two roots each: soft-RoCE has one device per netdev, opened
+    # twice). Rank 0's next port rxe0 is wired to rank 1's prev port rxe1,
+    # rank 1's next port rxe3 to rank 0's prev port rxe2.
+    PHASES+=(--phase "name=ring transport=verbs topology=ring hca=$C,$C,$A,$A/$B,$B,$D,$D expect=verbs"
+             --phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB")
+  else
+    PHASES+=(--phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB bulk=100")
+  fi
+  PHASES+=(--phase "name=auto-verbs transport=auto hca=$A/$B expect=verbs calls=2"
            --phase "name=auto-tcp transport=auto hca=$A/- expect=tcp calls=2"
            --phase "name=lose-peer transport=verbs hca=$A/$B expect=verbs lose=1")
 fi
@@ -45,7 +51,7 @@ read -r tx0 < /sys/class/net/veth0/statistics/tx_packets
 t0=$(date +%s.%N)
 RCS=$(mktemp -d)
 for ((rank = 0; rank < RANKS; rank++)); do
-  { JAX_PROCESS_ID=$rank timeout -k 5 1500 unshare --uts /bin/sh -c \
+  { JAX_PROCESS_ID=$rank timeout -k 5 2300 unshare --uts /bin/sh -c \
       'echo "arx-host-$JAX_PROCESS_ID" > /proc/sys/kernel/hostname && exec "$@"' sh \
       "$PY" "$WORKER" "${PHASES[@]}"; echo $? > "$RCS/$rank"; } 2>&1 | sed -u "/^verbs_psum: /!s/^/[rank $rank] /" &
 done

@@ -19,8 +19,13 @@ the environment the phase asks for:
   calls      back-to-back calls per dtype and size (default 16)
   chunk      split verbs writes into pieces of this many bytes (tuning, through
              jax_arx.initialize(_tuning=...); default unset: writes whole)
+  ib_timeout JAX_ARX_IB_TIMEOUT for the phase (default: the environment's)
   lose       a rank that exits mid-stream: the other's next psum must fail with
              an error naming it, well within JAX_ARX_TIMEOUT_S (the last phase)
+  bulk       after the psum calls, this many calls each of all_gather,
+             psum_scatter and the fused MoE combine (tests/workers/verbs_bulk.py),
+             on the bulk collectives' endpoints, which must be on the expected
+             carrier and have counted every call
 
 Every result is checked bit for bit against the fp32 rank-order sum computed
 with numpy, rounded once to the dtype. Every process can make every rank's
@@ -39,6 +44,8 @@ import numpy as np
 import jax_arx
 
 jax_arx.distributed_initialize()
+
+import verbs_bulk  # noqa: E402  (beside this file)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,7 +80,15 @@ def reference(world, n, call, dtype):
     return acc.astype(inputs_for(0, n, call, dtype).dtype)
 
 
+IB_TIMEOUT = os.environ.get("JAX_ARX_IB_TIMEOUT")  # the environment's, for the phases that set none
+
+
 def set_phase_env(phase, me):
+    ib_timeout = phase.get("ib_timeout", IB_TIMEOUT)
+    if ib_timeout is None:
+        os.environ.pop("JAX_ARX_IB_TIMEOUT", None)
+    else:
+        os.environ["JAX_ARX_IB_TIMEOUT"] = ib_timeout
     if phase["transport"] == "auto":
         os.environ.pop("JAX_ARX_TRANSPORT", None)
     else:
@@ -123,14 +138,42 @@ def run_phase(phase, mesh, f):
                             f"from the fp32 rank-order reference")
                         return False
                 checked += 1
+    bulk = run_bulk(phase, mesh) if phase.get("bulk") else ""
+    if bulk is None:
+        return False
     jax_arx.check()
     relayed = sum(le.endpoint.stats()["relayed_puts"] for le in jax_arx._comm.communicator("x").endpoints)
     jax_arx.shutdown()
     say(f"PASS {phase['name']}: {checked} psum calls over {transports[0]} "
         f"(JAX_ARX_IB_HCA={hca if hca != '-' else 'unset'}), bit-identical to the fp32 rank-order reference "
-        f"(bf16, f16, f32; n = {', '.join(map(str, SIZES))}; {calls} back to back per dtype and size) "
+        f"(bf16, f16, f32; n = {', '.join(map(str, SIZES))}; {calls} back to back per dtype and size){bulk} "
         f"in {time.monotonic() - t0:.1f} s; {relayed} puts relayed for the previous rank")
     return True
+
+
+def run_bulk(phase, mesh):
+    """The phase's bulk calls (verbs_bulk.run); then the bulk endpoints must
+    be on the phase's carrier and have counted every call (jax_arx ran them,
+    not jax.lax). The PASS line's part, or None after a FAIL line."""
+    t0 = time.monotonic()
+    calls = int(phase["bulk"])
+    checked, error = verbs_bulk.run(mesh, calls, say)
+    if error:
+        say(f"FAIL {phase['name']}: {error}")
+        return None
+    eps = jax_arx._comm._bulk_communicators["x"].endpoints
+    ran = {k: sum(le.endpoint.stats()["calls"][k] for le in eps) for k in ("all_gather", "psum_scatter",
+                                                                          "moe_combine_psum_scatter")}
+    want = {"all_gather": calls, "psum_scatter": calls, "moe_combine_psum_scatter": 2 * (calls // 2)}
+    carriers = sorted({le.transport for le in eps})
+    roots = sorted({le.endpoint.roots for le in eps})
+    if ran != want or carriers != [phase["expect"]]:
+        say(f"FAIL {phase['name']}: the bulk endpoints ({carriers}) ran {ran}, expected {want} over "
+            f"{phase['expect']}")
+        return None
+    return (f"; {checked} bulk calls over {carriers[0]} with {roots[0]} root(s) (all_gather, psum_scatter "
+            f"{calls} each, MoE combine bf16 and e4m3 {calls // 2} each; 4 MiB gathered or scattered per call), "
+            f"bit-identical to numpy in {time.monotonic() - t0:.1f} s")
 
 
 def lose_peer(phase, mesh, f, lost):
@@ -195,6 +238,7 @@ def main():
     ap.add_argument("--phase", action="append", required=True, type=parse_phase)
     args = ap.parse_args()
     os.environ.setdefault("JAX_ARX_FALLBACK", "error")  # a fallback to jax.lax would test nothing here
+    os.environ.setdefault("JAX_ARX_PREFILL_SLOT_BYTES", str(verbs_bulk.prefill_slot_bytes()))
     mesh = jax.make_mesh((jax.device_count(),), ("x",), devices=jax.devices())
     f = jax.jit(jax.shard_map(lambda v: jax_arx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
     for phase in args.phase:
