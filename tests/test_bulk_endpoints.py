@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_arx  # noqa: E402
 from jax_arx import _bulk_endpoints, _comm, _policy  # noqa: E402
-from stand_in_core import fake_core  # noqa: E402, F401  (the stand-in core, a fixture)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices (JAX_NUM_CPU_DEVICES=4)")
 
