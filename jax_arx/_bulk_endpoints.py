@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import jax
 
 from jax_arx import _comm
-from jax_arx import _compat
+from jax_arx import _compat, _store
 from jax_arx.errors import InitializationError
 
 # The psum parts of a bulk endpoint's region (no psum runs on it): the
@@ -113,7 +113,7 @@ def _make(comm: _comm.Communicator, what: str) -> _comm.Communicator:
             "jax_arx.initialize() on every process); if a process only got there late (a slow compile), raise "
             "JAX_ARX_TIMEOUT_S.")
     prefix = f"jax_arx/{_comm._generation}/bulk/{comm.comm_id}/{attempt}/"
-    store = _comm._Store(_compat.distributed_client(), prefix, setup.cfg.timeout_s, what=what, hint=hint)
+    store = _store.Store(_compat.distributed_client(), prefix, setup.cfg.timeout_s, what=what, hint=hint)
     try:
         made = _comm.connect_endpoints(_comm._core(), store, plans, bulk_options(setup.options), what)
     finally:

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import ctypes
 import dataclasses
 import hashlib
 import hmac
 import logging
 import os
-import socket
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -41,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_arx import _compat
+from jax_arx import _carriers, _compat, _store
 from jax_arx import _distributed
 from jax_arx import config as _config
 from jax_arx import errors
@@ -270,7 +268,7 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
             return
         core = _core(required=True)
         _generation += 1
-        store = _Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
+        store = _store.Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
         try:
             _check_same_mesh_everywhere(store, mesh, wanted)
             made = _set_up(core, cfg, store, mesh, wanted, _tuning)
@@ -383,15 +381,15 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
     me = jax.process_index()
     rdma = False
     if cfg.transport is None:
-        rdma, why = rdma_available(cfg, core)
+        rdma, why = _carriers.rdma_available(cfg, core)
         _debug(cfg, "process %d: RDMA %s: %s", me, "usable" if rdma else "not used", why)
-    hosts, rdma_of = _exchange_hosts(store, {d.process_index for d in mesh.devices.flat}, rdma)
+    hosts, rdma_of = _carriers.exchange_hosts(store, {d.process_index for d in mesh.devices.flat}, rdma)
     plans: list[_Plan] = []
     for axis, comm_id in wanted.items():
         axis_groups = groups(mesh, axis)
         for g, members in enumerate(axis_groups):
             if any(d.process_index == me for d in members):
-                transport = choose_transport(cfg, [hosts[d.process_index] for d in members],
+                transport = _carriers.choose_transport(cfg, [hosts[d.process_index] for d in members],
                                              [rdma_of[d.process_index] for d in members])
                 name = str(axis) if len(axis_groups) == 1 else f"{axis}[{g}]"
                 plans.append(_Plan(axis, comm_id, g, members, transport, name))
@@ -413,7 +411,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
 
     tcp_addr = None
     if any(p.transport == "tcp" for p in plans):
-        tcp_addr = cfg.tcp_addr or default_tcp_addr(_compat.coordinator_address())
+        tcp_addr = cfg.tcp_addr or _carriers.default_tcp_addr(_compat.coordinator_address())
         _debug(cfg, "process %d: tcp address %s", me, tcp_addr)
     # No bulk lanes: the bulk collectives get endpoints of their own at
     # their first call (jax_arx/_bulk_endpoints.py, bulk_options).
@@ -514,245 +512,6 @@ def _platform(device) -> str:
         f"({version or 'unknown platform version'}). Use jax.lax collectives there.")
 
 
-# --- transport choice -------------------------------------------------------
-
-def choose_transport(cfg, member_hosts: list[str], member_rdma: list[bool] | None = None) -> str:
-    """The carrier for one group, given each member process's host identity
-    and whether it can use RDMA (``rdma_available``, exchanged at the
-    rendezvous). Every member computes this from the same exchanged data, so
-    they agree without a further round (the C++ fingerprint check catches a
-    ``JAX_ARX_TRANSPORT`` set differently on different processes).
-
-    The rule, in order:
-
-    1. ``JAX_ARX_TRANSPORT``, when set.
-    2. ``shm`` when every member is on one host: a copy through shared
-       memory beats any NIC, so an RDMA device on a single box (a soft-RoCE
-       device on a dev machine, say) never takes over single-host runs.
-    3. ``verbs`` when every member can use RDMA: JAX_ARX_IB_HCA (or
-       NCCL_IB_HCA) is set, or a hardware RDMA device with an active port
-       was found, and this build and host can run the carrier.
-    4. ``tcp``.
-    """
-    if cfg.transport is not None:
-        return cfg.transport
-    if len(set(member_hosts)) == 1:
-        return "shm"
-    if member_rdma is not None and len(member_rdma) == len(member_hosts) and all(member_rdma):
-        return "verbs"
-    return "tcp"
-
-
-def rdma_available(cfg, core=None, sysfs: str = "/sys/class/infiniband") -> tuple[bool, str]:
-    """Whether this process can take part in a group over the verbs carrier,
-    and why (for JAX_ARX_DEBUG=1 and warnings).
-
-    RDMA counts as configured when ``cfg.ib_hca`` (JAX_ARX_IB_HCA, else
-    NCCL_IB_HCA) is set, and as found when sysfs shows a hardware device
-    with an active port (``rdma_devices_found``). Either way the build must
-    have the verbs carrier and libibverbs must load; an HCA that is
-    configured but unusable is warned about, since the user asked for it.
-    """
-    if cfg.ib_hca:
-        source, configured = f"RDMA devices configured ({cfg.ib_hca})", True
-    else:
-        found = rdma_devices_found(sysfs)
-        if not found:
-            return False, ("no RDMA device configured (JAX_ARX_IB_HCA) or found with an active port "
-                           "(soft-RoCE and siw devices count only when configured)")
-        source, configured = f"RDMA devices found ({', '.join(found)})", False
-    problem = None
-    has_verbs = getattr(core, "has_verbs", None)
-    if has_verbs is not None and not has_verbs():
-        problem = ("this jax_arx build has no verbs carrier (it was built without rdma-core's headers; install "
-                   "libibverbs-dev and reinstall jax_arx)")
-    elif not _libibverbs_loads(cfg.ibverbs_lib):
-        problem = (f"libibverbs cannot be loaded ({cfg.ibverbs_lib or 'libibverbs.so.1'}; install libibverbs1 and "
-                   "ibverbs-providers, or set JAX_ARX_IBVERBS_LIB)")
-    if problem is None:
-        return True, source
-    if configured:
-        logger.warning("jax_arx: %s, but %s; groups that span hosts use tcp", source, problem)
-    return False, f"{source}, but {problem}"
-
-
-def rdma_devices_found(sysfs: str = "/sys/class/infiniband") -> list[str]:
-    """The hardware RDMA devices of this host that have a usable port: state
-    ACTIVE and either InfiniBand, or Ethernet with a RoCE v2 GID. Software
-    devices (soft-RoCE ``rxe``, ``siw``: no ``device`` link to a bus device
-    in sysfs) are left out: they are for testing, and are used only when
-    named in JAX_ARX_IB_HCA."""
-    found = []
-    try:
-        names = sorted(os.listdir(sysfs))
-    except OSError:
-        return found
-    for name in names:
-        dev = os.path.join(sysfs, name)
-        if not os.path.exists(os.path.join(dev, "device")):
-            continue
-        try:
-            ports = sorted(os.listdir(os.path.join(dev, "ports")))
-        except OSError:
-            continue
-        if any(_port_usable(os.path.join(dev, "ports", p)) for p in ports):
-            found.append(name)
-    return found
-
-
-def _port_usable(port: str) -> bool:
-    def read(*parts):
-        try:
-            with open(os.path.join(port, *parts)) as f:
-                return f.read().strip()
-        except OSError:  # unused GID entries read as EINVAL
-            return ""
-
-    if not read("state").endswith("ACTIVE"):  # "4: ACTIVE"
-        return False
-    if read("link_layer") == "InfiniBand":
-        return True
-    try:
-        indexes = os.listdir(os.path.join(port, "gid_attrs", "types"))
-    except OSError:
-        return False
-    return any(read("gid_attrs", "types", i) == "RoCE v2" and read("gids", i).strip("0:") for i in indexes)
-
-
-def _libibverbs_loads(name: str | None) -> bool:
-    # The names the carrier tries (ffi/transport/verbs_lib.cc).
-    for candidate in [name] if name else ["libibverbs.so.1", "libibverbs.so"]:
-        try:
-            ctypes.CDLL(candidate)
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def host_identity() -> str:
-    """What two processes share when ``shm`` can join them: the same kernel
-    boot (boot id), the same ``/dev/shm`` (its device and inode differ per
-    container), the same hostname and network namespace. Network namespaces
-    stand in for hosts in the multi-host tests, so two processes in
-    different namespaces talk as if on different hosts."""
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    except OSError:
-        parts.append("")
-    for path in ("/dev/shm", "/proc/self/ns/net"):
-        try:
-            st = os.stat(path)
-            parts.append(f"{st.st_dev}:{st.st_ino}")
-        except OSError:
-            parts.append("")
-    return "|".join(parts)
-
-
-def _exchange_hosts(store, processes, rdma: bool) -> tuple[dict[int, str], dict[int, bool]]:
-    """Each process's host identity and whether it can use RDMA, as every
-    process sees them: the inputs of ``choose_transport``."""
-    me = jax.process_index()
-    mine = f"{int(rdma)}{host_identity()}"
-    store.set(f"host/{me}", mine.encode())
-    got = {p: (mine if p == me else store.get(f"host/{p}", f"process {p} to publish its host").decode())
-           for p in sorted(processes)}
-    return {p: v[1:] for p, v in got.items()}, {p: v[:1] == "1" for p, v in got.items()}
-
-
-def default_tcp_addr(coordinator: str | None) -> str:
-    """The IPv4 address of this host on the route to the jax.distributed
-    coordinator: an address the peers can reach, since they reach the
-    coordinator. A UDP socket's connect() sends nothing; it only makes the
-    kernel pick the route and source address, which works inside network
-    namespaces too. Without a coordinator (one process): 127.0.0.1."""
-    if not coordinator:
-        return "127.0.0.1"
-    host, _, port = coordinator.rpartition(":")
-    if not host:  # "host" without a port
-        host, port = coordinator, "1"
-    host = host.strip("[]")
-    try:
-        target = socket.getaddrinfo(host, int(port or 1), socket.AF_INET, socket.SOCK_DGRAM)[0][4]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(target)
-            return s.getsockname()[0]
-    except (OSError, ValueError, IndexError) as e:
-        raise InitializationError(
-            f"jax_arx.initialize: could not find this host's IPv4 address towards the coordinator "
-            f"{coordinator!r} ({e}); set JAX_ARX_TCP_ADDR to an IPv4 address of this host that the other "
-            "hosts can reach.") from e
-
-
-# --- the rendezvous store ---------------------------------------------------
-
-_INITIALIZE_HINT = ("Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
-                    "than others, raise JAX_ARX_TIMEOUT_S.")
-
-
-class _Store:
-    """jax.distributed's key-value store under one set-up's prefix, or a
-    plain dict when this process is alone (no jax.distributed client).
-    ``what`` and ``hint`` begin and end the message of a wait that gives
-    up: the call that sets up, and what the user should check."""
-
-    def __init__(self, client, prefix: str, timeout_s: float, what: str = "jax_arx.initialize",
-                 hint: str = _INITIALIZE_HINT):
-        self._client = client
-        self._prefix = prefix
-        self._timeout_s = timeout_s
-        self._what = what
-        self._hint = hint
-        self._local: dict[str, bytes] = {}
-        self._published: list[str] = []
-
-    def set(self, key: str, value: bytes) -> None:
-        self._published.append(key)
-        if self._client is None:
-            self._local[key] = bytes(value)
-        else:
-            self._client.key_value_set_bytes(self._prefix + key, bytes(value))
-
-    def remove_published(self) -> None:
-        """Deletes every key this process set. Best effort: a coordinator
-        that is gone has nothing left to delete."""
-        keys, self._published = self._published, []
-        for key in keys:
-            if self._client is None:
-                self._local.pop(key, None)
-                continue
-            try:
-                self._client.key_value_delete(self._prefix + key)
-            except Exception as e:  # jax's runtime error type differs between versions
-                logger.debug("jax_arx: could not remove %s from the key-value store: %s", key, e)
-
-    def get(self, key: str, waiting_for: str) -> bytes:
-        if self._client is None:
-            return self._local[key]
-        try:
-            return bytes(self._client.blocking_key_value_get_bytes(self._prefix + key, self._timeout_ms()))
-        except Exception as e:  # jax's runtime error type differs between versions
-            raise self._timed_out(waiting_for, e) from e
-
-    def barrier(self, name: str, waiting_for: str) -> None:
-        if self._client is None:
-            return
-        try:
-            self._client.wait_at_barrier(self._prefix + name, self._timeout_ms())
-        except Exception as e:
-            raise self._timed_out(waiting_for, e) from e
-
-    def _timeout_ms(self) -> int:
-        return max(1, int(self._timeout_s * 1000))
-
-    def _timed_out(self, waiting_for, e):
-        return InitializationError(
-            f"{self._what}: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
-            f"{waiting_for} ({type(e).__name__}: {_first_line(e)}). {self._hint}")
-
-
 # --- shutdown and check -----------------------------------------------------
 
 def shutdown() -> None:
@@ -787,17 +546,10 @@ def shutdown() -> None:
             except Exception as e:
                 logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s; closing this "
                                "process's endpoints anyway (a peer still in a collective with this process will "
-                               "fail it within JAX_ARX_TIMEOUT_S). jax said: %s", timeout_s, _first_line(e))
+                               "fail it within JAX_ARX_TIMEOUT_S). jax said: %s", timeout_s, errors.first_line(e))
         for comm in comms:
             for le in comm.endpoints:
                 _close_quietly(le.endpoint)
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of ``e``'s message, whole: jax's runtime errors put
-    the status and what failed there, and a trace of their own below."""
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def _close_quietly(endpoint) -> None:

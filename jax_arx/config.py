@@ -118,7 +118,7 @@ class Config:
     timeout_s: float = 30.0
     idle_spin_ms: int = 200
     idle_nap_us: int = 200
-    transport: str | None = None  # None: chosen per communicator (see _comm.choose_transport)
+    transport: str | None = None  # None: chosen per communicator (see _carriers.choose_transport)
     topology: str = "mesh"  # or "ring": links to the previous and next rank only (ffi/base/topology.h)
     fallback: str = "lax"
     grad_sums: str = "jax_arx"  # jax_arx/_grad.py

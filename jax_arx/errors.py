@@ -128,6 +128,13 @@ class EndpointFailedError(CollectiveError):
 _MESSAGE = re.compile(r"\bjax_arx(?:\.\w+)?: ")
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, whole: jax's runtime errors put
+    the status and what failed there, and a trace of their own below."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def classify(message: str) -> type[JaxArxError]:
     """The class of this family for a message of jax_arx's C++ core or
     handlers (the text ``jax_arx.check()`` and failed calls carry)."""

@@ -29,9 +29,9 @@ import pytest
 import launched
 
 if "--worker" not in sys.argv:
-    # The stand-in core, 4 CPU devices (set before jax starts, unless another
-    # test module started it: then the in-process tests skip).
-    from test_python_unit import _auto_mesh, fake_core, needs_4_devices  # noqa: F401 (fake_core: a fixture)
+    # 4 CPU devices (stand_in_core, a plugin of conftest.py, sets them before
+    # jax starts; otherwise the in-process tests skip); fake_core is its fixture.
+    from stand_in_core import auto_mesh, needs_4_devices
 else:
     needs_4_devices = pytest.mark.skip("the worker runs no test")
 
@@ -79,7 +79,7 @@ def test_backward_sums_are_jax_arx_with_check_vma(fake_core, monkeypatch):
     import jax
     import jax_arx
 
-    mesh = _auto_mesh((4,), ("tp",))
+    mesh = auto_mesh((4,), ("tp",))
     jax_arx.initialize(mesh)
     # Two sums forward, two backward: all jax_arx's.
     text = _grad_jaxpr(jax, _model(jax, jax_arx.psum, mesh, True))
@@ -100,7 +100,7 @@ def test_without_check_vma_shard_maps_input_sums_stay_jax(fake_core):
     import jax
     import jax_arx
 
-    mesh = _auto_mesh((4,), ("tp",))
+    mesh = auto_mesh((4,), ("tp",))
     jax_arx.initialize(mesh)
     text = _grad_jaxpr(jax, _model(jax, jax_arx.psum, mesh, False))
     assert (_count(text, "jax_arx_psum"), _count(text, "psum")) == (4, 2), text
@@ -111,13 +111,13 @@ def test_axes_jax_arx_does_not_run_keep_jax_sums_silently(fake_core, caplog):
     import jax
     import jax_arx
 
-    unseen = _auto_mesh((4,), ("tp",))  # no communicator for it
+    unseen = auto_mesh((4,), ("tp",))  # no communicator for it
     with caplog.at_level(logging.DEBUG, logger="jax_arx"):
         text = _grad_jaxpr(jax, _model(jax, jax.lax.psum, unseen, True))
         assert (_count(text, "jax_arx_psum_invariant"), _count(text, "psum_invariant")) == (0, 4), text
         # Another mesh that reuses the name of an axis jax_arx runs.
-        jax_arx.initialize(_auto_mesh((4,), ("tp",)))
-        other = _auto_mesh((2, 2), ("tp", "dp"))
+        jax_arx.initialize(auto_mesh((4,), ("tp",)))
+        other = auto_mesh((2, 2), ("tp", "dp"))
         f = jax.shard_map(lambda x, w: (x * w).sum(keepdims=True), mesh=other, in_specs=(jax.P("tp", "dp"), jax.P()),
                           out_specs=jax.P("tp", "dp"))
         text = str(jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=1))(np.ones((4, 4)), np.ones(2)))
@@ -130,7 +130,7 @@ def test_a_value_replicated_over_two_axes_is_summed_per_axis(fake_core):
     import jax
     import jax_arx
 
-    mesh = _auto_mesh((2, 2), ("dp", "tp"))
+    mesh = auto_mesh((2, 2), ("dp", "tp"))
     jax_arx.initialize(mesh)
     f = jax.shard_map(lambda x, w: (jax.numpy.sin(x) * w).sum(keepdims=True), mesh=mesh,
                       in_specs=(jax.P("dp", "tp"), jax.P()), out_specs=jax.P("dp", "tp"))
@@ -149,7 +149,7 @@ def test_a_gradient_sum_past_the_envelope_falls_back_saying_so(fake_core, monkey
 
     _policy._logged_reasons.clear()
     monkeypatch.setenv("JAX_ARX_SLOT_BYTES", "256")
-    mesh = _auto_mesh((4,), ("tp",))
+    mesh = auto_mesh((4,), ("tp",))
     jax_arx.initialize(mesh)
 
     def grad():  # traced anew each time (jax caches traces of one function)

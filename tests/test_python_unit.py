@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from stand_in_core import FAKE_CORE_SOURCE, auto_mesh, inner_jaxpr, needs_4_devices, prim_names
 
 import jax_arx
-from jax_arx import _comm, _compat, config, errors, launch
+from jax_arx import _carriers, _comm, _compat, config, errors, launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -1045,19 +1045,19 @@ def test_transport_override_and_tcp_address(fake_core, monkeypatch):
 
 def test_choose_transport():
     cfg = config.Config()
-    assert _comm.choose_transport(cfg, ["a", "a", "a"]) == "shm"
-    assert _comm.choose_transport(cfg, ["a", "b"]) == "tcp"
-    assert _comm.choose_transport(config.Config(transport="tcp"), ["a", "a"]) == "tcp"
-    assert _comm.choose_transport(config.Config(transport="shm"), ["a", "b"]) == "shm"
-    assert _comm.host_identity() == _comm.host_identity()
+    assert _carriers.choose_transport(cfg, ["a", "a", "a"]) == "shm"
+    assert _carriers.choose_transport(cfg, ["a", "b"]) == "tcp"
+    assert _carriers.choose_transport(config.Config(transport="tcp"), ["a", "a"]) == "tcp"
+    assert _carriers.choose_transport(config.Config(transport="shm"), ["a", "b"]) == "shm"
+    assert _carriers.host_identity() == _carriers.host_identity()
 
 
 def test_default_tcp_addr():
-    assert _comm.default_tcp_addr(None) == "127.0.0.1"
-    assert _comm.default_tcp_addr("127.0.0.1:1234") == "127.0.0.1"
-    assert _comm.default_tcp_addr("localhost:1234") == "127.0.0.1"
+    assert _carriers.default_tcp_addr(None) == "127.0.0.1"
+    assert _carriers.default_tcp_addr("127.0.0.1:1234") == "127.0.0.1"
+    assert _carriers.default_tcp_addr("localhost:1234") == "127.0.0.1"
     with pytest.raises(jax_arx.InitializationError, match="set JAX_ARX_TCP_ADDR"):
-        _comm.default_tcp_addr("no-such-host.invalid:1234")
+        _carriers.default_tcp_addr("no-such-host.invalid:1234")
 
 
 @needs_4_devices

@@ -406,7 +406,7 @@ def _fake_ib_device(root, name, *, hardware, state="4: ACTIVE", link_layer="Ethe
 
 
 def test_rdma_devices_found_on_a_fake_sysfs(tmp_path):
-    from jax_arx import _comm
+    from jax_arx import _carriers
 
     _fake_ib_device(tmp_path, "mlx5_0", hardware=True)
     _fake_ib_device(tmp_path, "mlx5_1", hardware=True, state="1: DOWN")
@@ -414,9 +414,9 @@ def test_rdma_devices_found_on_a_fake_sysfs(tmp_path):
     _fake_ib_device(tmp_path, "mlx5_3", hardware=True, gid="0000:0000:0000:0000:0000:0000:0000:0000")
     _fake_ib_device(tmp_path, "mlx5_4", hardware=True, link_layer="InfiniBand", gid_type="")
     _fake_ib_device(tmp_path, "rxe0", hardware=False)
-    assert _comm.rdma_devices_found(str(tmp_path)) == ["mlx5_0", "mlx5_4"]
-    assert _comm.rdma_devices_found(str(tmp_path / "none")) == []
-    no_rdma, why = _comm.rdma_available(_config_for(), sysfs=str(tmp_path / "none"))
+    assert _carriers.rdma_devices_found(str(tmp_path)) == ["mlx5_0", "mlx5_4"]
+    assert _carriers.rdma_devices_found(str(tmp_path / "none")) == []
+    no_rdma, why = _carriers.rdma_available(_config_for(), sysfs=str(tmp_path / "none"))
     assert not no_rdma and "no RDMA device" in why
 
 
@@ -427,19 +427,19 @@ def _config_for(**kw):
 
 
 def test_choose_transport_with_rdma():
-    from jax_arx import _comm
+    from jax_arx import _carriers
 
     auto = _config_for()
-    assert _comm.choose_transport(auto, ["a", "b"], [True, True]) == "verbs"
-    assert _comm.choose_transport(auto, ["a", "b"], [True, False]) == "tcp"  # every member must be able to
-    assert _comm.choose_transport(auto, ["a", "a"], [True, True]) == "shm"  # one host: shm wins
-    assert _comm.choose_transport(auto, ["a", "b"]) == "tcp"
-    assert _comm.choose_transport(_config_for(transport="tcp"), ["a", "b"], [True, True]) == "tcp"
-    assert _comm.choose_transport(_config_for(transport="verbs"), ["a", "a"], [False, False]) == "verbs"
+    assert _carriers.choose_transport(auto, ["a", "b"], [True, True]) == "verbs"
+    assert _carriers.choose_transport(auto, ["a", "b"], [True, False]) == "tcp"  # every member must be able to
+    assert _carriers.choose_transport(auto, ["a", "a"], [True, True]) == "shm"  # one host: shm wins
+    assert _carriers.choose_transport(auto, ["a", "b"]) == "tcp"
+    assert _carriers.choose_transport(_config_for(transport="tcp"), ["a", "b"], [True, True]) == "tcp"
+    assert _carriers.choose_transport(_config_for(transport="verbs"), ["a", "a"], [False, False]) == "verbs"
 
 
 def test_rdma_available_needs_the_carrier_and_libibverbs(tmp_path, caplog):
-    from jax_arx import _comm
+    from jax_arx import _carriers
 
     class NoVerbs:
         @staticmethod
@@ -452,16 +452,16 @@ def test_rdma_available_needs_the_carrier_and_libibverbs(tmp_path, caplog):
             return True
 
     hca = _config_for(ib_hca="mlx5_0")
-    ok, why = _comm.rdma_available(hca, NoVerbs, sysfs=str(tmp_path))
+    ok, why = _carriers.rdma_available(hca, NoVerbs, sysfs=str(tmp_path))
     assert not ok and "no verbs carrier" in why
     assert "groups that span hosts use tcp" in caplog.text  # configured but unusable: said out loud
-    ok, why = _comm.rdma_available(_config_for(ib_hca="mlx5_0", ibverbs_lib="/nonexistent/libibverbs.so.1"),
+    ok, why = _carriers.rdma_available(_config_for(ib_hca="mlx5_0", ibverbs_lib="/nonexistent/libibverbs.so.1"),
                                    WithVerbs, sysfs=str(tmp_path))
     assert not ok and "libibverbs cannot be loaded" in why
     _fake_ib_device(tmp_path, "mlx5_0", hardware=True)
-    found, why = _comm.rdma_available(_config_for(ibverbs_lib="/nonexistent/libibverbs.so.1"), WithVerbs,
+    found, why = _carriers.rdma_available(_config_for(ibverbs_lib="/nonexistent/libibverbs.so.1"), WithVerbs,
                                       sysfs=str(tmp_path))
     assert not found and "found (mlx5_0)" in why
-    if _comm._libibverbs_loads(None):
-        assert _comm.rdma_available(hca, WithVerbs, sysfs=str(tmp_path)) == (True, "RDMA devices configured (mlx5_0)")
-        assert _comm.rdma_available(_config_for(), WithVerbs, sysfs=str(tmp_path))[0]
+    if _carriers._libibverbs_loads(None):
+        assert _carriers.rdma_available(hca, WithVerbs, sysfs=str(tmp_path)) == (True, "RDMA devices configured (mlx5_0)")
+        assert _carriers.rdma_available(_config_for(), WithVerbs, sysfs=str(tmp_path))[0]
