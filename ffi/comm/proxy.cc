@@ -193,7 +193,12 @@ class Watchdog {
 void send_notices(Endpoint& ep, Relay& relay, uint64_t forwarded) {
   const Control* ctl = ep.control();
   const uint64_t seq = load_acquire(&ctl->failed_seq);
-  const uint64_t desc = seq ? (load_relaxed(&ctl->failed_family) + 1) | load_relaxed(&ctl->failed_kind) << 8 : 0;
+  // Bits 16-23: for a timeout, the ranks the wait was still missing (a mask
+  // of kMaxWorld = 8 bits), so that every rank's error names the silent one.
+  static_assert(kMaxWorld <= 8, "the notice's missing-rank mask has 8 bits");
+  const uint64_t desc = seq ? (load_relaxed(&ctl->failed_family) + 1) | load_relaxed(&ctl->failed_kind) << 8 |
+                                  (load_relaxed(&ctl->failed_missing) & 0xff) << 16
+                            : 0;
   const uint64_t value = forwarded ? forwarded : flag_word(seq ? seq : 1, desc);
   const Layout& L = ep.layout();
   const int rank = ep.spec().rank;
@@ -207,7 +212,7 @@ void send_notices(Endpoint& ep, Relay& relay, uint64_t forwarded) {
   }
 }
 
-FailureKind notice_kind(uint64_t value) { return static_cast<FailureKind>(flag_desc(value) >> 8); }
+FailureKind notice_kind(uint64_t value) { return static_cast<FailureKind>(flag_desc(value) >> 8 & 0xff); }
 
 // The peers' notice to act on, or 0 (`from`: its sender): one that names a
 // cause (a mismatch, a timeout) before one that does not.
@@ -227,6 +232,17 @@ uint64_t notice_from_peers(const Endpoint& ep, int& from) {
   return best;
 }
 
+// Whom a timeout notice's wait was missing: "rank 2", "ranks 1, 2" or "a
+// peer" (a notice without the mask).
+std::string waited_for(uint64_t v) {
+  const uint64_t missing = flag_desc(v) >> 16 & 0xff;
+  std::string who;
+  for (int j = 0; j < kMaxWorld; ++j)
+    if (missing >> j & 1) who += strf("%s%d", who.empty() ? "" : ", ", j);
+  if (who.empty()) return "a peer";
+  return strf("%s %s", who.find(',') == std::string::npos ? "rank" : "ranks", who.c_str());
+}
+
 // A peer's notice as a failure message. It keeps the words
 // errors.classify() reads ("issued a different collective", "timed out
 // after"), so every rank raises the same class.
@@ -237,8 +253,8 @@ std::string notice_message(const Endpoint& ep, int from, uint64_t v) {
                                 (unsigned long long)flag_seq(v));
   const std::string cause =
       kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
-      : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for a peer timed out after its "
-                                             "JAX_ARX_TIMEOUT_S", what.c_str())
+      : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for %s timed out after its "
+                                             "JAX_ARX_TIMEOUT_S", what.c_str(), waited_for(v).c_str())
                                       : strf("gave up on %s", what.c_str());
   return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
               "collective after it), as every rank does. Rank %d's own error (or the rank it names) says more: see "

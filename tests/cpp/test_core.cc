@@ -300,7 +300,9 @@ void test_fail_everywhere(TransportKind kind) {
   while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   const std::string why = rig.eps[1]->failure();
-  EXPECT(why.find("rank 0 gave up on psum #1") != std::string::npos && why.find("timed out after") != std::string::npos,
+  // Why, and whom rank 0 waited for: a third rank told by this notice must
+  // name the silent rank as the one that timed out does.
+  EXPECT(why.find("rank 0 gave up on psum #1: its wait for rank 1 timed out after") != std::string::npos,
          "%s: rank 1 was told why: '%s'",
          transport_name(kind), why.c_str());
   const Status s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
