@@ -44,17 +44,33 @@ def synced_median_seconds(f, *args, repeats):
     started on every process together (a barrier first), after two runs that
     compile and warm up."""
     import jax
-    from jax.experimental import multihost_utils
 
     jax.block_until_ready(f(*args))  # compile and warm up
     jax.block_until_ready(f(*args))
     times = []
     for _ in range(repeats):
-        multihost_utils.sync_global_devices("jax_arx example timing")
+        barrier("jax_arx example timing")
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+_BARRIERS = [0]
+
+
+def barrier(name, timeout_s=600):
+    """Every process waits here for the others, through jax.distributed's
+    key-value service, never an XLA collective: on GPUs those are NCCL's,
+    which refuses ranks that share a GPU. Every process must call it the
+    same number of times; alone, it returns at once."""
+    from jax_arx import _compat
+
+    client = _compat.distributed_client()
+    if client is None:
+        return
+    _BARRIERS[0] += 1  # a barrier's name is used once
+    client.wait_at_barrier(f"jax_arx_examples/{name}/{_BARRIERS[0]}", int(timeout_s * 1000))
 
 
 def per_call_us(make_program, collective, x, calls, repeats):

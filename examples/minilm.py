@@ -76,7 +76,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import minilm_model as M  # noqa: E402  (beside this file)
-from bench_common import median_seconds, synced_median_seconds  # noqa: E402
+from bench_common import barrier, median_seconds, synced_median_seconds  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "minilm_fixture")
 FIXTURE_SENTENCES = os.path.normpath(os.path.join(FIXTURE, "sentences.txt"))
@@ -229,7 +229,7 @@ class Encoder:
         if impl is not None:
             # Compilation takes each process its own time: none may wait in a
             # collective (bounded by JAX_ARX_TIMEOUT_S) for another to finish it.
-            _barrier("minilm: compiled")
+            barrier("minilm: compiled")
 
     def __call__(self):
         return [f(*args) for f, args in zip(self.compiled, self.inputs)]
@@ -239,12 +239,6 @@ class Encoder:
 # barriers, never an XLA collective: on GPUs those are NCCL's, which refuses
 # ranks that share a GPU.
 _EXCHANGES = [0]
-
-
-def _barrier(name):
-    from jax_arx import _compat
-
-    _compat.distributed_client().wait_at_barrier(name, 600_000)
 
 
 def _ranks_share_a_gpu():
@@ -308,7 +302,7 @@ def on_rank0(fn):
     """Runs ``fn`` on process 0 alone while the others wait, and returns what
     it returned there (None elsewhere)."""
     result = fn() if jax.process_index() == 0 else None
-    _barrier("minilm: rank 0 ran alone")
+    barrier("minilm: rank 0 ran alone")
     return result
 
 
