@@ -430,44 +430,32 @@ def _psum_scatter_transpose(ct, x, *, scatter_dimension, axis_name, tiled, **par
     return (all_gather(ct, axis_name, axis=scatter_dimension, tiled=tiled),)
 
 
-def _all_gather_batcher(axis_data, vals_in, dims_in, **params):
-    (x,), (d,) = vals_in, dims_in
-    if axis_data.name in params["axis_name"]:
-        # A vmap over the gathered axis itself: jax's rule does it locally.
-        return _compat.lax_collective_batcher(_compat.lax_all_gather_p, axis_data, vals_in, dims_in,
-                                              **_lax_params(params))
-    if d is None:
-        return all_gather_p.bind(x, **params), None
-    dim, tiled = params["all_gather_dimension"], params["tiled"]
-    if d <= dim:
-        dim += 1
-    elif not tiled:
-        d += 1  # the stacked axis comes in before it
-    new = dict(params, all_gather_dimension=dim)
-    # The batched input is bigger: decide again.
-    decision = _decide("all_gather", jax.typeof(x), params["axis_name"], None, gathered=True)
-    if decision is None:
-        return _compat.lax_all_gather_p.bind(x, **_lax_params(new)), d
-    return all_gather_p.bind(x, **dict(new, comm_id=decision.comm_id)), d
+def _batcher(op, lax_p, dim_name, gathered):
+    """The vmap rule of all_gather (``gathered``) or psum_scatter: the
+    batched dimension moves the op's own dimension, and the bigger input is
+    decided again."""
+    def batcher(axis_data, vals_in, dims_in, **params):
+        own_p = all_gather_p if gathered else psum_scatter_p
+        (x,), (d,) = vals_in, dims_in
+        if axis_data.name in params["axis_name"]:
+            # A vmap over the collective's axis itself: jax's rule does it locally.
+            return _compat.lax_collective_batcher(lax_p, axis_data, vals_in, dims_in, **_lax_params(params))
+        if d is None:
+            return own_p.bind(x, **params), None
+        dim, tiled = params[dim_name], params["tiled"]
+        if d <= dim:
+            dim += 1
+        elif not tiled:
+            # Untiled, all_gather stacks a new axis before d; psum_scatter
+            # drops the scattered one before it.
+            d += 1 if gathered else -1
+        new = dict(params, **{dim_name: dim})
+        decision = _decide(op, jax.typeof(x), params["axis_name"], None, gathered=gathered)
+        if decision is None:
+            return lax_p.bind(x, **_lax_params(new)), d
+        return own_p.bind(x, **dict(new, comm_id=decision.comm_id)), d
 
-
-def _psum_scatter_batcher(axis_data, vals_in, dims_in, **params):
-    (x,), (d,) = vals_in, dims_in
-    if axis_data.name in params["axis_name"]:
-        return _compat.lax_collective_batcher(_compat.lax_reduce_scatter_p, axis_data, vals_in, dims_in,
-                                              **_lax_params(params))
-    if d is None:
-        return psum_scatter_p.bind(x, **params), None
-    dim, tiled = params["scatter_dimension"], params["tiled"]
-    if d <= dim:
-        dim += 1
-    elif not tiled:
-        d -= 1  # the scattered axis is dropped before it
-    new = dict(params, scatter_dimension=dim)
-    decision = _decide("psum_scatter", jax.typeof(x), params["axis_name"], None, gathered=False)
-    if decision is None:
-        return _compat.lax_reduce_scatter_p.bind(x, **_lax_params(new)), d
-    return psum_scatter_p.bind(x, **dict(new, comm_id=decision.comm_id)), d
+    return batcher
 
 
 def _moe_abstract_eval(y, *rest, axis_name, axis_size, padded_tokens, scaled, comm_id):
@@ -500,7 +488,7 @@ all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
 _compat.register_lowering(all_gather_p, partial(_collective_lowering, ALL_GATHER_TARGET, _compat.lax_all_gather_p,
                                                 "all_gather_dimension", "all_gather"), cacheable=False)
 _compat.deflinear2(all_gather_p, _all_gather_transpose)
-_compat.register_batcher(all_gather_p, _all_gather_batcher)
+_compat.register_batcher(all_gather_p, _batcher("all_gather", _compat.lax_all_gather_p, "all_gather_dimension", True))
 
 psum_scatter_p = _compat.Primitive("jax_arx_psum_scatter")
 psum_scatter_p.def_impl(partial(_compat.apply_primitive, psum_scatter_p))
@@ -509,7 +497,8 @@ _compat.register_lowering(psum_scatter_p, partial(_collective_lowering, PSUM_SCA
                                                   _compat.lax_reduce_scatter_p, "scatter_dimension", "psum_scatter"),
                           cacheable=False)
 _compat.deflinear2(psum_scatter_p, _psum_scatter_transpose)
-_compat.register_batcher(psum_scatter_p, _psum_scatter_batcher)
+_compat.register_batcher(psum_scatter_p, _batcher("psum_scatter", _compat.lax_reduce_scatter_p, "scatter_dimension",
+                                                   False))
 
 moe_combine_p = _compat.Primitive("jax_arx_moe_combine_psum_scatter")
 moe_combine_p.def_impl(partial(_compat.apply_primitive, moe_combine_p))
