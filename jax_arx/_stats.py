@@ -59,6 +59,8 @@ def stats() -> dict:
       of 4: ``JAX_ARX_TOPOLOGY=ring``); 0 elsewhere.
     - ``failure``: the endpoint's failure message (what ``jax_arx.check()``
       raises), or None while it is healthy.
+    - The bulk collectives run on a second endpoint per device, made at the
+      axis's first bulk call; its counters are in the same entry.
     - ``fallbacks``: per op, the calls that went to ``jax.lax`` instead,
       by the reason logged for them (the gradient sums of ``jax.grad`` count
       under ``psum``, their reason saying so). Counted when a call is
@@ -69,13 +71,20 @@ def stats() -> dict:
     """
     comms = {}
     for axis, comm in _comm.communicators().items():
+        # The bulk collectives run on endpoints of their own, made at the
+        # first bulk call (_bulk_endpoints): each counts as part of the
+        # axis's endpoint on the same device.
+        bulk = _comm._bulk_communicators.get(axis)
+        bulk_of = {(le.group, le.rank): le for le in bulk.endpoints} if bulk else {}
         endpoints = []
         for le in sorted(comm.endpoints, key=lambda le: (le.group, le.rank)):
-            raw = le.endpoint.stats()
+            raws = [e.endpoint.stats() for e in (le, bulk_of.get((le.group, le.rank))) if e is not None]
             endpoints.append({"rank": le.rank, "group": le.group, "device": str(le.device),
-                              "ops": {op: _op(raw["ops"][op]) for op in OPS}, "stalls": int(raw["stalls"]),
-                              "last_stall": raw["last_stall"], "relayed_puts": int(raw["relayed_puts"]),
-                              "failure": raw["failure"]})
+                              "ops": {op: _summed([_op(r["ops"][op]) for r in raws]) for op in OPS},
+                              "stalls": sum(int(r["stalls"]) for r in raws),
+                              "last_stall": next((r["last_stall"] for r in reversed(raws) if r["last_stall"]), None),
+                              "relayed_puts": sum(int(r["relayed_puts"]) for r in raws),
+                              "failure": next((r["failure"] for r in raws if r["failure"]), None)})
         comms[axis] = {
             "transport": _comm.transport(axis),
             "world": comm.mesh_shape[comm.mesh_axis_names.index(axis)],
