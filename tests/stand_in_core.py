@@ -27,7 +27,7 @@ import needs
 import pytest
 
 import jax_arx
-from jax_arx import _bulk, _comm, _compat, _policy, _psum
+from jax_arx import _bulk, _bulk_endpoints, _comm, _compat, _policy, _psum
 
 # This process's jax on 4 CPU devices, set in jax's configuration before its
 # backend starts (at the first device query): never in the environment,
@@ -71,13 +71,16 @@ def prim_names(jaxpr):
 
 @pytest.fixture
 def fake_core(tmp_path, monkeypatch):
-    """jax_arx with the stand-in core; shut down afterwards."""
+    """jax_arx with the stand-in core, as in a fresh process (no bulk
+    endpoints remembered for initialize() to make again); shut down
+    afterwards."""
     path = tmp_path / "fake_core.py"
     path.write_text(FAKE_CORE_SOURCE)
     spec = importlib.util.spec_from_file_location("fake_core", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(_comm, "_core_module", module)
+    monkeypatch.setattr(_bulk_endpoints, "_made", set())
     yield module
     jax_arx.shutdown()
     assert not module.registered, "shutdown() left endpoints registered"

@@ -37,9 +37,7 @@ BULK_PRIMITIVES = {"jax_arx_all_gather", "jax_arx_psum_scatter", "jax_arx_moe_co
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    """No bulk endpoints remembered from another test, and none of the
-    environment's settings."""
-    monkeypatch.setattr(_bulk_endpoints, "_made", set())
+    """None of the environment's settings."""
     for name in ("JAX_ARX_TRANSPORT", "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_FALLBACK"):
         monkeypatch.delenv(name, raising=False)
     _policy._logged_reasons.clear()
