@@ -14,10 +14,9 @@ each test launches this file as its worker, ``--worker SUITE``):
 - ``stopped_peer:psum`` and ``stopped_peer:all_gather`` (tcp, 2 processes,
   ``JAX_ARX_TIMEOUT_S=5``): both run a 96 MiB psum (or an 80 MiB
   all_gather) once, then rank 1 stops itself (SIGSTOP; a helper resumes it
-  30 s later). Rank 0's next call must fail within about the timeout (a send
-  to a peer that takes no data gives up: the handler's own for psum, the
-  proxy's for all_gather), and ``shutdown()`` must return within about the
-  timeout too.
+  30 s later). Rank 0's next call must fail within about the timeout (the
+  proxy's send to a peer that takes no data gives up, or the call's wait for
+  it does), and ``shutdown()`` must return within about the timeout too.
 - ``killed_in_initialize`` and ``failed_initialize`` (shm, 2 processes): a
   process SIGKILLed inside ``initialize()`` (held in its endpoint's
   connect() by a stand-in core module), and processes whose
@@ -110,9 +109,9 @@ def check_stranger(cwd, user_secret, gpus):
 
 
 def check_stopped_peer(cwd, op, gpus):
-    # psum: on the CPU the handler sends its 96 MiB itself (on GPUs the
-    # proxy does); all_gather: the proxy sends the 80 MiB, and shutdown()
-    # must not wait for it.
+    # The proxy sends psum's 96 MiB or all_gather's 80 MiB, more than the
+    # sockets hold, so its send stalls on the stopped peer; shutdown() must
+    # not wait for it.
     env = {"JAX_ARX_TIMEOUT_S": str(TIMEOUT_S), "JAX_ARX_SLOT_BYTES": "96M" if op == "psum" else "1M",
            "JAX_ARX_SEND_BYTES": "96M" if op == "psum" else "4M",
            "JAX_ARX_PREFILL_SLOT_BYTES": "80M" if op == "all_gather" else "0"}
@@ -128,11 +127,9 @@ def check_stopped_peer(cwd, op, gpus):
     assert not r[op]["finite"] and "rank 1" in r[op]["error"] + r["check"], r
     if not gpus:
         assert r[op]["error"], r
-    if op == "psum" and not gpus:
-        # The handler's own send gave up on the stopped peer, and said why.
-        # (Where the proxy sends, its give-up and the call's own wait race to
-        # be the failure reported: both at about the timeout.)
-        assert "took no data" in r[op]["error"] + r["check"], r
+    # Why: the proxy's send gave up on the stopped peer, or the call's own
+    # wait did; the two race, both at about the timeout.
+    assert "took no data" in r[op]["error"] + r["check"] or "timed out after" in r[op]["error"] + r["check"], r
     assert results[1]["resumed"], results[1]
 
 
