@@ -19,7 +19,7 @@ GPUs) ask ``require_gpus(2)`` and are skipped on one, with the reason.
 
 How. A worker is a test file run as a script (``--worker NAME``) under
 ``python -m jax_arx.launch``, from a clean environment: none of the pytest
-process's JAX_* / XLA_* settings (tests/test_python_unit.py sets
+process's JAX_* / XLA_* settings (tests/test_bulk_endpoints.py sets
 JAX_PLATFORMS=cpu at import, for one), only what the test asks for, plus
 JAX_PLATFORMS=cuda (never a silent run on the CPU), JAX_ARX_FALLBACK=error
 (a fallback would run jax.lax's collectives, NCCL, which refuses ranks that

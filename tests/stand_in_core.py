@@ -231,3 +231,23 @@ class Endpoint:
     def plan(self, op, nbytes):
         return self._real.plan(op, nbytes)
 '''
+
+
+def body_prims(mesh, body, x, in_spec=None, out_spec=None, check_vma=True):
+    """The primitives of ``body`` under shard_map over ``mesh`` (specs
+    default to P("tp"))."""
+    from jax.sharding import PartitionSpec as P
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("tp") if in_spec is None else in_spec,
+                      out_specs=P("tp") if out_spec is None else out_spec, check_vma=check_vma)
+    return prim_names(inner_jaxpr(jax.make_jaxpr(f)(x)))
+
+
+def assert_bits_equal(a, b):
+    """Every leaf of ``a`` and ``b``: the same dtype, shape and bytes."""
+    import numpy as np
+
+    def same(u, v):
+        u, v = np.asarray(u), np.asarray(v)
+        assert (u.dtype, u.shape, u.tobytes()) == (v.dtype, v.shape, v.tobytes()), (u, v)
+    jax.tree.map(same, a, b)

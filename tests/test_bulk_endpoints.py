@@ -1,6 +1,6 @@
 """The bulk collectives' endpoints (jax_arx/_bulk_endpoints.py) and what the
 fallback policy decides for them, against the stand-in core of
-tests/test_python_unit.py (one process, 4 CPU devices; no C++ module needed
+tests/stand_in_core.py (one process, 4 CPU devices; no C++ module needed
 but for the plan, which the stand-in asks of the real core).
 
 - Over verbs, as over shm and tcp, jax_arx runs all_gather, psum_scatter and

@@ -7,7 +7,7 @@ two replicated values that meet split weights (``x``, and the first
 layer's sum): jax's ``pvary``, transposed.
 
 - In one process with 4 CPU devices and the stand-in core of
-  test_python_unit.py: which primitive runs each sum of the backward pass
+  tests/stand_in_core.py: which primitive runs each sum of the backward pass
   (jax_arx's, with check_vma on; jax's with ``JAX_ARX_GRAD_SUMS=lax``, on
   axes jax_arx does not run, and, with check_vma off, the sums of
   shard_map's replicated inputs), one call per axis for a value replicated

@@ -1,7 +1,7 @@
 // What the core makes of the endpoint options jax_arx/config.py hands it
 // (Config::parse, base/config.h): the CUDA settings, which the host device
 // side never reads, so no CPU test would see them misread, and the values
-// it refuses. tests/test_python_unit.py checks the strings Python sends.
+// it refuses. tests/test_config_unit.py checks the strings Python sends.
 #include <cstdio>
 #include <map>
 #include <string>

@@ -60,7 +60,7 @@ MUTATIONS = [
       (BULK, "-k", "falls_back"), quick=True),
     M("JAX_ARX_ONESHOT_MAX_BYTES not passed to the core", "jax_arx/config.py",
       '            options["oneshot_max_bytes"] = str(self.oneshot_max_bytes)', "            pass",
-      ("tests/test_python_unit.py", "-k", "oneshot_max")),
+      ("tests/test_psum_rules.py", "-k", "oneshot_max")),
     M("two-shot never chosen", "ffi/comm/plan.cc",
       "const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;",
       "const uint64_t twoshot_max = 0;", ("test_plan",), cpp=True),

@@ -1,0 +1,181 @@
+"""jax_arx.launch: small programs in 2 processes, one of them through the
+jax.distributed key-value store rendezvous with the stand-in core
+(tests/stand_in_core.py)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from stand_in_core import FAKE_CORE_SOURCE
+
+import jax_arx
+from jax_arx import launch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# --- launcher ------------------------------------------------------------------------
+
+def test_split_argv():
+    split = launch._split_argv
+    assert split(["-n", "2", "s.py", "-n", "3"]) == (["-n", "2"], ["s.py", "-n", "3"])
+    assert split(["-n2", "--cpu-devices=2", "s.py"]) == (["-n2", "--cpu-devices=2"], ["s.py"])
+    assert split(["-n", "2", "-m", "pkg.mod", "--x"]) == (["-n", "2"], ["-m", "pkg.mod", "--x"])
+    assert split(["-n", "2", "--", "-weird.py"]) == (["-n", "2"], ["-weird.py"])
+
+
+def test_initialize_distributed_needs_all_or_none_of_the_variables(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.initialize_distributed() is False
+    assert jax_arx.distributed_initialize is launch.initialize_distributed
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID not set while JAX_NUM_PROCESSES"):
+        launch.initialize_distributed()
+
+
+def _launch(args, tmp_path, timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_", "XLA_")) or k in ("JAX_PLATFORMS",)}
+    # The installed jax_arx (with its C++ module), as the other multi-process
+    # tests run it; tmp_path holds the programs and the stand-in core.
+    env["PYTHONPATH"] = str(tmp_path)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "jax_arx.launch", *args], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.slow
+def _from_keyword(line, keywords):
+    """`line` from the first of `keywords` in it (all of it if none is)."""
+    at = [line.find(k) for k in keywords if k in line]
+    return line[min(at):] if at else line
+
+
+def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
+    (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import jax_arx
+        assert jax_arx.distributed_initialize()
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import PartitionSpec as P
+        import fake_core
+        jax_arx._comm._core_module = fake_core
+
+        mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        f = jax.jit(jax.shard_map(lambda: jax.lax.psum(jax.lax.axis_index("dp") + 1.0, "dp"),
+                                  mesh=mesh, in_specs=(), out_specs=P()))
+        print("lax psum", float(f().addressable_data(0)))
+
+        jax_arx.initialize(mesh)
+        jax_arx.initialize(mesh)
+        me = jax.process_index()
+        for e in sorted(fake_core.endpoints, key=lambda e: (e.name, e.rank)):
+            print("endpoint", e.name, e.rank, e.world, e.transport, e.device_ordinal, e.connected, e.secret.hex()[:8])
+
+        # jax_arx's primitive across processes, lowered as jax's all-reduce.
+        from jax_arx import _compat, _psum
+        def lax_lowering(ctx, *xs, **params):
+            leaves = xs[:len(xs) - params.get("prefetch", 0)]
+            return _compat.lax_psum_lowering(ctx, leaves, axes=params["axes"])
+        for prim in (_psum.psum_p, _psum.psum_invariant_p):
+            _compat.register_lowering(prim, lax_lowering)
+        g = jax.jit(jax.shard_map(lambda: jax_arx.psum(jax.lax.axis_index("dp") + 1.0, "dp"),
+                                  mesh=mesh, in_specs=(), out_specs=P()))
+        print("arx psum", float(g().addressable_data(0)), "jax_arx_psum_invariant" in str(jax.make_jaxpr(g)()))
+        jax_arx.shutdown()
+        jax_arx.initialize(mesh)  # a new generation of keys
+        print("again", len(fake_core.registered))
+        print("args", sys.argv[1:])
+        jax_arx.shutdown()
+        """))
+    proc, _ = _launch(["-n", "2", "--cpu-devices", "2", str(script), "--flag", "x"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    for rank in (0, 1):
+        # jax's own C++ log lines ("[Gloo] Rank 0 is connected ...") share the
+        # process's stdout unsynchronised with Python's: a print may land in
+        # the middle of one. Each of the script's lines starts at a keyword.
+        mine = [_from_keyword(line[len(f"[rank {rank}] "):], ("lax psum", "arx psum", "endpoint ", "again ", "args "))
+                for line in out if line.startswith(f"[rank {rank}] ")]
+        assert "lax psum 3.0" in mine and "arx psum 3.0 True" in mine, (rank, mine, proc.stderr[-3000:])
+        assert "again 4" in mine and "args ['--flag', 'x']" in mine, (rank, mine)
+        endpoints = [line.split() for line in mine if line.startswith("endpoint")]
+        # dp spans the processes (one rank each in 2 groups); tp stays in one (2 ranks of 1 group).
+        assert sorted((e[1], e[2]) for e in endpoints) == (
+            [("dp[0]", str(rank)), ("dp[1]", str(rank)), (f"tp[{rank}]", "0"), (f"tp[{rank}]", "1")])
+        assert all(e[3:5] == ["2", "shm"] and e[6] == "True" for e in endpoints)
+    # Both processes hold the same secret for each group of dp.
+    secrets = {}
+    for line in out:
+        if " endpoint dp" in line:
+            secrets.setdefault(line.split()[3], set()).add(line.split()[-1])
+    assert len(secrets) == 2 and all(len(s) == 1 for s in secrets.values())
+
+
+def test_launch_failing_rank_stops_the_others(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        rank = int(os.environ["JAX_PROCESS_ID"])
+        print("started", os.environ["JAX_NUM_PROCESSES"], os.environ["JAX_COORDINATOR_ADDRESS"].split(":")[0])
+        if rank == 1:
+            print("boom", file=sys.stderr)
+            sys.exit(3)
+        time.sleep(120)
+        """))
+    proc, elapsed = _launch(["-n", "2", "--grace-s", "0.5", str(script)], tmp_path)
+    assert proc.returncode == 3
+    assert elapsed < 30
+    assert "[rank 0] started 2 127.0.0.1" in proc.stdout and "[rank 1] started 2 127.0.0.1" in proc.stdout
+    assert "[rank 1] boom" in proc.stderr
+    assert "[launch] rank 1 failed first (exited with status 3); stopping the other ranks in 0.5 s" in proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
+    # Rank 1 raises after jax_arx.initialize while rank 0 computes without
+    # collectives: rank 1 must not wait at jax_arx's or jax's exit barriers
+    # for rank 0, and the launcher names it and stops rank 0. Timed from the
+    # raise (written down by rank 1), not from start-up, which load slows.
+    (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
+    raised_at = tmp_path / "raised_at"
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        import jax_arx
+        jax_arx.distributed_initialize()
+        import jax
+        import fake_core
+        jax_arx._comm._core_module = fake_core
+        mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+        jax_arx.initialize(mesh)
+        if jax.process_index() == 1:
+            with open({str(raised_at)!r}, "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError("rank 1 gives up")
+        while True:  # rank 0: a long computation with no collective
+            time.sleep(0.05)
+        """))
+    proc, _ = _launch(["-n", "2", "--cpu-devices", "1", str(script)], tmp_path)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ended - float(raised_at.read_text()) < 10, proc.stderr[-3000:]
+    report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)"):]
+    assert "[launch]   RuntimeError: rank 1 gives up" in report, proc.stderr[-3000:]
+    assert "[launch] rank 0" not in proc.stderr  # rank 0 was stopped, not reported as the failure
+
+
+def test_launch_module_form(tmp_path):
+    (tmp_path / "arx_launch_probe.py").write_text(
+        "import os, sys\nprint('probe', os.environ['JAX_PROCESS_ID'], os.environ['PYTHONUNBUFFERED'], sys.argv[1:])\n")
+    proc, _ = _launch(["-n", "3", "-m", "arx_launch_probe", "a", "-b"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] probe {rank} 1 ['a', '-b']" in proc.stdout
