@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import jax
 
 from jax_arx import _comm
-from jax_arx import _compat, _store
+from jax_arx import _compat, _endpoints, _store
 from jax_arx.errors import InitializationError
 
 # The psum parts of a bulk endpoint's region (no psum runs on it): the
@@ -115,7 +115,7 @@ def _make(comm: _comm.Communicator, what: str) -> _comm.Communicator:
     prefix = f"jax_arx/{_comm._generation}/bulk/{comm.comm_id}/{attempt}/"
     store = _store.Store(_compat.distributed_client(), prefix, setup.cfg.timeout_s, what=what, hint=hint)
     try:
-        made = _comm.connect_endpoints(_comm._core(), store, plans, bulk_options(setup.options), what)
+        made = _endpoints.connect_endpoints(_comm._core(), store, plans, bulk_options(setup.options), what)
     finally:
         store.remove_published()
     bulk = dataclasses.replace(comm, comm_id=key, endpoints=tuple(le for _, le in made), setup=None)

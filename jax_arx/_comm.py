@@ -18,7 +18,7 @@ number of times, with the same meshes: they are collective.
 The store is readable and writable by anyone who reaches the coordinator's
 port, so nothing secret goes through it: each group's first process
 publishes a random nonce, and every member derives the group's shared
-secret from it and JAX_ARX_SECRET (``group_secret``); the tcp carrier adds
+secret from it and JAX_ARX_SECRET (``_endpoints.group_secret``); the tcp carrier adds
 a key pair per endpoint, whose public half travels in its details. Every
 process removes what it published once set-up is over.
 """
@@ -26,10 +26,8 @@ process removes what it published once set-up is over.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import dataclasses
 import hashlib
-import hmac
 import logging
 import os
 import threading
@@ -39,26 +37,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_arx import _carriers, _compat, _store
+from jax_arx import _carriers, _compat, _endpoints, _store
 from jax_arx import _distributed
 from jax_arx import config as _config
 from jax_arx import errors
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
 
 logger = logging.getLogger("jax_arx")
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalEndpoint:
-    """One rank of one group that lives on a device of this process."""
-
-    group: int
-    rank: int
-    world: int
-    device: Any  # jax.Device
-    device_ordinal: int  # what XLA hands the handler as DeviceOrdinal
-    transport: str
-    endpoint: Any  # _core.Endpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +55,7 @@ class Communicator:
     mesh_axis_names: tuple
     mesh_shape: tuple[int, ...]
     device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
-    endpoints: tuple[LocalEndpoint, ...]
+    endpoints: tuple[_endpoints.LocalEndpoint, ...]
     topology: str = "mesh"  # "ring": each group's ranks reach only their neighbours
     # What its endpoints were made from (this process's groups, the options):
     # the bulk collectives' endpoints are made from it at their first call
@@ -338,18 +323,6 @@ def _abbrev(ids, limit=16):
     return str(ids) if len(ids) <= limit else str(ids[:limit])[:-1] + ", ...)"
 
 
-@dataclasses.dataclass
-class _Plan:
-    axis: Hashable
-    comm_id: int
-    group: int
-    members: list  # devices, by rank
-    transport: str
-    name: str = ""  # the endpoints' name in messages: the axis, and the group where there are several
-    nonce: bytes = b""
-    secret: bytes = b""
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What one communicator's endpoints in this process were made from: the
@@ -361,22 +334,6 @@ class Setup:
     cfg: Any  # the config.Config they were made with
 
 
-def group_secret(user_secret: str | None, nonce: bytes, comm_id: int, group: int) -> bytes:
-    """The 32-byte secret every endpoint of one group is given: HMAC-SHA256
-    under JAX_ARX_SECRET (empty when unset) of the group's nonce, communicator
-    id and group index.
-
-    The tcp carrier keys each pair's handshake with it and a Diffie-Hellman
-    key of that pair (ffi/transport/tcp_auth.h). Without JAX_ARX_SECRET it is
-    computable from the store, so it only binds a run and a group, and the
-    pair keys stay secret through their Diffie-Hellman half; with it, even
-    someone who rewrites the store cannot make a key a rank accepts."""
-    key = user_secret.encode() if user_secret else b""
-    msg = (b"jax_arx group secret v2\0" + bytes(nonce) + int(comm_id).to_bytes(8, "little")
-           + int(group).to_bytes(4, "little"))
-    return hmac.new(key, msg, hashlib.sha256).digest()
-
-
 def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Communicator]:
     me = jax.process_index()
     rdma = False
@@ -384,7 +341,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
         rdma, why = _carriers.rdma_available(cfg, core)
         _debug(cfg, "process %d: RDMA %s: %s", me, "usable" if rdma else "not used", why)
     hosts, rdma_of = _carriers.exchange_hosts(store, {d.process_index for d in mesh.devices.flat}, rdma)
-    plans: list[_Plan] = []
+    plans: list[_endpoints.Plan] = []
     for axis, comm_id in wanted.items():
         axis_groups = groups(mesh, axis)
         for g, members in enumerate(axis_groups):
@@ -392,7 +349,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
                 transport = _carriers.choose_transport(cfg, [hosts[d.process_index] for d in members],
                                              [rdma_of[d.process_index] for d in members])
                 name = str(axis) if len(axis_groups) == 1 else f"{axis}[{g}]"
-                plans.append(_Plan(axis, comm_id, g, members, transport, name))
+                plans.append(_endpoints.Plan(axis, comm_id, g, members, transport, name))
     _debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
            ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
 
@@ -407,7 +364,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
             p.nonce = store.get(f"{p.comm_id}/{p.group}/nonce",
                                 f"the set-up nonce of axis {p.axis!r} group {p.group} from process "
                                 f"{p.members[0].process_index}")
-        p.secret = group_secret(cfg.secret, p.nonce, p.comm_id, p.group)
+        p.secret = _endpoints.group_secret(cfg.secret, p.nonce, p.comm_id, p.group)
 
     tcp_addr = None
     if any(p.transport == "tcp" for p in plans):
@@ -416,7 +373,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
     # No bulk lanes: the bulk collectives get endpoints of their own at
     # their first call (jax_arx/_bulk_endpoints.py, bulk_options).
     options = dict(cfg.endpoint_options(tcp_addr, tuning), bulk_lanes="0")
-    made = connect_endpoints(core, store, plans, options, "jax_arx.initialize")
+    made = _endpoints.connect_endpoints(core, store, plans, options, "jax_arx.initialize")
     comms = {}
     for axis, comm_id in wanted.items():
         comms[axis] = Communicator(
@@ -426,90 +383,6 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
             setup=Setup(tuple(p for p in plans if p.axis == axis), options, cfg))
     _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
     return comms
-
-
-def connect_endpoints(core, store, plans, options, what: str) -> list[tuple[_Plan, LocalEndpoint]]:
-    """Makes this process's endpoint of each local member of each of
-    ``plans``' groups with ``options``, exchanges their details with the
-    other members through ``store``, connects them all and meets the other
-    processes at the store's barrier. ``what`` begins the error messages
-    (the call that sets them up). On failure closes what it made and
-    raises InitializationError."""
-    me = jax.process_index()
-    made: list[tuple[_Plan, LocalEndpoint]] = []
-    try:
-        for p in plans:
-            for rank, device in enumerate(p.members):
-                if device.process_index != me:
-                    continue
-                ordinal = _compat.xla_device_ordinal(device)
-                try:
-                    ep = core.Endpoint(p.comm_id, ordinal, rank, len(p.members), p.transport,
-                                       _platform(device), p.name, p.secret, options)
-                except RuntimeError as e:
-                    raise InitializationError(
-                        f"{what}: could not create the endpoint of axis {p.axis!r} group {p.group} "
-                        f"rank {rank} on {device}: {e}") from e
-                made.append((p, LocalEndpoint(p.group, rank, len(p.members), device, ordinal, p.transport, ep)))
-                store.set(f"{p.comm_id}/{p.group}/details/{rank}", ep.details())
-
-        local_details = {(p.comm_id, p.group, le.rank): le.endpoint.details() for p, le in made}
-        jobs = []
-        for p, le in made:
-            details = []
-            for rank, device in enumerate(p.members):
-                key = (p.comm_id, p.group, rank)
-                details.append(local_details[key] if key in local_details else store.get(
-                    f"{p.comm_id}/{p.group}/details/{rank}",
-                    f"the connection details of axis {p.axis!r} group {p.group} rank {rank} from process "
-                    f"{device.process_index}"))
-            jobs.append((p, le, details))
-        _connect_all(jobs, what)
-        store.barrier("connected", "every process to connect its endpoints")
-    except BaseException:
-        for _, le in made:
-            _close_quietly(le.endpoint)
-        raise
-    return made
-
-
-def _connect_all(jobs, what) -> None:
-    # connect() waits until every peer has dialled in, and peers may live in
-    # this very process (several local devices in one group): connecting
-    # one endpoint after the other would wait on an endpoint that has not
-    # started yet. So every local endpoint connects at once, each in its own
-    # thread (connect() releases the GIL).
-    def connect(job):
-        p, le, details = job
-        try:
-            le.endpoint.connect(details)
-        except RuntimeError as e:
-            raise InitializationError(
-                f"{what}: axis {p.axis!r} group {p.group} rank {le.rank} on {le.device} could not "
-                f"connect over {p.transport}: {e}") from e
-
-    if len(jobs) == 1:
-        connect(jobs[0])
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(jobs)),
-                                               thread_name_prefix="jax_arx_connect") as pool:
-        futures = [pool.submit(connect, job) for job in jobs]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        if len(errors) == 1:
-            raise errors[0]
-        raise InitializationError("\n".join(str(e) for e in errors)) from errors[0]
-
-
-def _platform(device) -> str:
-    if device.platform == "cpu":
-        return "cpu"
-    version = str(getattr(device.client, "platform_version", "")).lower()
-    if device.platform in ("gpu", "cuda") and "rocm" not in version:
-        return "cuda"
-    raise InitializationError(
-        f"jax_arx runs on CPU and NVIDIA GPU devices; {device} is a {device.platform} device "
-        f"({version or 'unknown platform version'}). Use jax.lax collectives there.")
 
 
 # --- shutdown and check -----------------------------------------------------
@@ -549,14 +422,7 @@ def shutdown() -> None:
                                "fail it within JAX_ARX_TIMEOUT_S). jax said: %s", timeout_s, errors.first_line(e))
         for comm in comms:
             for le in comm.endpoints:
-                _close_quietly(le.endpoint)
-
-
-def _close_quietly(endpoint) -> None:
-    try:
-        endpoint.close()
-    except Exception as e:  # closing must go on for the other endpoints
-        logger.warning("jax_arx: closing an endpoint failed: %s", e)
+                _endpoints.close_quietly(le.endpoint)
 
 
 # jax registered its own exit hook (which shuts jax.distributed down) when

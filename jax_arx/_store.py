@@ -2,7 +2,7 @@
 set-up's prefix (``_comm`` and ``_bulk_endpoints`` set up through it).
 
 It is readable and writable by anyone who reaches the coordinator's port, so
-nothing secret goes through it (see ``_comm.group_secret``); every process
+nothing secret goes through it (see ``_endpoints.group_secret``); every process
 removes what it published once set-up is over.
 """
 

@@ -131,7 +131,7 @@ class Config:
     # first one traced (_bulk_endpoints.py), pin 4x this.
     bulk_bytes: int = 32 << 20
     tcp_addr: str | None = None  # None: the address that routes to the coordinator
-    # JAX_ARX_SECRET; never printed (repr=False). See _comm.group_secret.
+    # JAX_ARX_SECRET; never printed (repr=False). See _endpoints.group_secret.
     secret: str | None = dataclasses.field(default=None, repr=False)
     ib_hca: str | None = None
     ib_gid_index: int | None = None  # None: the verbs carrier finds it
