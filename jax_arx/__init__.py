@@ -47,7 +47,8 @@ Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 """
 
 from jax_arx._comm import check, initialize, shutdown, transport
-from jax_arx._bulk import all_gather, moe_combine, moe_combine_psum_scatter, psum_scatter
+from jax_arx._bulk import all_gather, psum_scatter
+from jax_arx._moe import moe_combine, moe_combine_psum_scatter
 from jax_arx._psum import psum
 from jax_arx._stats import stats
 from jax_arx import errors

@@ -64,12 +64,12 @@ MUTATIONS = [
     M("two-shot never chosen", "ffi/comm/plan.cc",
       "const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;",
       "const uint64_t twoshot_max = 0;", ("test_plan",), cpp=True),
-    M("padded_tokens not checked", "jax_arx/_bulk.py", "    if tpad < T or tpad % world:", "    if False:",
+    M("padded_tokens not checked", "jax_arx/_moe.py", "    if tpad < T or tpad % world:", "    if False:",
       (BULK, "-k", "padded_tokens"), quick=True),
-    M("the fused combine takes H not a multiple of 8", "jax_arx/_bulk.py", "    elif H % 8:", "    elif False:",
+    M("the fused combine takes H not a multiple of 8", "jax_arx/_moe.py", "    elif H % 8:", "    elif False:",
       (BULK, "-k", "outside_its_kernel"), quick=True),
     # More of the same kind.
-    M("the fused combine takes topk past 16", "jax_arx/_bulk.py", "    if topk < 1 or topk > MAX_TOPK:",
+    M("the fused combine takes topk past 16", "jax_arx/_moe.py", "    if topk < 1 or topk > MAX_TOPK:",
       "    if topk < 1:", (BULK, "-k", "outside_its_kernel")),
     M("all_gather's envelope: its input, not world times it", "jax_arx/_bulk.py",
       "np.dtype(\n            aval.dtype).itemsize * (world if gathered else 1)",
@@ -85,7 +85,7 @@ MUTATIONS = [
     M("a shut-down axis lowers jax_arx's call", "jax_arx/_bulk.py",
       '    why = _policy.lowering_refusal(ctx, params["comm_id"], params["axis_name"])', "    why = None",
       (BULK, "-k", "shut_down")),
-    M("moe_combine adds each term with one rounding", "jax_arx/_bulk.py",
+    M("moe_combine adds each term with one rounding", "jax_arx/_moe.py",
       "        acc = acc + hi[:, k] * rows[:, k]\n"
       "        acc = jnp.where(lo[:, k] != 0, acc + lo[:, k] * rows[:, k], acc)",
       "        acc = acc + (hi[:, k] + lo[:, k]) * rows[:, k]", (BULK, "-k", "documented_arithmetic")),
@@ -95,7 +95,7 @@ MUTATIONS = [
       "        for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(f.lo, bf16_to_f32(y[h]), acc[h]);",
       "      for (uint64_t h = 0; h < H; ++h) acc[h] = std::fmaf(wq, bf16_to_f32(y[h]), acc[h]);",
       ("test_bulk", "--quick", "shm"), cpp=True),
-    M("the combine's dtypes unchecked", "jax_arx/_bulk.py", "    if wrong:\n", "    if False:\n",
+    M("the combine's dtypes unchecked", "jax_arx/_moe.py", "    if wrong:\n", "    if False:\n",
       (BULK, "-k", "argument_errors")),
     M("JAX_ARX_ONESHOT_MAX_BYTES ignored by the plan", "ffi/comm/plan.cc",
       "const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes) : "
