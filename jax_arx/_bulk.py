@@ -82,27 +82,13 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     """
     if to != "varying":
         return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to)
-    axes = _axes(axis_name)
-    if not axes:
-        return x
-    _policy.check_axes_bound("all_gather", axes)
-
-    def leaf_fn(leaf):
-        lax = partial(jax.lax.all_gather, leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis,
-                      tiled=tiled)
-        if not isinstance(leaf, _compat.Tracer):
-            return lax()
-        aval = jax.typeof(leaf)
-        dim = _canonical_axis(axis, aval.ndim if tiled else aval.ndim + 1)
-        if dim is None:
-            return lax()  # jax's error message
-        decision = _decide("all_gather", aval, axes, axis_index_groups, gathered=True)
-        if decision is None:
-            return lax()
-        return all_gather_p.bind(_pvary(leaf, axes), all_gather_dimension=dim, axis_name=axes, axis_index_groups=None,
-                                 axis_size=decision.world, tiled=bool(tiled), comm_id=decision.comm_id)
-
-    return jax.tree.map(leaf_fn, x)
+    return _per_leaf(
+        "all_gather", x, axis_name, axis_index_groups,
+        lambda leaf: jax.lax.all_gather(leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled),
+        lambda aval: _canonical_axis(axis, aval.ndim if tiled else aval.ndim + 1),
+        lambda leaf, dim, axes, decision: all_gather_p.bind(
+            leaf, all_gather_dimension=dim, axis_name=axes, axis_index_groups=None, axis_size=decision.world,
+            tiled=bool(tiled), comm_id=decision.comm_id))
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
@@ -134,25 +120,35 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     Returns:
       Each device's block of the sum.
     """
+    return _per_leaf(
+        "psum_scatter", x, axis_name, axis_index_groups,
+        lambda leaf: jax.lax.psum_scatter(leaf, axis_name, scatter_dimension=scatter_dimension,
+                                          axis_index_groups=axis_index_groups, tiled=tiled),
+        lambda aval: _canonical_axis(scatter_dimension, aval.ndim),
+        lambda leaf, dim, axes, decision: psum_scatter_p.bind(
+            leaf, scatter_dimension=dim, axis_name=axes, axis_index_groups=None, axis_size=decision.world,
+            tiled=bool(tiled), comm_id=decision.comm_id))
+
+
+def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
+    """``op`` on each leaf of ``x``: ``bind(leaf, dim, axes, decision)`` where
+    jax_arx runs it, ``lax_op(leaf)`` where it does not (outside a trace, a
+    dimension jax rejects -- ``dim_of(aval)`` is None, so jax's own error is
+    raised -- or a fallback ``_decide`` chose)."""
     axes = _axes(axis_name)
     if not axes:
         return x
-    _policy.check_axes_bound("psum_scatter", axes)
+    _policy.check_axes_bound(op, axes)
 
     def leaf_fn(leaf):
-        lax = partial(jax.lax.psum_scatter, leaf, axis_name, scatter_dimension=scatter_dimension,
-                      axis_index_groups=axis_index_groups, tiled=tiled)
         if not isinstance(leaf, _compat.Tracer):
-            return lax()
+            return lax_op(leaf)
         aval = jax.typeof(leaf)
-        dim = _canonical_axis(scatter_dimension, aval.ndim)
-        if dim is None:
-            return lax()
-        decision = _decide("psum_scatter", aval, axes, axis_index_groups, gathered=False)
+        dim = dim_of(aval)
+        decision = None if dim is None else _decide(op, aval, axes, axis_index_groups, gathered=op == "all_gather")
         if decision is None:
-            return lax()
-        return psum_scatter_p.bind(_pvary(leaf, axes), scatter_dimension=dim, axis_name=axes, axis_index_groups=None,
-                                   axis_size=decision.world, tiled=bool(tiled), comm_id=decision.comm_id)
+            return lax_op(leaf)
+        return bind(_pvary(leaf, axes), dim, axes, decision)
 
     return jax.tree.map(leaf_fn, x)
 

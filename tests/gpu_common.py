@@ -239,6 +239,33 @@ def world_launch(script: str, worker: str, world: int, phases: tuple[str, ...] =
         script, args, world, gpu_env(gpus, world, {"XLA_FLAGS": flags}), timeout=480))
 
 
+RING_PHASES = ("ring", "ring_tcp")  # a launch of their own
+
+
+def mesh_phases(phases) -> tuple[str, ...]:
+    """A suite's phases but the ring's: its default launch's."""
+    return tuple(p for p in phases if p not in RING_PHASES)
+
+
+def phase_tests(script: str, worker: str, phases, check_phase):
+    """A suite's two tests, parametrized by world and phase: its phases but
+    the ring's in one launch per world, the ring's (``RING_PHASES``) in
+    another. ``check_phase(run, phase, world, summary_line)`` asserts one
+    phase of a launch. Assign them to ``test_<worker>`` and
+    ``test_<worker>_ring`` in the suite's module."""
+    @pytest.mark.parametrize("phase", mesh_phases(phases))
+    @pytest.mark.parametrize("world", WORLDS)
+    def test_mesh(world, phase, summary_line):
+        check_phase(world_launch(script, worker, world), phase, world, summary_line)
+
+    @pytest.mark.parametrize("phase", RING_PHASES)
+    @pytest.mark.parametrize("world", WORLDS)
+    def test_ring(world, phase, summary_line):
+        check_phase(world_launch(script, worker, world, RING_PHASES), phase, world, summary_line)
+
+    return test_mesh, test_ring
+
+
 def worker_phases(argv: list[str], default) -> list[str]:
     """The phases a worker runs: ``--phases a,b`` on its command line, else
     ``default``."""

@@ -71,8 +71,6 @@ PHASES = {
     "ring": {"JAX_ARX_TOPOLOGY": "ring"},
     "ring_tcp": {"JAX_ARX_TOPOLOGY": "ring", "JAX_ARX_TRANSPORT": "tcp"},
 }
-RING_PHASES = ("ring", "ring_tcp")  # a launch of their own
-MESH_PHASES = tuple(p for p in PHASES if p not in RING_PHASES)  # the default launch's
 SMOKE_PHASES = ("gpu_inboxes", "tcp", "ring")  # --cpu-smoke: the host device side's two routes, and a ring
 CASES = ["gather", "scatter", "moe", "zeros", "mixed", "loop"]
 FIRST_CASES = ["envelope", "python_loop", "replay"]  # the first phase's own
@@ -80,16 +78,8 @@ FIRST_CASES = ["envelope", "python_loop", "replay"]  # the first phase's own
 
 # --- the tests -------------------------------------------------------------------
 
-@pytest.mark.parametrize("phase", MESH_PHASES)
-@pytest.mark.parametrize("world", gpu_common.WORLDS)
-def test_bulk(world, phase, summary_line):
-    check_phase(gpu_common.world_launch(THIS, "bulk", world), phase, world, summary_line)
-
-
-@pytest.mark.parametrize("phase", RING_PHASES)
-@pytest.mark.parametrize("world", gpu_common.WORLDS)
-def test_bulk_ring(world, phase, summary_line):
-    check_phase(gpu_common.world_launch(THIS, "bulk", world, RING_PHASES), phase, world, summary_line)
+# check_phase (below) asserts one phase of a launch.
+test_bulk, test_bulk_ring = gpu_common.phase_tests(THIS, "bulk", PHASES, lambda *a: check_phase(*a))
 
 
 def check_phase(run, phase, world, summary_line):
@@ -211,7 +201,7 @@ def worker(argv):
 
     smoke = "--cpu-smoke" in argv
     w = gpu_common.GpuWorker(smoke)
-    for name in gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else MESH_PHASES):
+    for name in gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else gpu_common.mesh_phases(PHASES)):
         error = w.phase(name, PHASES[name])
         if error:
             w.report(init_error=error)

@@ -95,24 +95,14 @@ PHASES = {
     "ring": ({"JAX_ARX_TOPOLOGY": "ring"}, {}),
     "ring_tcp": ({"JAX_ARX_TOPOLOGY": "ring", "JAX_ARX_TRANSPORT": "tcp"}, {"cuda_chunk_bytes": 16384}),
 }
-RING_PHASES = ("ring", "ring_tcp")  # a launch of their own
-MESH_PHASES = tuple(p for p in PHASES if p not in RING_PHASES)  # the default launch's
 SMOKE_PHASES = ("gpu_inboxes", "tcp", "ring")  # --cpu-smoke: the host device side's two routes, and a ring
 CASES = ["sizes", "graph", "loop", "aliased"]
 
 
 # --- the tests -------------------------------------------------------------------
 
-@pytest.mark.parametrize("phase", MESH_PHASES)
-@pytest.mark.parametrize("world", gpu_common.WORLDS)
-def test_psum(world, phase, summary_line):
-    check_phase(gpu_common.world_launch(THIS, "psum", world), phase, world, summary_line)
-
-
-@pytest.mark.parametrize("phase", RING_PHASES)
-@pytest.mark.parametrize("world", gpu_common.WORLDS)
-def test_psum_ring(world, phase, summary_line):
-    check_phase(gpu_common.world_launch(THIS, "psum", world, RING_PHASES), phase, world, summary_line)
+# check_phase (below) asserts one phase of a launch.
+test_psum, test_psum_ring = gpu_common.phase_tests(THIS, "psum", PHASES, lambda *a: check_phase(*a))
 
 
 def test_gpu_inboxes_across_two_devices():
@@ -314,7 +304,7 @@ def worker(argv):
     import jax_arx.config
 
     smoke = "--cpu-smoke" in argv
-    names = gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else MESH_PHASES)
+    names = gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else gpu_common.mesh_phases(PHASES))
     w = gpu_common.GpuWorker(smoke)
     cuda = w.platform == "cuda"
     for name in names:
