@@ -52,11 +52,11 @@ import numpy as np
 import pytest
 
 import launched
-import test_prefill_cpu as suites
+import bulk_cases as suites
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT = launched.RESULT
-AXIS = "sp"  # the mesh axis of every worker (test_prefill_cpu's worker)
+AXIS = "sp"  # the mesh axis of every worker (bulk_cases' worker)
 
 # XLA command buffers: forced on (a graph of even one custom call is
 # captured, so every jitted call replays a CUDA graph), or off.
@@ -395,7 +395,7 @@ def signed_inputs(dtype, count: int, world: int, seed: int) -> list[np.ndarray]:
 
 
 class GpuWorker(suites._Worker):
-    """One process of a GPU worker: test_prefill_cpu's worker (a 1-D mesh
+    """One process of a GPU worker: bulk_cases' worker (a 1-D mesh
     ``sp`` of every device, numpy-checked cases) run in phases, with a digest
     of every result it checked. jax.lax's collectives are never run (they
     would be NCCL's, which refuses ranks sharing a GPU)."""

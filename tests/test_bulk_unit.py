@@ -13,7 +13,7 @@ fused MoE combine, in one process on 4 CPU devices over the stand-in core
   primitive still in the program; jax.vmap of the jitted shard_map equals
   jax.lax's under the same vmap. Values: the primitives lowered as jax's
   own collectives (``bulk_lax_lowering``): the rules are under test here,
-  the sums in tests/test_prefill_cpu.py.
+  the sums in tests/bulk_reference.py.
 - Every fallback reason of each op: one log line per reason naming it and
   the jax.lax op used instead, and with JAX_ARX_FALLBACK=error a
   JaxArxFallbackError saying the same; the size envelope at and one past
@@ -412,7 +412,7 @@ def test_moe_combine_is_the_documented_arithmetic(e4m3):
     the documented sum with full-precision float32 weights (and scales),
     clamps pos and zeroes the rows past T: the bits of the numpy reference."""
     import ml_dtypes
-    from test_prefill_cpu import reference_combine, tie_token
+    from bulk_cases import reference_combine, tie_token
 
     rng = np.random.default_rng(0)
     T, R, H, topk = 37, 50, 256, 5

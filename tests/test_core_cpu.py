@@ -199,7 +199,7 @@ def _start_together(name):
 
 
 def suite_no_bulk():
-    import test_prefill_cpu as prefill
+    import bulk_cases as prefill
 
     w = prefill._Worker()
     jax, jax_arx, P, put, lift = w.jax, w.jax_arx, w.P, w.put, prefill._lift

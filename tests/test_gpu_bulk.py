@@ -27,7 +27,7 @@ ring_tcp      JAX_ARX_TOPOLOGY=ring,           proxy (tcp carrier), likewise
 The ring phases run in a launch of their own per world (``test_bulk_ring``;
 ``python3 -m pytest -m gpu -k ring tests`` runs them alone).
 
-Each phase runs tests/test_prefill_cpu.py's cases as they are, without their
+Each phase runs tests/bulk_cases.py's cases as they are, without their
 comparisons with jax.lax (on GPUs that is NCCL, which refuses ranks sharing a
 GPU): all_gather over every axis and tiling, psum_scatter over every
 dimension, the fused MoE combine with bfloat16 and e4m3 ``y`` and topk 1 to
@@ -106,7 +106,7 @@ def check_phase(run, phase, world, summary_line):
 
 def case_zeros(w):
     """psum_scatter of inputs led by signed zeros (all negative: -0.0)."""
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
 
     n = w.world
     for name in ("float32", "bfloat16", "float16"):
@@ -120,7 +120,7 @@ def case_large(w):
     """The cases at several MB per rank, counts that divide neither into the
     pieces nor into blocks; every call's gathered output (or scattered
     input) within the default bulk buffers at world 4."""
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
 
     n = w.world
     suites.case_gather(w, ("bfloat16", "int8"), shapes=((63, 129, 257),))
@@ -133,7 +133,7 @@ def case_envelope(w, bulk_bytes):
     """all_gather of exactly the bulk buffers (JAX_ARX_PREFILL_SLOT_BYTES)
     gathered runs in jax_arx; one element more per rank is refused at trace
     time (JAX_ARX_FALLBACK=error), with the setting to raise in the message."""
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
 
     at = bulk_bytes // 4 // w.world
     f = w.smap(suites._lift(lambda v: w.jax_arx.all_gather(v, AXIS, tiled=True)), w.P(AXIS), w.P(AXIS))
@@ -154,7 +154,7 @@ def case_replay(w, runs=20):
     and again on the same inputs, every run checked; returns how often the
     handlers ran for the ``runs``."""
     import ml_dtypes
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
 
     jax_arx, P, n = w.jax_arx, w.P, w.world
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -197,7 +197,7 @@ def case_replay(w, runs=20):
 
 def worker(argv):
     import jax_arx.config
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
 
     smoke = "--cpu-smoke" in argv
     w = gpu_common.GpuWorker(smoke)

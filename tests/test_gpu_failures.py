@@ -109,7 +109,7 @@ def check_mismatch(run):
 # Everything below runs in the worker processes only.
 
 def _psum_program(w, scale=1):
-    from test_prefill_cpu import _lift
+    from bulk_cases import _lift
 
     return w.smap(_lift(lambda v: w.jax_arx.psum(v * scale, AXIS)), w.P(AXIS), w.P(AXIS), check_vma=False)
 
@@ -142,7 +142,7 @@ def worker_peer_exit(smoke):
                                num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                                process_id=int(os.environ["JAX_PROCESS_ID"]), heartbeat_timeout_seconds=600)
     from jax_arx import _compat
-    from test_prefill_cpu import _dtypes, reference_sum
+    from bulk_cases import _dtypes, reference_sum
 
     w = gpu_common.GpuWorker(smoke)
     w.phase("peer_exit")
@@ -187,7 +187,7 @@ def worker_peer_exit(smoke):
 
 def worker_mismatch(smoke):
     import launched
-    from test_prefill_cpu import _lift
+    from bulk_cases import _lift
 
     w = gpu_common.GpuWorker(smoke)
     jax_arx, P = w.jax_arx, w.P

@@ -190,9 +190,9 @@ def expected_pieces(phase, nbytes, report):
 # Everything below runs in the worker processes only.
 
 def _dtype(name):
-    import test_prefill_cpu
+    import bulk_cases
 
-    return test_prefill_cpu._dtypes()[name]
+    return bulk_cases._dtypes()[name]
 
 
 def _counts(itemsize, slot, limit):
@@ -204,7 +204,7 @@ def _counts(itemsize, slot, limit):
 
 
 def _check_psums(w, case, specs, outs, parts):
-    from test_prefill_cpu import reference_sum
+    from bulk_cases import reference_sum
 
     for (name, count), p, out in zip(specs, parts, outs):
         want = reference_sum(p)
@@ -214,7 +214,7 @@ def _check_psums(w, case, specs, outs, parts):
 
 def _psums(w, specs, seed):
     """One program of independent psums, one per (dtype, count) of specs, and its inputs."""
-    from test_prefill_cpu import _lift
+    from bulk_cases import _lift
 
     parts = [gpu_common.signed_inputs(_dtype(name), c, w.world, zlib.crc32(f"{seed}/{name}/{c}".encode()))
              for name, c in specs]
@@ -269,7 +269,7 @@ def case_aliased(w, counts):
     == out paths), one count per algorithm."""
     import jax
     from jax_arx import _comm
-    from test_prefill_cpu import _lift
+    from bulk_cases import _lift
 
     comm_id = _comm.communicator(AXIS).comm_id
     for c in counts:
@@ -284,7 +284,7 @@ def case_prefetch(w, slot):
     """psum(prefetch=weights): the weights reach the call as operands (its
     ``prefetch`` attribute counts them) and change no bit."""
     jnp = w.jax.numpy
-    from test_prefill_cpu import _lift
+    from bulk_cases import _lift
 
     def body(x):
         weights = {"w": jnp.ones((1 << 20,), jnp.bfloat16) * x[0].astype(jnp.bfloat16), "b": jnp.ones((777,), jnp.float32)}

@@ -97,7 +97,7 @@ class Case:
 
 
 def _dtype(name):
-    from test_prefill_cpu import _dtypes
+    from bulk_cases import _dtypes
 
     return _dtypes()[name]
 
@@ -111,7 +111,7 @@ def _same(a, b):
 
 
 def _sum(*parts):
-    from test_prefill_cpu import reference_sum
+    from bulk_cases import reference_sum
 
     return reference_sum(list(parts))
 

@@ -63,18 +63,18 @@ SLOT_BYTES = 64 * 1024  # JAX_ARX_SLOT_BYTES in the workers: the one-shot limit
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("shm", 3), ("tcp", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
     results = _run("full", nprocs, transport, tmp_path)
-    launched.assert_all_correct(results, expect=_FULL_CASES)
+    launched.assert_all_correct(results, expect=FULL_CASES)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_four_processes(core_built, tmp_path, transport):
     results = _run("quick", 4, transport, tmp_path)
-    launched.assert_all_correct(results, expect=_QUICK_CASES)
+    launched.assert_all_correct(results, expect=QUICK_CASES)
 
 
 def test_two_processes_with_two_devices_each(core_built, tmp_path):
     results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
-    launched.assert_all_correct(results, expect=_QUICK_CASES)
+    launched.assert_all_correct(results, expect=QUICK_CASES)
     assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
 
 
@@ -426,9 +426,9 @@ def case_prefetch(w: _Worker):
         w.check("prefetch", got, got_plain, "vmap vs without prefetch", ours=False)
 
 
-_FULL_CASES = ["sizes", "pytree", "mixed", "donated", "loop2000", "python_loop", "scan", "independent6", "grad",
-               "prefetch"]
-_QUICK_CASES = ["sizes", "mixed", "loop2000", "scan", "independent6"]
+FULL_CASES = ["sizes", "pytree", "mixed", "donated", "loop2000", "python_loop", "scan", "independent6", "grad",
+              "prefetch"]
+QUICK_CASES = ["sizes", "mixed", "loop2000", "scan", "independent6"]
 
 
 def _suite_full(w):

@@ -8,7 +8,7 @@ processes, as tests/test_psum_cpu.py launches its workers): every rank runs
 the same programs twice, first in a ring, then, after ``jax_arx.shutdown()``,
 in a mesh, and reports per topology:
 
-- every result against the numpy references of tests/test_prefill_cpu.py
+- every result against the numpy references of tests/bulk_reference.py
   (the float32 rank-order sum from rank 0's element, rounded once; the
   gathered blocks), bit for bit: psum (the host device side's one-shot; the
   two-shot runs on GPUs only, tests/test_gpu_psum.py's ring phases), from one
@@ -113,10 +113,10 @@ def test_a_lost_relay_fails_every_rank_within_the_timeout(core_built, tmp_path):
 # Everything below runs in the worker processes only.
 
 def _worker():
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
 
     class Worker(suites._Worker):
-        """test_prefill_cpu's worker (a 1-D mesh "sp" of every device, its
+        """bulk_cases' worker (a 1-D mesh "sp" of every device, its
         numpy-checked cases, without the comparisons with jax.lax), with a
         CRC of the results of each case."""
 
@@ -137,7 +137,7 @@ def case_psum(w):
     """One program of independent psums: three dtypes, counts from one
     element to the slot, odd ones, led by signed zeros."""
     import gpu_common
-    from test_prefill_cpu import _dtypes, _lift, reference_sum
+    from bulk_cases import _dtypes, _lift, reference_sum
 
     specs = [(name, c) for name in ("float32", "bfloat16", "float16")
              for c in (1, 3, 17, 1001, 4099, SLOT_BYTES // _dtypes()[name].itemsize - 1,
@@ -158,7 +158,7 @@ def case_bursts(w, bursts=BURSTS):
     psum_scatters, a fused MoE combine; some dependent on others), each with
     fresh inputs, every result checked. Returns the collectives run."""
     import ml_dtypes
-    from test_prefill_cpu import (_lift, _moe_inputs, random_array, reference_combine, reference_gather,
+    from bulk_cases import (_lift, _moe_inputs, random_array, reference_combine, reference_gather,
                                   reference_scatter, reference_sum)
 
     jax_arx, n = w.jax_arx, w.world
@@ -206,7 +206,7 @@ def case_bursts(w, bursts=BURSTS):
 
 def run_topology(w, topology):
     """Every case with jax_arx initialized anew as ``topology``; the report."""
-    import test_prefill_cpu as suites
+    import bulk_cases as suites
     from jax_arx import _comm
 
     w.jax_arx.shutdown()
@@ -250,7 +250,7 @@ def suite_relay_lost(w):
     import time
 
     from jax_arx import _compat
-    from test_prefill_cpu import _lift, reference_sum
+    from bulk_cases import _lift, reference_sum
 
     w.jax_arx.shutdown()
     w.jax_arx.initialize(w.mesh, topology="ring")

@@ -2,7 +2,7 @@
 psum of several sizes and dtypes, all_gather, psum_scatter and the fused
 MoE combine, one after the other in an order drawn by a seeded generator
 (the same on every rank), each call with fresh inputs, checked bit for bit
-against numpy (the references of tests/test_prefill_cpu.py: the float32
+against numpy (the references of tests/bulk_reference.py: the float32
 rank-order sum from rank 0's element, rounded once), so every rank's
 results are the same bits. Reducing inputs lead with signed zeros (-0.0 on
 every rank must sum to -0.0).
@@ -64,7 +64,7 @@ def _programs(world, jax_arx):
     """name -> (inputs: [(per-rank shape, dtype name)], body on the
     unstacked values, references: fn(parts by input, rank) -> [arrays]).
     Reducing inputs take signed zeros (_signed_zeros)."""
-    from test_prefill_cpu import reference_gather, reference_scatter, reference_sum
+    from bulk_cases import reference_gather, reference_scatter, reference_sum
 
     def psum(shape, dt):
         return ([(shape, dt)], lambda x: (jax_arx.psum(x, "sp"),), lambda parts, r: [reference_sum(parts[0])])
@@ -121,7 +121,7 @@ def _signed_zeros(parts):
 
 
 def _suite_soak(calls):
-    import test_prefill_cpu as prefill
+    import bulk_cases as prefill
 
     w = prefill._Worker()
     jax_arx, P = w.jax_arx, w.P

@@ -2,9 +2,9 @@
 jax_arx.all_gather, jax_arx.psum_scatter and the fused MoE combine (bf16 and
 e4m3 expert outputs) between the two processes, several MB per call, N calls
 of each back to back (dispatched in batches before any result is read), every
-result checked bit for bit against numpy (tests/test_prefill_cpu.py's
-references: the ranks' pieces; the fp32 rank-order sum rounded once; the
-combine's fp32 rows rounded once to bf16, then that sum).
+result checked bit for bit against numpy (tests/bulk_reference.py: the
+ranks' pieces; the fp32 rank-order sum rounded once; the combine's fp32 rows
+rounded once to bf16, then that sum).
 
 Each call takes one of two input sets, in turn, so consecutive calls carry
 different bytes (a stale piece would show) and each reference is computed
@@ -23,7 +23,7 @@ import types
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import test_prefill_cpu as ref  # noqa: E402  (the references)
+import bulk_reference as ref  # noqa: E402
 
 import jax  # noqa: E402
 import jax_arx  # noqa: E402
