@@ -6,9 +6,10 @@
   the fused MoE combine) over the channels, the same way; test_layout.cc: the
   layout; test_plan.cc: what runs a collective of each size (comm/plan.h);
   test_config.cc: what the core reads from the options Python sends.
-- tests/cpp/test_tcp_transport.cc, test_tcp_auth.cc, test_tcp_fuzz.cc: the tcp
-  carrier alone: exchanges, sends bounded by the timeout, who may connect, and
-  adversarial bytes (seeded, a few seconds). tests/cpp/test_region.cc: shared
+- tests/cpp/test_tcp_transport.cc, test_tcp_faults.cc, test_tcp_auth.cc,
+  test_tcp_fuzz.cc: the tcp carrier alone: exchanges, peers that misbehave
+  (sends bounded by the timeout), who may connect, and adversarial bytes
+  (seeded, a few seconds). tests/cpp/test_region.cc: shared
   memory leaves nothing in /dev/shm however its process ends.
 - The same under ThreadSanitizer (tcp only: see the note in test_core.cc), with
   no report allowed.
@@ -86,7 +87,8 @@ def test_core_under_thread_sanitizer(tsan_build):
     out = _run([str(tsan_build / "test_bulk"), "--quick", "tcp"], timeout=900, env=env)
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
-    for cmd in (["test_tcp_transport"], ["test_tcp_auth", "--quick"], ["test_tcp_fuzz", "--iterations", "60"]):
+    for cmd in (["test_tcp_transport"], ["test_tcp_faults"], ["test_tcp_auth", "--quick"],
+                ["test_tcp_fuzz", "--iterations", "60"]):
         out = _run([str(tsan_build / cmd[0]), *cmd[1:]], timeout=900, env=env)
         assert "ThreadSanitizer" not in out, out[-6000:]
         assert "all passed" in out, out[-6000:]
@@ -107,7 +109,8 @@ def test_config(core_build):
     assert "config: ok" in out
 
 
-@pytest.mark.parametrize("name", ["test_tcp_transport", "test_tcp_auth", "test_tcp_fuzz", "test_region"])
+@pytest.mark.parametrize("name", ["test_tcp_transport", "test_tcp_faults", "test_tcp_auth", "test_tcp_fuzz",
+                                  "test_region"])
 def test_carrier_unit_tests(core_build, name):
     # Every tests/cpp/*.cc is built (CMakeLists.txt): one missing is a build that went wrong.
     _run([str(core_build / name)], timeout=600)
