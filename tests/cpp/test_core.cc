@@ -26,65 +26,13 @@
 
 #include "comm/endpoint.h"
 #include "host/device_side.h"
+#include "reference.h"
 #include "rig.h"
 
 using namespace arx;
 using namespace arx::testing;
 
 namespace {
-
-
-// Reference conversions, written independently of host/convert.h.
-float ref_load(DType t, const uint8_t* p) {
-  uint32_t u = 0;
-  float f;
-  switch (t) {
-    case DType::kF32: std::memcpy(&f, p, 4); return f;
-    case DType::kBF16: std::memcpy(&u, p, 2); u <<= 16; std::memcpy(&f, &u, 4); return f;
-    case DType::kF16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return (float)std::ldexp((h & 0x3ff) + ((h >> 10 & 0x1f) ? 1024.0 : 0.0),
-                               ((h >> 10 & 0x1f) ? (h >> 10 & 0x1f) : 1) - 25) * ((h >> 15) ? -1.f : 1.f);
-    }
-  }
-  return 0;
-}
-
-// Round a float to the type's nearest-even value, via double arithmetic.
-void ref_store(DType t, uint8_t* p, float f) {
-  switch (t) {
-    case DType::kF32: std::memcpy(p, &f, 4); return;
-    case DType::kBF16: {
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      const uint32_t lo = u & 0xffff, hi = u >> 16;
-      uint32_t r = hi;
-      if (lo > 0x8000 || (lo == 0x8000 && (hi & 1))) ++r;
-      const uint16_t h = (uint16_t)r;
-      std::memcpy(p, &h, 2);
-      return;
-    }
-    case DType::kF16: {
-      // Brute force: nearest of all finite halves by value (ties to even
-      // mantissa). Inputs in this test stay small and finite.
-      uint16_t best = 0;
-      double bestd = 1e300;
-      for (uint32_t h = 0; h < 0x7c00; ++h)
-        for (int s = 0; s < 2; ++s) {
-          const uint16_t hh = (uint16_t)(h | (s << 15));
-          uint8_t b[2];
-          std::memcpy(b, &hh, 2);
-          const double d = std::fabs((double)ref_load(DType::kF16, b) - (double)f);
-          if (d < bestd || (d == bestd && (hh & 1) == 0 && (best & 1))) { best = hh; bestd = d; }
-        }
-      std::memcpy(p, &best, 2);
-      return;
-    }
-  }
-}
-
-
 
 void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-4.f, 4.f);

@@ -1,9 +1,6 @@
 // The verbs carrier against real verbs devices (soft-RoCE in CI: see
-// tests/verbs/), plus the parts that need no device.
+// tests/verbs/); test_verbs_device.cc has the parts that need no device.
 //
-//   test_verbs_transport --host-only   (also: no devices named)
-//       device selection and GID discovery on a fake sysfs tree, and the
-//       errors a machine without RDMA devices (or libibverbs) gives.
 //   test_verbs_transport --hca0 rxe0 --hca1 rxe1 [--roots N] [--gid0 I --gid1 I] [--ring]
 //       forks rank 1; the two ranks connect over the named devices
 //       (comma-separated: two roots) and run: patterned data and flags
@@ -18,230 +15,29 @@
 // Prints "PASS name ..." / "FAIL name: ..." lines; exits non-zero on failure.
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "base/atomics.h"
-#include "base/config.h"
 #include "base/layout.h"
-#include "base/region.h"
 #include "transport/transport.h"
 #include "transport/verbs_device.h"
+#include "verbs_rig.h"
 
 using namespace arx;
+using namespace arx_test;
 
 namespace {
 
 // The word of psum piece 0 that `src` stores over `root` (two roots).
 int flag_index(const Layout& L, int src, int root) { return psum_words(L.world, kRoots).index(src, 0, root); }
-
-
-int g_rank = 0;
-int g_failures = 0;
-constexpr char kSecret[] = "test-secret";  // the communicator's secret in these tests
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-void pass(const std::string& name, const std::string& what) {
-  printf("[rank %d] PASS %s %s\n", g_rank, name.c_str(), what.c_str());
-  fflush(stdout);
-}
-void failed(const std::string& name, const std::string& what) {
-  printf("[rank %d] FAIL %s: %s\n", g_rank, name.c_str(), what.c_str());
-  fflush(stdout);
-  ++g_failures;
-}
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-// ---- parts that need no device ------------------------------------------------
-
-void write_file(const std::string& path, const std::string& text) {
-  std::string dir = path.substr(0, path.rfind('/'));
-  for (size_t i = 1; i <= dir.size(); ++i)
-    if (i == dir.size() || dir[i] == '/') mkdir(dir.substr(0, i).c_str(), 0755);
-  std::ofstream(path) << text << "\n";
-}
-
-void test_sysfs() {
-  char tmpl[] = "/tmp/arx-sysfs-XXXXXX";
-  const std::string root = mkdtemp(tmpl);
-  // rxe9: link-local GIDs, an IPv4 on a VLAN (lower index), then the IPv4 of
-  // its own netdev, v1 before v2, and an unused entry.
-  const std::string p = root + "/rxe9/ports/1/";
-  struct Row { int i; const char *gid, *type, *ndev; };
-  const Row rows[] = {
-      {0, "fe80:0000:0000:0000:5054:00ff:fe12:3456", "IB/RoCE v1", "veth0"},
-      {1, "fe80:0000:0000:0000:5054:00ff:fe12:3456", "RoCE v2", "veth0"},
-      {2, "0000:0000:0000:0000:0000:ffff:c633:6409", "IB/RoCE v1", "veth0.100"},
-      {3, "0000:0000:0000:0000:0000:ffff:c633:6409", "RoCE v2", "veth0.100"},
-      {4, "0000:0000:0000:0000:0000:ffff:c633:6401", "IB/RoCE v1", "veth0"},
-      {5, "0000:0000:0000:0000:0000:ffff:c633:6401", "RoCE v2", "veth0"},
-      {6, "0000:0000:0000:0000:0000:0000:0000:0000", "", ""},
-  };
-  for (const Row& r : rows) {
-    write_file(p + "gids/" + std::to_string(r.i), r.gid);
-    if (*r.type) write_file(p + "gid_attrs/types/" + std::to_string(r.i), r.type);
-    if (*r.ndev) write_file(p + "gid_attrs/ndevs/" + std::to_string(r.i), r.ndev);
-  }
-  write_file(root + "/rxe9/parent", "veth0");
-  // mlx9: a PCI function whose only IPv4 GID is RoCE v1.
-  write_file(root + "/mlx9/device/net/eth7/ifindex", "7");
-  write_file(root + "/mlx9/ports/1/gids/0", "0000:0000:0000:0000:0000:ffff:0a00:0001");
-  write_file(root + "/mlx9/ports/1/gid_attrs/types/0", "IB/RoCE v1");
-  write_file(root + "/mlx9/ports/1/gid_attrs/ndevs/0", "eth7");
-
-  const auto table = verbs::read_gid_table(root, "rxe9", 1);
-  const auto own = verbs::own_netdevs(root, "rxe9");
-  std::string why;
-  const int pick = verbs::pick_roce_v2_gid(table, own, why);
-  if (table.size() == 6 && own == std::vector<std::string>{"veth0"} && pick == 5)
-    pass("sysfs-gid", "RoCE v2 IPv4 GID of the own netdev picked (index 5 over the VLAN's 3)");
-  else
-    failed("sysfs-gid", "table " + std::to_string(table.size()) + " rows, pick " + std::to_string(pick));
-  const int vlan_only = verbs::pick_roce_v2_gid(table, {"eth9"}, why);
-  if (vlan_only == 3) pass("sysfs-gid-fallback", "without an own-netdev GID, the lowest RoCE v2 IPv4 GID");
-  else failed("sysfs-gid-fallback", "picked " + std::to_string(vlan_only));
-  why.clear();
-  const auto mt = verbs::read_gid_table(root, "mlx9", 1);
-  const int none = verbs::pick_roce_v2_gid(mt, verbs::own_netdevs(root, "mlx9"), why);
-  if (none == -1 && contains(why, "10.0.0.1 IB/RoCE v1 on eth7")) pass("sysfs-gid-none", "says: " + why);
-  else failed("sysfs-gid-none", "picked " + std::to_string(none) + ", why: " + why);
-  if (system(("rm -rf " + root).c_str()) != 0) failed("sysfs", "cleanup");
-
-  std::vector<verbs::HcaSpec> specs;
-  bool ok = verbs::parse_hca_list("mlx5_0,mlx5_1:2", specs).ok() && specs.size() == 2 && specs[0].name == "mlx5_0" &&
-            specs[0].port == 0 && specs[1].name == "mlx5_1" && specs[1].port == 2;
-  ok = ok && verbs::parse_hca_list("=rxe0", specs).ok() && specs.size() == 1 && specs[0].name == "rxe0";
-  ok = ok && verbs::parse_hca_list("", specs).ok() && specs.empty();
-  const Status excl = verbs::parse_hca_list("^mlx5_0", specs);
-  const Status three = verbs::parse_hca_list("a,b,c", specs);
-  const Status badport = verbs::parse_hca_list("mlx5_0:x", specs);
-  ok = ok && !excl.ok() && !three.ok() && contains(three.message(), "one or two") && !badport.ok();
-  if (ok) pass("hca-list", "JAX_ARX_IB_HCA forms parsed, bad ones refused");
-  else failed("hca-list", excl.message() + " | " + three.message() + " | " + badport.message());
-
-  uint8_t g[16];
-  ok = verbs::parse_gid("0000:0000:0000:0000:0000:ffff:c633:6401", g) && verbs::gid_text(g) == "198.51.100.1" &&
-       verbs::parse_gid("fe80:0000:0000:0000:5054:00ff:fe12:3456", g) &&
-       verbs::gid_text(g) == "fe80::5054:ff:fe12:3456";
-  if (ok) pass("gid-text", "IPv4-mapped GIDs print as addresses");
-  else failed("gid-text", verbs::gid_text(g));
-}
-
-// An endpoint-like owner of a region and a carrier, for one rank.
-struct Rank {
-  Config config;
-  Layout layout;
-  std::unique_ptr<Region> region;
-  std::unique_ptr<Transport> t;
-  std::atomic<int> lost_peer{-1};
-  std::string lost_why;
-  uint64_t* word(uint64_t off) { return reinterpret_cast<uint64_t*>(region->base() + off); }
-  uint8_t* at(uint64_t off) { return region->base() + off; }
-};
-
-Status make_rank(Rank& r, int rank, int world, const std::string& hca, uint64_t slot_bytes, int64_t gid_index = -1,
-                 bool ring = false) {
-  r.config.ib_hca = hca;
-  r.config.ib_gid_index = gid_index;
-  r.config.timeout_s = 20;
-  r.config.verbose = std::getenv("ARX_TEST_VERBOSE") != nullptr;
-  // Soft-RoCE retries forever at retry_cnt 7 (see verbs.cc): 6 makes a lost
-  // peer fail the writes after 7 tries. Under TCG a vCPU can stall past the
-  // default 67 ms QP timeout, and the spurious resends that follow have hit
-  // a 6.1 rxe bug (a NAK "remote invalid request" mid-write, about once in
-  // 15 runs): 268 ms per try keeps resends rare and detection near 2 s.
-  // Small WRs exercise the chunked path.
-  r.config.ib_retry_cnt = 6;
-  r.config.ib_timeout = 16;
-  r.config.ib_chunk_bytes = 65536;
-  Geometry geo;
-  geo.world = world;
-  geo.slot_bytes = slot_bytes;
-  geo.send_bytes = slot_bytes;
-  geo.topology = ring ? TopologyKind::kRing : TopologyKind::kMesh;
-  r.config.topology = geo.topology;
-  r.layout = Layout::of(geo);
-  ARX_RETURN_IF_ERROR(Region::create(r.layout.total, false, r.region));
-  TransportContext ctx;
-  ctx.rank = rank;
-  ctx.world = world;
-  ctx.region = r.region.get();
-  ctx.layout = r.layout;
-  ctx.secret = kSecret;
-  ctx.config = &r.config;
-  ctx.label = strf("test rank %d of %d", rank, world);
-  ctx.on_peer_lost = [&r](int peer, const std::string& why) {
-    r.lost_why = why;
-    r.lost_peer.store(peer);
-  };
-  return make_verbs_transport(ctx, r.t);
-}
-
-// A ring's device list names two ports, prev's first; another count fails
-// construction, naming the rank, its neighbours and the form to use. The
-// check comes before any device is opened, so it runs without devices.
-void test_ring_device_list() {
-  bool ok = true;
-  std::string said;
-  for (const char* hca : {"rxe0,rxe1,rxe2", "", "rxe0"}) {
-    Rank r;
-    const Status st = make_rank(r, 2, 4, hca, 1 << 16, -1, true);
-    said += (said.empty() ? "" : " | ") + st.message();
-    if (contains(st.message(), "without rdma-core") || contains(st.message(), "could not load libibverbs")) continue;
-    ok = ok && !st.ok() && contains(st.message(), "rank 2 lists the port facing the previous rank (rank 1), then the "
-                                                  "port facing the next rank (rank 3)");
-  }
-  Rank five;
-  const Status st = make_rank(five, 0, 4, "a,b,c,d,e", 1 << 16, -1, true);
-  ok = ok && !st.ok() && (contains(st.message(), "a ring takes at most four") || contains(st.message(), "rdma-core") ||
-                          contains(st.message(), "libibverbs"));
-  if (ok) pass("ring-device-list", said);
-  else failed("ring-device-list", said + " | " + st.message());
-}
-
-void test_no_device_errors() {
-  Rank r;
-  const Status st = make_rank(r, 0, 2, "", 1 << 16);
-  if (!st.ok() && contains(st.message(), "JAX_ARX_TRANSPORT=tcp"))
-    pass("no-devices", "construction fails with: " + st.message());
-  else
-    failed("no-devices", st.ok() ? "a carrier was built on a host without RDMA devices" : st.message());
-}
-
-// A process whose libibverbs cannot be loaded gets a clear error. Loading is
-// once per process, so this runs in a child forked before anything loaded it.
-void test_load_failure() {
-  fflush(stdout);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    Rank r;
-    r.config.ibverbs_lib = "/nonexistent/libibverbs.so.1";
-    const Status st = make_rank(r, 0, 2, "", 1 << 16);
-    const bool ok = !st.ok() && (contains(st.message(), "/nonexistent/libibverbs.so.1") ||
-                                 contains(st.message(), "no rdma-core headers") ||
-                                 contains(st.message(), "without rdma-core"));
-    printf("[rank 0] %s load-failure %s\n", ok ? "PASS" : "FAIL", st.message().c_str());
-    fflush(stdout);
-    _exit(ok ? 0 : 1);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++g_failures;
-}
 
 // ---- two ranks ------------------------------------------------------------------
 
@@ -682,7 +478,6 @@ int run_pair(const Args& a) {
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   Args a;
-  bool host_only = false;
   if (const char* e = std::getenv("ARX_TEST_HCA0")) a.hca[0] = e;
   if (const char* e = std::getenv("ARX_TEST_HCA1")) a.hca[1] = e;
   for (int i = 1; i < argc; ++i) {
@@ -694,8 +489,7 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (k == "--host-only") host_only = true;
-    else if (k == "--hca0") a.hca[0] = val();
+    if (k == "--hca0") a.hca[0] = val();
     else if (k == "--hca1") a.hca[1] = val();
     else if (k == "--roots") a.roots = std::stoi(val());
     else if (k == "--gid0") a.gid[0] = std::stoi(val());
@@ -705,38 +499,32 @@ int main(int argc, char** argv) {
     else if (k == "--detect-limit") a.detect_limit_s = std::stod(val());
     else if (k == "--ring") a.ring = true;
     else {
-      fprintf(stderr, "usage: %s --host-only | --hca0 DEV[,DEV] --hca1 DEV[,DEV] [--roots N] [--gid0 I --gid1 I] "
+      fprintf(stderr, "usage: %s --hca0 DEV[,DEV] --hca1 DEV[,DEV] [--roots N] [--gid0 I --gid1 I] "
                       "[--burst N] [--slot-bytes B] [--detect-limit S] [--ring]\n", argv[0]);
       return 2;
     }
   }
-  if (!host_only && (a.hca[0].empty() || a.hca[1].empty())) {
-    printf("no devices named for both ranks (--hca0 rxe0 --hca1 rxe1, or ARX_TEST_HCA0/1): device-free checks only\n");
-    host_only = true;
+  if (a.hca[0].empty() || a.hca[1].empty()) {
+    fprintf(stderr, "no devices named for both ranks (--hca0 rxe0 --hca1 rxe1, or ARX_TEST_HCA0/1); "
+                    "test_verbs_device runs the checks that need none\n");
+    return 2;
   }
-  test_sysfs();
-  if (host_only) {
-    test_load_failure();  // first: a forked child inherits a library already loaded
-    test_no_device_errors();
-    test_ring_device_list();
-  } else {
 #if ARX_HAVE_VERBS
-    // Wrong settings fail construction with what to set.
-    {
-      Rank r;
-      const Status st = make_rank(r, 0, 2, "nosuchdev0", 1 << 16);
-      if (!st.ok() && contains(st.message(), "JAX_ARX_IB_HCA") && contains(st.message(), "rxe"))
-        pass("bad-hca", st.message());
-      else
-        failed("bad-hca", st.ok() ? "accepted" : st.message());
-      Rank r2;
-      const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250, a.ring);
-      if (!st2.ok() && contains(st2.message(), "JAX_ARX_IB_GID_INDEX")) pass("bad-gid-index", st2.message());
-      else failed("bad-gid-index", st2.ok() ? "accepted" : st2.message());
-    }
-#endif
-    run_pair(a);
+  // Wrong settings fail construction with what to set.
+  {
+    Rank r;
+    const Status st = make_rank(r, 0, 2, "nosuchdev0", 1 << 16);
+    if (!st.ok() && contains(st.message(), "JAX_ARX_IB_HCA") && contains(st.message(), "rxe"))
+      pass("bad-hca", st.message());
+    else
+      failed("bad-hca", st.ok() ? "accepted" : st.message());
+    Rank r2;
+    const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250, a.ring);
+    if (!st2.ok() && contains(st2.message(), "JAX_ARX_IB_GID_INDEX")) pass("bad-gid-index", st2.message());
+    else failed("bad-gid-index", st2.ok() ? "accepted" : st2.message());
   }
+#endif
+  run_pair(a);
   if (g_rank != 0) return g_failures ? 1 : 0;
   printf("test_verbs_transport: %s (%d failure%s)\n", g_failures ? "FAILED" : "ALL PASSED", g_failures,
          g_failures == 1 ? "" : "s");
