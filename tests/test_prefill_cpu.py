@@ -4,19 +4,12 @@ on the CPU backend, with the real C++ core, across processes.
 Each test launches tests/bulk_cases.py as a worker under ``python -m
 jax_arx.launch`` (``--worker SUITE``): every rank builds a 1-D mesh over all
 devices, runs a suite of cases (many per launch: a launch costs seconds),
-and prints one ``RESULT {json}`` line. Results are compared
-bit for bit with references computed with numpy (and ml_dtypes),
-independently of jax and of jax_arx (tests/bulk_reference.py):
-
-- all_gather: the ranks' blocks stacked / concatenated along the axis;
-- psum_scatter: ``acc = x_0 as float32; for r in ranks 1..: acc += x_r``
-  rounded once, this rank's block of it;
-- the fused MoE combine: each rank's rows ``shared + sum_k w * y[pos]``
-  (float32, rounded once to bfloat16, zero past T), then the rank-order sum
-  above; each weight (e4m3: weight times scale) split in two as the fused
-  op's docstring says, so that every product is exact. The weights and
-  scales have full float32 precision (some are 0); the fused op must also
-  equal ``jax_arx.psum_scatter(jax_arx.moe_combine(...))`` bit for bit.
+and prints one ``RESULT {json}`` line. Results are compared bit for bit
+with references computed with numpy (and ml_dtypes), independently of jax
+and of jax_arx (tests/bulk_reference.py says what each is). The MoE cases'
+weights and scales have full float32 precision (some are 0); the fused op
+must also equal ``jax_arx.psum_scatter(jax_arx.moe_combine(...))`` bit for
+bit.
 
 No reference uses a collective of jax's own (gloo on the CPU gives up its
 waits after a fixed time, which a loaded machine reaches); where a fallback
