@@ -21,8 +21,8 @@ from functools import partial
 import numpy as np
 
 import launched
-from bulk_reference import (_dtypes, random_array, reference_combine,  # noqa: F401 (importers take them from here)
-                            reference_gather, reference_scatter, reference_sum, tie_token)
+from bulk_reference import (_dtypes, _moe_inputs, random_array,  # noqa: F401 (importers take them from here)
+                            reference_combine, reference_gather, reference_scatter, reference_sum, tie_token)
 
 RESULT = launched.RESULT
 PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers (tests/test_prefill_cpu.py)
@@ -325,30 +325,6 @@ def case_grad(w: _Worker):
             w.close("grad", g, ref[r], f"check_vma={check_vma} rank {r}", rtol=1e-5, atol=1e-5)
 
 
-
-
-def _moe_inputs(rng, w, T, R, H, topk, e4m3):
-    import ml_dtypes
-
-    n = w.world
-    ys, scales, poss, ws, shareds = [], [], [], [], []
-    for _ in range(n):
-        if e4m3:
-            y = (rng.normal(size=(R, H)) * 4).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-            scales.append(rng.uniform(0.01, 0.5, size=(R, H // 128)).astype(np.float32))
-        else:
-            y = rng.normal(size=(R, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
-        ys.append(y)
-        pos = rng.integers(0, R, size=(T, topk), dtype=np.int32)
-        pos[rng.random((T, topk)) < 0.03] = R + 3  # a few out of range: clamped
-        poss.append(pos)
-        wt = (rng.random((T, topk)) / topk).astype(np.float32)  # full float32 precision
-        wt[rng.random((T, topk)) < 0.1] = 0.0  # experts that do not count
-        ws.append(wt)
-        shareds.append(rng.normal(size=(T, H)).astype(np.float32).astype(ml_dtypes.bfloat16))
-        if not e4m3:
-            tie_token(ys[-1], poss[-1], ws[-1], shareds[-1])
-    return ys, (scales if e4m3 else None), poss, ws, shareds
 
 
 MOE_SHAPES = ((5, 9, 128, 1), (13, 40, 256, 3), (37, 64, 128, 8), (2, 16, 128, 16), (20, 30, 128, 17))

@@ -103,3 +103,30 @@ def tie_token(y, pos, wt, shared):
     """Makes token 0 (bfloat16 ``y``) that token, from row 0 of ``y``."""
     y[0], shared[0], pos[0], wt[0] = TIE_Y, 1.0, 0, 0.0
     wt[0, 0] = TIE_W
+
+
+def _moe_inputs(rng, w, T, R, H, topk, e4m3):
+    """Each of ``w.world`` ranks' inputs of a fused combine of T tokens, R
+    rows of H, topk experts (bfloat16 ``y`` holding the tie token, or e4m3
+    with scales): (ys, scales or None, positions, weights, shared rows)."""
+    import ml_dtypes
+
+    n = w.world
+    ys, scales, poss, ws, shareds = [], [], [], [], []
+    for _ in range(n):
+        if e4m3:
+            y = (rng.normal(size=(R, H)) * 4).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            scales.append(rng.uniform(0.01, 0.5, size=(R, H // 128)).astype(np.float32))
+        else:
+            y = rng.normal(size=(R, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
+        ys.append(y)
+        pos = rng.integers(0, R, size=(T, topk), dtype=np.int32)
+        pos[rng.random((T, topk)) < 0.03] = R + 3  # a few out of range: clamped
+        poss.append(pos)
+        wt = (rng.random((T, topk)) / topk).astype(np.float32)  # full float32 precision
+        wt[rng.random((T, topk)) < 0.1] = 0.0  # experts that do not count
+        ws.append(wt)
+        shareds.append(rng.normal(size=(T, H)).astype(np.float32).astype(ml_dtypes.bfloat16))
+        if not e4m3:
+            tie_token(ys[-1], poss[-1], ws[-1], shareds[-1])
+    return ys, (scales if e4m3 else None), poss, ws, shareds
