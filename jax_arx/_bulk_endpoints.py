@@ -114,10 +114,8 @@ def _make(comm: _comm.Communicator, what: str) -> _comm.Communicator:
             "JAX_ARX_TIMEOUT_S.")
     prefix = f"jax_arx/{_comm._generation}/bulk/{comm.comm_id}/{attempt}/"
     store = _store.Store(_compat.distributed_client(), prefix, setup.cfg.timeout_s, what=what, hint=hint)
-    try:
-        made = _endpoints.connect_endpoints(_comm._core(), store, plans, bulk_options(setup.options), what)
-    finally:
-        store.remove_published()
+    made = _endpoints.connect_endpoints(_comm._core(), store, plans, bulk_options(setup.options), what)
+    store.remove_published()  # after success only: see its docstring
     bulk = dataclasses.replace(comm, comm_id=key, endpoints=tuple(le for _, le in made), setup=None)
     _comm._bulk_communicators[comm.axis_name] = bulk
     _made.add(comm.comm_id)

@@ -254,15 +254,10 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
         core = _core(required=True)
         _generation += 1
         store = _store.Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
-        try:
-            _check_same_mesh_everywhere(store, mesh, wanted)
-            made = _set_up(core, cfg, store, mesh, wanted, _tuning)
-            _communicators.update(made)
-        finally:
-            # On success every process has read everything (the set-up ends
-            # at a barrier); on failure, peers waiting for our keys time out
-            # as they would without them.
-            store.remove_published()
+        _check_same_mesh_everywhere(store, mesh, wanted)
+        made = _set_up(core, cfg, store, mesh, wanted, _tuning)
+        _communicators.update(made)
+        store.remove_published()  # after success only: see its docstring
         from jax_arx import _bulk_endpoints  # it builds on this module
         _bulk_endpoints.restore(made.values())
 

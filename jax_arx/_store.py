@@ -3,7 +3,7 @@ set-up's prefix (``_comm`` and ``_bulk_endpoints`` set up through it).
 
 It is readable and writable by anyone who reaches the coordinator's port, so
 nothing secret goes through it (see ``_endpoints.group_secret``); every process
-removes what it published once set-up is over.
+removes what it published once set-up has succeeded (``remove_published``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,14 @@ class Store:
             self._client.key_value_set_bytes(self._prefix + key, bytes(value))
 
     def remove_published(self) -> None:
-        """Deletes every key this process set. Best effort: a coordinator
-        that is gone has nothing left to delete."""
+        """Deletes every key this process set; called once set-up has
+        succeeded (it ends at a barrier: every process has read everything).
+        A failed set-up leaves its keys: a peer that still reads them then
+        fails on the same cause (connect() checks every peer's fingerprint
+        before anything else: a mismatch is named on every rank) instead of
+        waiting out the timeout for keys that are gone. No later set-up
+        reads them (each has a prefix of its own). Best effort: a
+        coordinator that is gone has nothing left to delete."""
         keys, self._published = self._published, []
         for key in keys:
             if self._client is None:

@@ -230,18 +230,35 @@ def run_topology(w, topology):
 
 def suite_mismatch():
     """Process 0 asks for a mesh, process 1 for a ring; both report what
-    initialize raised."""
+    initialize raised. Process 1 reads process 0's connection details only
+    once process 0 has failed (the order a loaded host can give): it must
+    still name the mismatch, not wait out the timeout for them."""
     import jax_arx
 
     jax_arx.distributed_initialize()
     import jax
 
+    from jax_arx import _compat, _store
+
+    client, me = _compat.distributed_client(), jax.process_index()
+    if me == 1:
+        get = _store.Store.get
+
+        def late_get(store, key, waiting_for):
+            if key.endswith("/details/0"):
+                client.blocking_key_value_get("test_ring_cpu/rank0_failed", 600_000)
+            return get(store, key, waiting_for)
+
+        _store.Store.get = late_get
     mesh = jax.make_mesh((jax.device_count(),), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
     try:
-        jax_arx.initialize(mesh, topology="ring" if jax.process_index() else "mesh")
+        jax_arx.initialize(mesh, topology="ring" if me else "mesh")
         return {"error": ""}
     except jax_arx.InitializationError as e:
         return {"error": str(e)}
+    finally:
+        if me == 0:
+            client.key_value_set("test_ring_cpu/rank0_failed", "1")
 
 
 def suite_relay_lost(w):
