@@ -53,6 +53,7 @@ enum class FailureKind : uint64_t {
   kTimeout = 1,   // a peer's flag did not reach the seq within the timeout
   kMismatch = 2,  // a peer issued a different collective at this seq
   kAborted = 3,   // the endpoint had already failed (proxy, carrier, a peer's notice, an earlier call)
+  kPeerLost = 4,  // in notices only: the sender lost its link to the ranks in the notice's mask
 };
 
 // The element types the reducing ops take (part of their descriptors).

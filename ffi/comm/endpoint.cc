@@ -142,6 +142,7 @@ void Endpoint::fail(const std::string& message) {
 
 void Endpoint::peer_lost(int peer, const std::string& why) {
   if (peer < 0 || peer >= spec_.world) return;
+  lost_mask_.fetch_or(uint64_t{1} << peer, std::memory_order_acq_rel);  // before fail(): the proxy reads it after
   fail(strf("jax_arx: %s lost rank %d: %s", label_.c_str(), peer, why.c_str()));
 }
 

@@ -121,6 +121,8 @@ class Endpoint {
   // (peer_lost()). fail() sets Control::abort so no wait spins on.
   void fail(const std::string& message);
   void peer_lost(int peer, const std::string& why);
+  // The ranks peer_lost() named (bit j: rank j), for the notices.
+  uint64_t lost_peers() const { return lost_mask_.load(std::memory_order_acquire); }
   // Reads the Control block's record; true and the message if failed.
   bool failed();
   std::string failure();
@@ -157,6 +159,7 @@ class Endpoint {
   mutable std::mutex failure_mu_;  // failure_ and stall_
   std::string failure_, stall_;
   std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> lost_mask_{0};
 };
 
 // The endpoints of this process, by (communicator id, device ordinal).

@@ -112,6 +112,7 @@ std::string Endpoint::describe_recorded_failure() const {
       return strf("jax_arx: %s: %s was abandoned because the endpoint had already failed", label_.c_str(),
                   what.c_str());
     case FailureKind::kNone:
+    case FailureKind::kPeerLost:  // in notices only, never recorded
       break;
   }
   return strf("jax_arx: %s: %s failed (record kind %llu)", label_.c_str(), what.c_str(), (unsigned long long)kind);

@@ -189,16 +189,23 @@ class Watchdog {
 // every rank's error names the same cause (a mismatch, a timeout). A rank
 // that failed because of a peer's notice passes that notice's cause on
 // (`forwarded`): its own waits only saw the abort, and a third rank must not
-// learn a vaguer cause from it than from the rank that found it.
+// learn a vaguer cause from it than from the rank that found it. Likewise a
+// rank that failed because it lost a peer (its link closed) says which: the
+// rank that is gone, not this one, is what every rank's error must name.
 void send_notices(Endpoint& ep, Relay& relay, uint64_t forwarded) {
   const Control* ctl = ep.control();
   const uint64_t seq = load_acquire(&ctl->failed_seq);
-  // Bits 16-23: for a timeout, the ranks the wait was still missing (a mask
-  // of kMaxWorld = 8 bits), so that every rank's error names the silent one.
-  static_assert(kMaxWorld <= 8, "the notice's missing-rank mask has 8 bits");
-  const uint64_t desc = seq ? (load_relaxed(&ctl->failed_family) + 1) | load_relaxed(&ctl->failed_kind) << 8 |
-                                  (load_relaxed(&ctl->failed_missing) & 0xff) << 16
-                            : 0;
+  // Bits 16-23: the ranks the cause names (a mask of kMaxWorld = 8 bits):
+  // for a timeout, those the wait was still missing; for a lost peer, those
+  // lost.
+  static_assert(kMaxWorld <= 8, "the notice's rank mask has 8 bits");
+  const uint64_t kind = seq ? load_relaxed(&ctl->failed_kind) : (uint64_t)FailureKind::kNone;
+  const uint64_t lost = ep.lost_peers() & 0xff;
+  const bool peer_lost = lost && (kind == (uint64_t)FailureKind::kNone || kind == (uint64_t)FailureKind::kAborted);
+  const uint64_t family = seq ? load_relaxed(&ctl->failed_family) + 1 : 0;
+  const uint64_t desc = peer_lost ? family | (uint64_t)FailureKind::kPeerLost << 8 | lost << 16
+                        : seq     ? family | kind << 8 | (load_relaxed(&ctl->failed_missing) & 0xff) << 16
+                                  : 0;
   const uint64_t value = forwarded ? forwarded : flag_word(seq ? seq : 1, desc);
   const Layout& L = ep.layout();
   const int rank = ep.spec().rank;
@@ -215,7 +222,7 @@ void send_notices(Endpoint& ep, Relay& relay, uint64_t forwarded) {
 FailureKind notice_kind(uint64_t value) { return static_cast<FailureKind>(flag_desc(value) >> 8 & 0xff); }
 
 // The peers' notice to act on, or 0 (`from`: its sender): one that names a
-// cause (a mismatch, a timeout) before one that does not.
+// cause (a mismatch, a timeout, a lost peer) before one that does not.
 uint64_t notice_from_peers(const Endpoint& ep, int& from) {
   uint64_t best = 0;
   for (int j = 0; j < ep.spec().world; ++j) {
@@ -223,17 +230,18 @@ uint64_t notice_from_peers(const Endpoint& ep, int& from) {
     const uint64_t v = load_acquire(ep.flags() + notice_word(j));
     if (v == 0) continue;
     const FailureKind k = notice_kind(v);
-    if (best == 0 || (k == FailureKind::kMismatch || k == FailureKind::kTimeout)) {
+    const bool names_cause = k == FailureKind::kMismatch || k == FailureKind::kTimeout || k == FailureKind::kPeerLost;
+    if (best == 0 || names_cause) {
       best = v;
       from = j;
-      if (k == FailureKind::kMismatch || k == FailureKind::kTimeout) break;
+      if (names_cause) break;
     }
   }
   return best;
 }
 
-// Whom a timeout notice's wait was missing: "rank 2", "ranks 1, 2" or "a
-// peer" (a notice without the mask).
+// The ranks a notice's mask names: "rank 2", "ranks 1, 2" or "a peer" (a
+// notice without the mask).
 std::string waited_for(uint64_t v) {
   const uint64_t missing = flag_desc(v) >> 16 & 0xff;
   std::string who;
@@ -253,9 +261,11 @@ std::string notice_message(const Endpoint& ep, int from, uint64_t v) {
                                 (unsigned long long)flag_seq(v));
   const std::string cause =
       kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
-      : kind == FailureKind::kTimeout ? strf("gave up on %s: its wait for %s timed out after its "
-                                             "JAX_ARX_TIMEOUT_S", what.c_str(), waited_for(v).c_str())
-                                      : strf("gave up on %s", what.c_str());
+      : kind == FailureKind::kTimeout  ? strf("gave up on %s: its wait for %s timed out after its "
+                                              "JAX_ARX_TIMEOUT_S", what.c_str(), waited_for(v).c_str())
+      : kind == FailureKind::kPeerLost ? strf("lost %s (its link to it closed: the process exited or crashed) and "
+                                              "gave up on %s", waited_for(v).c_str(), what.c_str())
+                                       : strf("gave up on %s", what.c_str());
   return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
               "collective after it), as every rank does. Rank %d's own error (or the rank it names) says more: see "
               "its log",

@@ -259,6 +259,24 @@ void test_fail_everywhere(TransportKind kind) {
   for (auto& ep : rig.eps) ep->close();
 }
 
+// A rank that lost a peer (its link closed: the carrier's callback) tells
+// the others whom: a rank told by that notice before it sees the loss
+// itself must name the lost rank too, not only the rank that told it.
+void test_lost_peer_named_everywhere(TransportKind kind) {
+  Config cfg;
+  cfg.timeout_s = 5;
+  Rig rig;
+  if (!make_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  rig.eps[0]->peer_lost(2, "the test closed its link");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const std::string why = rig.eps[1]->failure();
+  EXPECT(why.find("rank 0 lost rank 2 (its link to it closed") != std::string::npos,
+         "%s: rank 1 was told whom rank 0 lost: '%s'", transport_name(kind), why.c_str());
+  for (auto& ep : rig.eps) ep->close();
+}
+
 // Two collectives whose 24-bit descriptors collide (found by search): the
 // flag words alone would let them pass for one; the exact headers must not.
 void test_descriptor_collision(TransportKind kind) {
@@ -386,6 +404,7 @@ int main(int argc, char** argv) {
     test_mismatch(k);
     test_descriptor_collision(k);
     test_fail_everywhere(k);
+    test_lost_peer_named_everywhere(k);
     test_fingerprint(k);
     test_abort_on_failure(k);
   });
