@@ -149,12 +149,15 @@ def worker_peer_exit(smoke):
     rank, last = jax.process_index(), w.world - 1
     parts = gpu_common.signed_inputs(_dtypes()["bfloat16"], 4096, w.world, seed=5)
     x = w.put(parts)
-    f = _psum_program(w)
-    # Compiled while every rank lives: compiling a program over the mesh
-    # after a peer is gone would wait for it in jax.distributed.
+    # Compiled while every rank lives (compiling a program over the mesh after
+    # a peer is gone would wait for it in jax.distributed), then started
+    # together: with JAX_ARX_TIMEOUT_S=3, a rank still compiling on a loaded
+    # host must not be a timeout of the healthy calls.
+    f = _psum_program(w).lower(x).compile()
     g = _psum_program(w, 2).lower(x).compile()
     client = _compat.distributed_client()
     client.key_value_set(f"peer_exit/pid/{rank}", str(os.getpid()))
+    client.wait_at_barrier("peer_exit/compiled", 600_000)  # a bound no load reaches
     for _ in range(50):
         for r, got in w.mine(f(x)).items():
             w.check("healthy", got, reference_sum(parts), f"rank {r}")
