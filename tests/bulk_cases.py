@@ -6,7 +6,8 @@ costs seconds) and prints one ``RESULT {json}`` line; each result is checked
 bit for bit against tests/bulk_reference.py.
 
 No reference uses a collective of jax's own; where a fallback runs one, the
-program is compiled first and started together everywhere. The cases do not depend on the backend: the GPU suites (tests/gpu_common.py,
+program is compiled first and started together everywhere. The cases do not
+depend on the backend: the GPU suites (tests/gpu_common.py,
 tests/test_gpu_bulk.py) and tests/test_ring_cpu.py run them too, and take
 the references from here with them.
 """
