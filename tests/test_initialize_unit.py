@@ -5,8 +5,12 @@ the size plans are the real core's. Also the carrier choice
 
 import logging
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import jax
+import launched
 import numpy as np
 import pytest
 from stand_in_core import auto_mesh, needs_4_devices
@@ -188,6 +192,52 @@ def test_initialize_without_the_core_says_how_to_build_it(monkeypatch):
         jax_arx.initialize(auto_mesh((4,), ("tp",)))
     assert _comm.communicator("tp") is None
     assert jax_arx.check() is None  # nothing set up, nothing failed
+
+
+def _checkout(tmp_path, with_core=False):
+    """A copy of the checkout's top folder as a user has it before building:
+    pyproject.toml, ffi/ and the package's Python files, no _core."""
+    root = tmp_path / "checkout"
+    (root / "ffi").mkdir(parents=True)
+    (root / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    shutil.copytree(REPO / "jax_arx", root / "jax_arx", ignore=shutil.ignore_patterns("_core*", "__pycache__"))
+    if with_core:
+        (root / "jax_arx" / "_core.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    return root
+
+
+def test_a_script_in_the_checkout_is_told_why_core_is_missing(tmp_path):
+    # The README's Usage, saved where a user stands after its first command:
+    # the script's folder shadows the installed jax_arx with the unbuilt one.
+    root = _checkout(tmp_path)
+    script = root / "psum_demo.py"
+    script.write_text("import jax_arx\nfrom jax_arx import _comm\n_comm._core()\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                       env=launched.clean_env(), timeout=300)
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("jax_arx.errors.InitializationError:"), p.stderr
+    assert f"Python imported jax_arx from its source tree ({root / 'jax_arx'})" in last, last
+    assert f"because {root} comes first on sys.path" in last and "Save scripts outside that folder" in last, last
+
+
+def test_core_missing_hint_names_the_installed_copy_or_says_to_install(tmp_path):
+    root = _checkout(tmp_path)
+    site = tmp_path / "site"
+    (site / "jax_arx").mkdir(parents=True)
+    (site / "jax_arx" / "__init__.py").write_text("")
+    hint = _comm.core_missing_hint([str(root / "jax_arx")], [str(root), str(site)])
+    assert f"not the installed one ({site / 'jax_arx'})" in hint and "pip install" not in hint, hint
+    hint = _comm.core_missing_hint([str(root / "jax_arx")], [str(root)])
+    assert "Save scripts outside that folder" in hint and "install jax_arx: Build and install" in hint, hint
+    # Not a checkout (an installed package), a checkout built in place, or
+    # one whose package also looks in a built copy (as this suite's
+    # conftest arranges): the module is missing or broken, not shadowed.
+    assert _comm.core_missing_hint([str(site / "jax_arx")], [str(site)]).startswith("Build and install it")
+    built = _checkout(tmp_path / "built", with_core=True)
+    assert _comm.core_missing_hint([str(built / "jax_arx")], [str(built)]).startswith("Build and install it")
+    both = [str(root / "jax_arx"), str(built / "jax_arx")]
+    assert _comm.core_missing_hint(both, [str(root)]).startswith("Build and install it")
 
 
 @needs_4_devices
