@@ -90,6 +90,44 @@ ARX_HD int peer_in_send_order(int rank, int world, uint64_t dest, int i) {
   return dest == kEveryPeer ? (rank + 1 + i) % world : (int)dest;
 }
 
+// One collective's seq as its channel needs it: the parity of its buffers,
+// the flag word its signals carry, its exact Descriptor and the ring position
+// of its first trigger (the device side's sequence state: SeqStart in
+// cuda/grid.cuh, host::Collective in host/steps.h).
+struct SeqSend {
+  int par = 0;
+  uint64_t value = 0;  // flag_word(seq, describe(d))
+  Descriptor d;
+  uint64_t ring = 0;
+};
+
+// Who the pieces of a collective go to: the same bytes to every peer
+// (kEveryPeer), or a part of its own to each peer. Fixes how the
+// collective's triggers are numbered in the ring.
+enum class Fan { kEveryPeer, kEachPeer };
+
+// Where the trigger of (piece, dest) lies among a collective's: piece-major,
+// then destinations in send order. Producers may publish in any order of
+// time (the blocks of a kernel do); the proxy takes the entries in index
+// order, so this numbering is the order the pieces go out in.
+ARX_HD uint64_t trigger_index(Fan fan, int rank, int world, int piece, uint64_t dest) {
+  if (fan == Fan::kEveryPeer) return (uint64_t)piece;
+  return (uint64_t)piece * (uint64_t)(world - 1) + (uint64_t)(((int)dest - rank + world) % world - 1);
+}
+
+// A collective's sending half on a channel, opened once per seq
+// (`const auto out = ch.open(s, fan, lane)`): the collective says which
+// piece goes to whom, the handle says where the bytes go and how a peer
+// learns of them. `dest` is a peer's rank, or kEveryPeer (the same bytes to
+// every peer, in send order rank + 1, rank + 2, ..., so no receiver takes
+// every sender at once). Both media's handles have the same members:
+//   fanout(dest)             how many places the bytes for `dest` go to;
+//   put_dst(dest, i)         the i-th of them (the lane: add the piece's
+//                            offset in it);
+//   signal(dest, p, lo, hi)  announces bytes [lo, hi) of that lane as
+//                            piece p of the seq;
+//   entries(pieces)          trigger ring entries the collective takes.
+
 // Peers on one host, whose memory is mapped here. A put is a store into the
 // peer's lane for this rank; the signal, one release store per peer into its
 // word (this rank, piece, 0): the bytes of the piece must have reached system
@@ -104,35 +142,42 @@ struct DirectChannel {
   uint64_t* peer_flags[kMaxWorld] = {};  // each peer's flag page, mapped here
   uint64_t* peer_heard[kMaxWorld] = {};  // this rank's heard word of the family in each peer's region (layout.h)
 
-  // How many places the bytes for `dest` are written to, and the i-th: the
-  // peer's lane for this rank. `lane` (the staging lane) is the proxy's.
-  ARX_HD int fanout(uint64_t dest) const { return dest == kEveryPeer ? world - 1 : 1; }
-  ARX_HD uint8_t* put_dst(int parity, uint64_t dest, int i, uint64_t lane) const {
-    const int p = peer_in_send_order(rank, world, dest, i);
-    return peer_data[p] + (uint64_t)parity * in.parity_bytes + (uint64_t)rank * in.lane_bytes;
-  }
-  // Announces piece `piece` of the collective `d` (flag word `value`) to
-  // `dest`. [lo, hi) and `at` (the ring position) are the proxy's.
-  ARX_HD void signal(int parity, uint64_t dest, int piece, uint64_t lane, uint64_t lo, uint64_t hi, uint64_t value,
-                     uint64_t at, const Descriptor& d) const {
-    for (int i = 0; i < fanout(dest); ++i) {
-      uint64_t* page = peer_flags[peer_in_send_order(rank, world, dest, i)];
-      uint64_t* h = page + header_word(in.family, parity, rank);
-      store_relaxed(h + 0, d.op);
-      store_relaxed(h + 1, d.type);
-      store_relaxed(h + 2, d.count);
-      store_relaxed(h + 3, d.tag);
-      store_release(page + in.words.index(rank, piece, 0), value);
-    }
-  }
-  // Trigger ring entries a signal takes.
-  ARX_HD int entries(uint64_t dest) const { return 0; }
+  struct Out;
+  // `fan` and `lane` are the proxy's: a peer's lane is where its inbox has it.
+  ARX_HD Out open(const SeqSend& s, Fan fan, uint64_t lane = 0) const;
   // Tells each peer's watchdog the last seq finished (relaxed: read by
   // messages only), where its flag page may be out of the host's reach.
   ARX_HD void heard(uint64_t value) const {
     for (int i = 0; i < world - 1; ++i) store_relaxed(peer_heard[(rank + 1 + i) % world], value);
   }
 };
+
+struct DirectChannel::Out {
+  const DirectChannel& ch;
+  SeqSend s;
+
+  ARX_HD int fanout(uint64_t dest) const { return dest == kEveryPeer ? ch.world - 1 : 1; }
+  // The peer's lane for this rank.
+  ARX_HD uint8_t* put_dst(uint64_t dest, int i = 0) const {
+    const int p = peer_in_send_order(ch.rank, ch.world, dest, i);
+    return ch.peer_data[p] + (uint64_t)s.par * ch.in.parity_bytes + (uint64_t)ch.rank * ch.in.lane_bytes;
+  }
+  // The bytes are in the peers' lanes already ([lo, hi) is the proxy's).
+  ARX_HD void signal(uint64_t dest, int piece, uint64_t lo, uint64_t hi) const {
+    for (int i = 0; i < fanout(dest); ++i) {
+      uint64_t* page = ch.peer_flags[peer_in_send_order(ch.rank, ch.world, dest, i)];
+      uint64_t* h = page + header_word(ch.in.family, s.par, ch.rank);
+      store_relaxed(h + 0, s.d.op);
+      store_relaxed(h + 1, s.d.type);
+      store_relaxed(h + 2, s.d.count);
+      store_relaxed(h + 3, s.d.tag);
+      store_release(page + ch.in.words.index(ch.rank, piece, 0), s.value);
+    }
+  }
+  ARX_HD uint64_t entries(int) const { return 0; }
+};
+
+ARX_HD DirectChannel::Out DirectChannel::open(const SeqSend& s, Fan, uint64_t) const { return Out{*this, s}; }
 
 // Any carrier: the bytes are staged in this rank's region, and the signal
 // publishes a trigger (layout.h) for the proxy, which puts them, split over
@@ -145,8 +190,8 @@ struct DirectChannel {
 // 0 the exact Descriptor is staged too, and the proxy puts it into each
 // peer's header slot before that piece, on root 0: every later piece's flag
 // word on root 0 comes after it on the same ordered channel (the proxy takes
-// piece 0's entry first: the collectives number their entries piece-major),
-// so a wait on any piece finds the header in place, written once per seq.
+// piece 0's entries first: trigger_index numbers them piece-major), so a
+// wait on any piece finds the header in place, written once per seq.
 struct ProxyChannel {
   Inbox in;
   int rank = 0, world = 0;
@@ -158,41 +203,57 @@ struct ProxyChannel {
   Trigger* ring = nullptr;
   uint64_t* staged = nullptr;      // this family's staged headers, by parity (Layout::staged_header_offset)
 
-  ARX_HD int fanout(uint64_t dest) const { return 1; }
-  ARX_HD uint64_t stage_at(int parity, uint64_t dest, uint64_t lane) const {
-    return (uint64_t)parity * stage_parity_bytes + (dest == kEveryPeer ? 0 : dest * lane);
-  }
-  ARX_HD uint8_t* put_dst(int parity, uint64_t dest, int i, uint64_t lane) const {
-    return stage + stage_at(parity, dest, lane);
-  }
-  // Publishes the trigger at ring index `at`: bytes [lo, hi) of the lane for
-  // `dest`, into the peers' lane for this rank at lo, then `value` into their
-  // word (this rank, piece, root). The caller picks `at` so that every index
-  // is published once, in the order the proxy should send (it takes them in
-  // index order).
-  ARX_HD void signal(int parity, uint64_t dest, int piece, uint64_t lane, uint64_t lo, uint64_t hi, uint64_t value,
-                     uint64_t at, const Descriptor& d) const {
-    if (piece == 0) {
-      uint64_t* h = staged + parity * kDescriptorWords;
-      store_relaxed(h + 0, d.op);
-      store_relaxed(h + 1, d.type);
-      store_relaxed(h + 2, d.count);
-      store_relaxed(h + 3, d.tag);
-    }
-    Trigger* t = ring + at % kRing;
-    store_relaxed(&t->src, stage_offset + stage_at(parity, dest, lane) + lo);
-    store_relaxed(&t->len, hi - lo);
-    store_relaxed(&t->dst, inbox_offset + (uint64_t)parity * in.parity_bytes + (uint64_t)rank * in.lane_bytes + lo);
-    store_relaxed(&t->flag, (uint64_t)in.words.index(rank, piece, 0));
-    store_relaxed(&t->value, value);
-    store_relaxed(&t->dest, dest);
-    store_relaxed(&t->family, (uint64_t)family | (piece == 0 ? kTriggerHeader : 0));
-    store_release(&t->tag, at + 1);
-  }
-  ARX_HD int entries(uint64_t dest) const { return 1; }
+  struct Out;
+  // `lane`: how far apart the staging lanes of the peers are (kEachPeer).
+  ARX_HD Out open(const SeqSend& s, Fan fan, uint64_t lane = 0) const;
   // The carrier's flag words are in the peers' host regions already.
   ARX_HD void heard(uint64_t) const {}
 };
+
+struct ProxyChannel::Out {
+  const ProxyChannel& ch;
+  SeqSend s;
+  Fan fan;
+  uint64_t lane;
+
+  ARX_HD int fanout(uint64_t) const { return 1; }
+  ARX_HD uint64_t stage_at(uint64_t dest) const {
+    return (uint64_t)s.par * ch.stage_parity_bytes + (dest == kEveryPeer ? 0 : dest * lane);
+  }
+  // The staging lane for `dest`, whatever `i`: the proxy fans out.
+  ARX_HD uint8_t* put_dst(uint64_t dest, int = 0) const { return ch.stage + stage_at(dest); }
+  // Publishes the trigger of (piece, dest) at its index (trigger_index):
+  // bytes [lo, hi) of the lane for `dest`, into the peers' lane for this
+  // rank at lo, then the flag word into their word (this rank, piece, root).
+  // A collective publishes each of its indices once.
+  ARX_HD void signal(uint64_t dest, int piece, uint64_t lo, uint64_t hi) const {
+    if (piece == 0) {
+      uint64_t* h = ch.staged + s.par * kDescriptorWords;
+      store_relaxed(h + 0, s.d.op);
+      store_relaxed(h + 1, s.d.type);
+      store_relaxed(h + 2, s.d.count);
+      store_relaxed(h + 3, s.d.tag);
+    }
+    const uint64_t at = s.ring + trigger_index(fan, ch.rank, ch.world, piece, dest);
+    Trigger* t = ch.ring + at % kRing;
+    store_relaxed(&t->src, ch.stage_offset + stage_at(dest) + lo);
+    store_relaxed(&t->len, hi - lo);
+    store_relaxed(&t->dst,
+                  ch.inbox_offset + (uint64_t)s.par * ch.in.parity_bytes + (uint64_t)ch.rank * ch.in.lane_bytes + lo);
+    store_relaxed(&t->flag, (uint64_t)ch.in.words.index(ch.rank, piece, 0));
+    store_relaxed(&t->value, s.value);
+    store_relaxed(&t->dest, dest);
+    store_relaxed(&t->family, (uint64_t)ch.family | (piece == 0 ? kTriggerHeader : 0));
+    store_release(&t->tag, at + 1);
+  }
+  ARX_HD uint64_t entries(int pieces) const {
+    return (uint64_t)pieces * (fan == Fan::kEveryPeer ? 1 : (uint64_t)(ch.world - 1));
+  }
+};
+
+ARX_HD ProxyChannel::Out ProxyChannel::open(const SeqSend& s, Fan fan, uint64_t lane) const {
+  return Out{*this, s, fan, lane};
+}
 
 // The channels of one family, built from a region as a device side sees it
 // (`base`: its address there; `peers[j]`: peer j's region mapped there, for

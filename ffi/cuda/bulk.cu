@@ -261,9 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
   const int G = groups, rank = ch.rank, world = ch.world;
   const bool producer = (int)blockIdx.x < G;
   const int gi = producer ? (int)blockIdx.x : (int)blockIdx.x - G;
-  const uint64_t lane = ch.in.lane_bytes, flag = flag_word(s.seq, s.desc);
-  // Ring positions of piece c: one entry, or one per destination.
-  const uint64_t per_piece = fan_out<K>() ? ch.entries(kEveryPeer) : (uint64_t)(world - 1) * ch.entries(0);
+  const uint64_t lane = ch.in.lane_bytes;
+  const auto send = ch.open(s.send(), fan_out<K>() ? Fan::kEveryPeer : Fan::kEachPeer, lane);
   if (blockIdx.x == 0) note_begun(g, Family::kBulk, s);
   if (threadIdx.x == 0) s_failed = s.prior ? 1 : 0;
   __syncthreads();
@@ -275,12 +274,12 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       // 1. This block's share of piece c, destinations in send order.
       if (K == BulkKind::kGather) {
         copy_part<false>(op.out + rank * op.block, true, op.in, false, lo, hi, op.block, op.stride);
-        for (int i = 0; i < ch.fanout(kEveryPeer); ++i)
-          copy_part<false>(ch.put_dst(s.par, kEveryPeer, i, lane), false, op.in, false, lo, hi, op.block, op.stride);
+        for (int i = 0; i < send.fanout(kEveryPeer); ++i)
+          copy_part<false>(send.put_dst(kEveryPeer, i), false, op.in, false, lo, hi, op.block, op.stride);
       } else if (K == BulkKind::kScatter) {
         for (int step = 1; step < world; ++step) {
           const int j = (rank + step) % world;
-          copy_part<false>(ch.put_dst(s.par, (uint64_t)j, 0, lane), false, op.in + j * op.block, true, lo, hi,
+          copy_part<false>(send.put_dst((uint64_t)j), false, op.in + j * op.block, true, lo, hi,
                            op.block, op.stride);
         }
       } else {
@@ -288,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
         // in place.
         for (int step = 1; step <= world; ++step) {
           const int j = (rank + step) % world;
-          uint8_t* dst = j == rank ? op.out : ch.put_dst(s.par, (uint64_t)j, 0, lane);
+          uint8_t* dst = j == rank ? op.out : send.put_dst((uint64_t)j);
           combine_rows(op, j, r0, r1, dst + lo);
         }
       }
@@ -303,11 +302,9 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
           uint64_t plo, phi;
           piece_of<K>(op, c, plo, phi);
           if (fan_out<K>()) {
-            ch.signal(s.par, kEveryPeer, c, lane, plo, phi, flag, s.ring + (uint64_t)c * per_piece, s.d);
+            send.signal(kEveryPeer, c, plo, phi);
           } else {
-            for (int step = 1; step < world; ++step)
-              ch.signal(s.par, (uint64_t)((rank + step) % world), c, lane, plo, phi, flag,
-                        s.ring + (uint64_t)c * per_piece + (uint64_t)(step - 1) * ch.entries(0), s.d);
+            for (int step = 1; step < world; ++step) send.signal((uint64_t)((rank + step) % world), c, plo, phi);
           }
         }
       }
@@ -348,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       __syncthreads();  // s_failed is read by every thread at the next piece
     }
   }
-  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, (uint64_t)kChunks * per_piece,
+  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, send.entries(kChunks),
          [&](int t, int n) {
            if (op.nan_type < 0) {
              for (uint64_t p = t; p < op.out_bytes; p += n) op.out[p] = 0xFF;

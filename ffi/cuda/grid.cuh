@@ -64,6 +64,9 @@ struct SeqStart {
   uint64_t start;
   bool prior;
   uint64_t ring;
+
+  // What the channel's handle needs of this seq (ch.open).
+  __device__ SeqSend send() const { return SeqSend{par, flag_word(seq, desc), d, ring}; }
 };
 
 __device__ __forceinline__ SeqStart begin(const Grid& g, Family f, const Descriptor& d) {

@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
   const uint64_t bytes = count * E::kSize;
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, pieces_tag(tag, pieces)));
   const int blocks = (int)gridDim.x - 1;
-  const uint64_t entries = (uint64_t)pieces * ch.entries(kEveryPeer);
+  const auto send = ch.open(s.send(), Fan::kEveryPeer);
+  const uint64_t entries = send.entries(pieces);
   auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
   if ((int)blockIdx.x == blocks) {
     note_begun(g, Family::kPsum, s);
@@ -127,14 +128,13 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
     s_failed = s.prior ? 1 : 0;
   }
   __syncthreads();
-  const uint64_t flag = flag_word(s.seq, s.desc);
   if (t < nprod) {  // producers (every thread, when the block has one piece)
     for (int k = 0; k < mine; ++k) {
       const int c = b + k * blocks;
       uint64_t lo, hi;
       chunk_range(bytes, pieces, c, lo, hi);
-      for (int i = 0; i < ch.fanout(kEveryPeer) && !s.prior; ++i)  // send order: rank + 1, rank + 2, ...
-        copy_piece(ch.put_dst(s.par, kEveryPeer, i, 0) + lo, in + lo, hi - lo, t, nprod);
+      for (int i = 0; i < send.fanout(kEveryPeer) && !s.prior; ++i)  // send order: rank + 1, rank + 2, ...
+        copy_piece(send.put_dst(kEveryPeer, i) + lo, in + lo, hi - lo, t, nprod);
       if (split) bar_sync(1, nprod);
       else __syncthreads();
       if (t == 0) {
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
           // The producers' copies (before the barrier) reach system scope
           // before the signal that announces them: the fence is cumulative.
           fence_acq_rel();
-          ch.signal(s.par, kEveryPeer, c, 0, lo, hi, flag, s.ring + (uint64_t)c * ch.entries(kEveryPeer), s.d);
+          send.signal(kEveryPeer, c, lo, hi);
         }
       }
     }

@@ -142,29 +142,29 @@ __global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, con
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsumScatter, (uint64_t)D, count, tag));
   const int rank = ch.rank, world = ch.world;
   if (blockIdx.x == 0) note_begun(g, Family::kPsum, s);
+  const auto send = ch.open(s.send(), Fan::kEachPeer, lane);
   if (!s.prior) {
     for (int step = 1; step < world; ++step) {  // chunk j to rank j only, in send order
       const int j = (rank + step) % world;
       uint64_t lo, hi;
       chunk_range(bytes, world, j, lo, hi);
-      copy_bytes<false>(ch.put_dst(s.par, (uint64_t)j, 0, lane), in + lo, hi - lo);
+      copy_bytes<false>(send.put_dst((uint64_t)j), in + lo, hi - lo);
     }
   }
-  const uint64_t flag = flag_word(s.seq, s.desc);
   bool gave_up = false;
   const bool failed = signal_and_wait(g, ch, s, [&] {
     for (int step = 1; step < world; ++step) {
       const int j = (rank + step) % world;
       uint64_t lo, hi;
       chunk_range(bytes, world, j, lo, hi);
-      ch.signal(s.par, (uint64_t)j, 0, lane, 0, hi - lo, flag, s.ring + (uint64_t)(step - 1) * ch.entries(j), s.d);
+      send.signal((uint64_t)j, 0, 0, hi - lo);
     }
   }, &pf, gave_up);
   uint64_t lo, hi;
   chunk_range(bytes, world, rank, lo, hi);
   if (failed) fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
   else reduce<D>(rank, world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in + lo, out + lo, (hi - lo) / E::kSize);
-  settle(g, ch, Family::kPsum, s, gave_up, (uint64_t)(world - 1) * ch.entries(0),
+  settle(g, ch, Family::kPsum, s, gave_up, send.entries(1),
          [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); });
 }
 
@@ -182,11 +182,12 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
   chunk_range(bytes, world, rank, lo, hi);
   // A failed reduce-scatter (seq - 1) recorded its failure: prior, so this
   // sends nothing and fills NaN.
-  for (int i = 0; i < ch.fanout(kEveryPeer) && !s.prior; ++i)
-    copy_bytes<false>(ch.put_dst(s.par, kEveryPeer, i, 0), out + lo, hi - lo);
+  const auto send = ch.open(s.send(), Fan::kEveryPeer);
+  for (int i = 0; i < send.fanout(kEveryPeer) && !s.prior; ++i)
+    copy_bytes<false>(send.put_dst(kEveryPeer, i), out + lo, hi - lo);
   bool gave_up = false;
   const bool failed = signal_and_wait(g, ch, s, [&] {
-    ch.signal(s.par, kEveryPeer, 0, 0, 0, hi - lo, flag_word(s.seq, s.desc), s.ring, s.d);
+    send.signal(kEveryPeer, 0, 0, hi - lo);
   }, nullptr, gave_up);
   if (failed) {
     fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
       copy_bytes<true>(out + a, ch.in.lane(s.par, src), b - a);
     }
   }
-  settle(g, ch, Family::kPsum, s, gave_up, ch.entries(kEveryPeer),
+  settle(g, ch, Family::kPsum, s, gave_up, send.entries(1),
          [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); });
 }
 

@@ -119,15 +119,15 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
   uint8_t* dst = static_cast<uint8_t*>(out);
   return with_channel(ep, Family::kBulk, [&](const auto& ch) {
     const int par = c.parity();
+    const auto send = ch.open(c.send(), Fan::kEveryPeer, ch.in.lane_bytes);
+    const Status s = c.reserve(send.entries(pieces));
+    if (!s.ok()) return c.fail(nan, s);
     for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
       piece_range(bytes, pieces, k, lo, hi);
-      for (int i = 0; i < ch.fanout(kEveryPeer); ++i)
-        std::memcpy(ch.put_dst(par, kEveryPeer, i, ch.in.lane_bytes) + lo, src + lo, hi - lo);
-      uint64_t at = 0;
-      const Status s = c.ring_at(ch, kEveryPeer, at);
-      if (!s.ok()) return c.fail(nan, s);
-      ch.signal(par, kEveryPeer, k, ch.in.lane_bytes, lo, hi, c.flag(), at, c.descriptor());
+      for (int i = 0; i < send.fanout(kEveryPeer); ++i)
+        std::memcpy(send.put_dst(kEveryPeer, i) + lo, src + lo, hi - lo);
+      send.signal(kEveryPeer, k, lo, hi);
     }
     scatter_rows(dst + rank * block, src, 0, bytes, block, stride);
     for (int k = 0; k < pieces; ++k) {
@@ -161,6 +161,9 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
   const uint8_t* src = static_cast<const uint8_t*>(in);
   return with_channel(ep, Family::kBulk, [&](const auto& ch) {
     const int par = c.parity();
+    const auto send = ch.open(c.send(), Fan::kEachPeer, ch.in.lane_bytes);
+    const Status s = c.reserve(send.entries(pieces));
+    if (!s.ok()) return c.fail(nan, s);
     // Piece-major, destinations in send order, so that the wire starts on
     // piece 0 of rank + 1 while the rest is copied. Destination j's part is
     // its rows j of every outer row.
@@ -169,11 +172,8 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
       piece_range(slice, pieces, k, lo, hi);
       for (int step = 1; step < world; ++step) {
         const int j = (rank + step) % world;
-        gather_rows(ch.put_dst(par, (uint64_t)j, 0, ch.in.lane_bytes), src + j * block, lo, hi, block, stride);
-        uint64_t at = 0;
-        const Status s = c.ring_at(ch, (uint64_t)j, at);
-        if (!s.ok()) return c.fail(nan, s);
-        ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo, hi, c.flag(), at, c.descriptor());
+        gather_rows(send.put_dst((uint64_t)j), src + j * block, lo, hi, block, stride);
+        send.signal((uint64_t)j, k, lo, hi);
       }
     }
     for (int k = 0; k < pieces; ++k) {
@@ -212,6 +212,9 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
   uint8_t* own = reinterpret_cast<uint8_t*>(out);
   return with_channel(ep, Family::kBulk, [&](const auto& ch) {
     const int par = c.parity();
+    const auto send = ch.open(c.send(), Fan::kEachPeer, ch.in.lane_bytes);
+    const Status s = c.reserve(send.entries(pieces));
+    if (!s.ok()) return c.fail(nan, s);
     // Piece-major, destinations in send order; each destination's rows go
     // straight to where the channel sends them from.
     for (int k = 0; k < pieces; ++k) {
@@ -219,11 +222,8 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
       row_piece(rows_per_rank, pieces, k, r0, r1);
       for (int step = 1; step < world; ++step) {
         const int j = (rank + step) % world;
-        combine(j, r0, r1, ch.put_dst(par, (uint64_t)j, 0, ch.in.lane_bytes));
-        uint64_t at = 0;
-        const Status s = c.ring_at(ch, (uint64_t)j, at);
-        if (!s.ok()) return c.fail(nan, s);
-        ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, r0 * row, r1 * row, c.flag(), at, c.descriptor());
+        combine(j, r0, r1, send.put_dst((uint64_t)j));
+        send.signal((uint64_t)j, k, r0 * row, r1 * row);
       }
     }
     // This rank's own rows into out, where the sum below takes them, in place.

@@ -25,14 +25,14 @@ Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count
   auto nan = [&] { fill_nan(dtype, out, count); };
   return with_channel(ep, Family::kPsum, [&](const auto& ch) {
     const int par = c.parity();
+    const auto send = ch.open(c.send(), Fan::kEveryPeer);
+    const Status s = c.reserve(send.entries(1));
+    if (!s.ok()) return c.fail(nan, s);
     // The whole partial to every peer; `in` may be `out`, which is written
     // only after every copy of it.
-    for (int i = 0; i < ch.fanout(kEveryPeer); ++i) std::memcpy(ch.put_dst(par, kEveryPeer, i, 0), in, bytes);
-    uint64_t at = 0;
-    const Status s = c.ring_at(ch, kEveryPeer, at);
-    if (!s.ok()) return c.fail(nan, s);
+    for (int i = 0; i < send.fanout(kEveryPeer); ++i) std::memcpy(send.put_dst(kEveryPeer, i), in, bytes);
     // The copies happen-before the signal's release store (one thread).
-    ch.signal(par, kEveryPeer, 0, 0, 0, bytes, c.flag(), at, c.descriptor());
+    send.signal(kEveryPeer, 0, 0, bytes);
     if (!c.wait_peers(ch.in, 0)) return c.fail(nan);
     const uint8_t* parts[kMaxWorld];
     for (int src = 0; src < world; ++src)

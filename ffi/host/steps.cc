@@ -12,7 +12,7 @@ Collective::Collective(Endpoint& ep, Family f, const Descriptor& d)
   // The sequence state lives with the endpoint (Control::done), not in the
   // handler: the next collective is the one after the last finished.
   seq_ = load_relaxed(&ctl_->done[(int)f]) + 1;
-  next_ = load_relaxed(&ctl_->ring_published);
+  ring_ = load_relaxed(&ctl_->ring_published);
   store_relaxed(&ctl_->begun[(int)f], seq_);
   poll_ = HostPoll{ctl_, HostPoll::Clock::now(),
                    std::chrono::duration_cast<HostPoll::Clock::duration>(

@@ -50,21 +50,21 @@ class Collective {
   const Descriptor& descriptor() const { return d_; }
   uint64_t flag() const { return flag_word(seq_, describe(d_)); }
 
-  // The ring position of the next signal on `ch` (a DirectChannel takes
-  // none). An error if the ring is full, which (*) of comm/proxy.h rules out:
-  // a bug, reported instead of overwriting an entry not yet sent.
-  template <typename Ch>
-  Status ring_at(const Ch& ch, uint64_t dest, uint64_t& at) {
-    const int n = ch.entries(dest);
-    at = next_;
-    if (n == 0) return Status::Ok();
-    if (next_ + n - load_acquire(&ctl_->ring_consumed) > (uint64_t)kRing)
+  // What the channel's handle needs of this seq (ch.open).
+  SeqSend send() const { return SeqSend{parity(), flag(), d_, ring_}; }
+
+  // Takes the `entries` trigger ring positions the seq's signals publish
+  // at (out.entries; a DirectChannel takes none), before the first of them.
+  // An error if the ring would overflow, which (*) of comm/proxy.h rules
+  // out: a bug, reported instead of overwriting an entry not yet sent.
+  Status reserve(uint64_t entries) {
+    if (entries == 0) return Status::Ok();
+    if (ring_ + entries - load_acquire(&ctl_->ring_consumed) > (uint64_t)kRing)
       return Status::Error(strf("jax_arx: %s: the trigger ring is full (%llu published, %llu taken); this is a "
                                 "bug in jax_arx",
-                                ep_.label().c_str(), (unsigned long long)next_,
+                                ep_.label().c_str(), (unsigned long long)ring_,
                                 (unsigned long long)load_acquire(&ctl_->ring_consumed)));
-    next_ += n;
-    store_relaxed(&ctl_->ring_published, next_);
+    store_relaxed(&ctl_->ring_published, ring_ + entries);
     return Status::Ok();
   }
 
@@ -91,7 +91,7 @@ class Collective {
   Control* ctl_;
   Family family_;
   Descriptor d_;
-  uint64_t seq_, next_;
+  uint64_t seq_, ring_;  // ring_: the ring position of the seq's first trigger
   HostPoll poll_;
 };
 

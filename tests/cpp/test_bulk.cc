@@ -305,12 +305,12 @@ void test_out_of_order_producer(TransportKind kind, int world) {
     Endpoint& ep = *rig.eps[r];
     const ProxyChannel ch = ep.proxy_channel(Family::kBulk);
     const int par = (int)(seq & 1);
+    // A fresh rig: the seq's triggers start at ring index 0.
+    const auto send = ch.open(SeqSend{par, flag_word(seq, describe(d)), d, 0}, Fan::kEachPeer, ch.in.lane_bytes);
     // Row t of destination j holds bytes (r, j, t).
     for (int j = 0; j < world; ++j)
       for (uint64_t t = 0; t < per; ++t)
-        std::memset(ch.put_dst(par, (uint64_t)j, 0, ch.in.lane_bytes) + t * row, (int)(1 + r * 64 + j * 8 + t % 8),
-                    row);
-    // Index of (destination j, piece k): piece-major, as the kernels number them.
+        std::memset(send.put_dst((uint64_t)j) + t * row, (int)(1 + r * 64 + j * 8 + t % 8), row);
     std::vector<std::pair<int, int>> order;
     for (int j = 0; j < world; ++j)
       for (int k = 0; k < kChunks && j != r; ++k) order.push_back({j, k});
@@ -318,8 +318,7 @@ void test_out_of_order_producer(TransportKind kind, int world) {
     for (auto [j, k] : order) {
       uint64_t lo, hi;
       row_piece(per, k, lo, hi);
-      const uint64_t at = (uint64_t)k * (world - 1) + (uint64_t)((j - r + world) % world - 1);
-      ch.signal(par, (uint64_t)j, k, ch.in.lane_bytes, lo * row, hi * row, flag_word(seq, describe(d)), at, d);
+      send.signal((uint64_t)j, k, lo * row, hi * row);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     // Receive: once a peer's word for piece k holds the seq, its rows of

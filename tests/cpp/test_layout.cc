@@ -1,9 +1,14 @@
 // The layout's promises (base/layout.h): the buffers do not overlap, each
 // peer may write only its own slots and flag words, this rank's own areas
-// are nobody else's, and the pieces of a payload tile it.
+// are nobody else's, and the pieces of a payload tile it. And the channel's
+// numbering of a collective's triggers (comm/channel.h, trigger_index):
+// every index of the collective once, piece-major, destinations in send
+// order, which is the order the proxy takes them in.
 #include <cstdio>
+#include <vector>
 
 #include "base/layout.h"
+#include "comm/channel.h"
 #include "rig.h"
 
 using namespace arx;
@@ -81,6 +86,23 @@ int main() {
       EXPECT(covered == bytes, "the last chunk ends %llu bytes in %d", (unsigned long long)bytes, n);
     }
   }
+  for (int world = 2; world <= kMaxWorld; ++world)
+    for (int rank = 0; rank < world; ++rank) {
+      for (int pieces : {1, kChunks}) {
+        std::vector<int> hit(pieces * (world - 1), 0);
+        uint64_t expect = 0;
+        for (int p = 0; p < pieces; ++p)
+          for (int step = 1; step < world; ++step) {
+            const uint64_t at = trigger_index(Fan::kEachPeer, rank, world, p, (uint64_t)((rank + step) % world));
+            EXPECT(at == expect++, "rank %d of %d: piece %d to rank + %d at %llu", rank, world, p, step,
+                   (unsigned long long)at);
+            if (at < hit.size()) ++hit[at];
+          }
+        for (int h : hit) EXPECT(h == 1, "rank %d of %d: each index once", rank, world);
+        for (int p = 0; p < pieces; ++p)
+          EXPECT(trigger_index(Fan::kEveryPeer, rank, world, p, kEveryPeer) == (uint64_t)p, "one entry a piece");
+      }
+    }
   printf("%s\n", testing::g_failures ? "FAILED" : "layout: ok");
   return testing::g_failures ? 1 : 0;
 }
