@@ -55,6 +55,13 @@ Status Endpoint::create(const EndpointSpec& spec, std::shared_ptr<Endpoint>& out
                                     spec.config.bulk_lanes ? spec.config.bulk_bytes : 0, spec.config.topology});
   ep->label_ = strf("communicator '%s' rank %d of %d", spec.name.c_str(), spec.rank, spec.world);
   ARX_RETURN_IF_ERROR(Region::create(ep->layout_.total, spec.transport == TransportKind::kShm, ep->region_));
+#if defined(ARX_TRACE)
+  // Page-aligned and zeroed: the CUDA side pins it for its kernels' stamps.
+  const size_t trace_bytes = (sizeof(TraceBuffer) + 4095) / 4096 * 4096;
+  ep->trace_.reset(static_cast<TraceBuffer*>(std::aligned_alloc(4096, trace_bytes)));
+  if (!ep->trace_) return Status::Error("jax_arx: out of memory for the trace buffer");
+  std::memset(ep->trace_.get(), 0, trace_bytes);
+#endif
   TransportContext ctx;
   ctx.rank = spec.rank;
   ctx.world = spec.world;

@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +25,7 @@
 #include "base/layout.h"
 #include "base/region.h"
 #include "base/status.h"
+#include "base/trace.h"
 #include "base/windows.h"
 #include "comm/channel.h"
 #include "transport/transport.h"
@@ -141,6 +143,9 @@ class Endpoint {
   // that finds it held fails (xla/handlers_host.cc, CallGuard).
   std::mutex host_call_mu;
 
+  // The stage timestamps (base/trace.h): null but in a trace build.
+  TraceBuffer* trace() const { return trace_.get(); }
+
   // State a device side keeps with the endpoint (the CUDA side's device
   // words, registered memory and channels); freed with it.
   std::shared_ptr<void> device_state;
@@ -160,6 +165,10 @@ class Endpoint {
   std::string failure_, stall_;
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> lost_mask_{0};
+  struct FreeTrace {
+    void operator()(TraceBuffer* t) const { std::free(t); }
+  };
+  std::unique_ptr<TraceBuffer, FreeTrace> trace_;
 };
 
 // The endpoints of this process, by (communicator id, device ordinal).

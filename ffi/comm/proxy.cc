@@ -301,7 +301,9 @@ void Proxy::loop(uint64_t consumed) {
     Status s = ep_.transport()->poll();
     Trigger t{};
     if (s.ok() && take(ctl, ring, consumed, t)) {
+      if (t.family & kTriggerHeader) ARX_STAMP(ep_.trace(), t.family & 0xff, flag_seq(t.value), kTaken, trace_now());
       s = post(ep_, relay, t);
+      ARX_STAMP(ep_.trace(), t.family & 0xff, flag_seq(t.value), kPosted, trace_now());
       nap.busy();
     }
     // Prev's records, every turn: relays must not wait on this rank's own

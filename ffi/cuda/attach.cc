@@ -95,7 +95,13 @@ Status attach(Endpoint& ep) {
   // The blocks of a two-shot grid wait for each other, so they must all be
   // resident: a quarter of the multiprocessors at most, one block each.
   c.grid = Grid{st->words, reinterpret_cast<Control*>(base + L.control),
-                (uint64_t)(ep.spec().config.timeout_s * 1e9), std::clamp(sms / 4, 1, 32)};
+                (uint64_t)(ep.spec().config.timeout_s * 1e9), std::clamp(sms / 4, 1, 32), nullptr};
+  if (ep.trace()) {
+    uint8_t* trace = nullptr;
+    e = map_host(*st, reinterpret_cast<uint8_t*>(ep.trace()), sizeof(TraceBuffer), trace);
+    if (e != cudaSuccess) return cuda_error(ep, "pinning the trace buffer (cudaHostRegister)", e);
+    c.grid.trace = reinterpret_cast<TraceBuffer*>(trace);
+  }
   c.psum_proxy = make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base);
   c.bulk_proxy = make_proxy_channel(L, Family::kBulk, rank, ep.roots(), base);
   Endpoint::Route route;

@@ -306,6 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
           } else {
             for (int step = 1; step < world; ++step) send.signal((uint64_t)((rank + step) % world), c, plo, phi);
           }
+          note_published(g, Family::kBulk, s);
         }
       }
     } else {

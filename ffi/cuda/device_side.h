@@ -59,6 +59,7 @@ struct Grid {
   Control* ctl;          // the Control block, as the device addresses it
   uint64_t timeout_ns;   // Config::timeout_s, measured with %globaltimer
   int max_blocks;        // grid size cap
+  TraceBuffer* trace;    // the stage timestamps, as the device addresses them (base/trace.h): null but in a trace build
 };
 
 // The LL one-shot's medium (ll.cu): lines that carry their flags, written
@@ -131,6 +132,12 @@ struct Channels {
   LLChannel ll;
 };
 const Channels& channels_of(const Endpoint& ep);
+
+#if defined(ARX_TRACE)
+// A trace build's clocks (trace.cu): host steady clock = GPU %globaltimer +
+// offset_ns, within error_ns.
+Status trace_clock(int device, int64_t& offset_ns, int64_t& error_ns);
+#endif
 
 // The inboxes in GPU memory (peer_memory.cc), for attach(): this rank's
 // (`mine`, zeroed) and every peer's, mapped for this rank's GPU; all null

@@ -9,6 +9,7 @@
 
 #include "base/atomics.h"
 #include "base/layout.h"
+#include "base/trace.h"
 #include "comm/wait.h"
 #include "cuda/device_side.h"
 #include "cuda/elements.cuh"
@@ -81,7 +82,16 @@ __device__ __forceinline__ SeqStart begin(const Grid& g, Family f, const Descrip
 // The block that announces the seq to the host's watchdog (Control::begun:
 // relaxed, read by messages only).
 __device__ __forceinline__ void note_begun(const Grid& g, Family f, const SeqStart& s) {
-  if (threadIdx.x == 0 && !s.prior) store_relaxed(&g.ctl->begun[(int)f], s.seq);
+  if (threadIdx.x == 0 && !s.prior) {
+    ARX_STAMP(g.trace, f, s.seq, kBegin, globaltimer());
+    ARX_STAMP(g.trace, f, s.seq, kSeq, s.seq);
+    store_relaxed(&g.ctl->begun[(int)f], s.seq);
+  }
+}
+
+// The trace's kPublished (base/trace.h), by the thread that signalled.
+__device__ __forceinline__ void note_published(const Grid& g, Family f, const SeqStart& s) {
+  ARX_STAMP(g.trace, f, s.seq, kPublished, globaltimer());
 }
 
 // A GPU thread's way of waiting (comm/wait.h): it spins. Between looks it
@@ -133,7 +143,10 @@ __device__ __forceinline__ bool wait_for(const Grid& g, const Ch& ch, const SeqS
   DevicePoll poll{g, s.start};
   uint64_t seen = 0, theirs[kDescriptorWords];
   const WaitEnd e = wait_piece(ch.in, src, piece, s.seq, s.d, poll, seen, theirs);
-  if (e == WaitEnd::kArrived) return true;
+  if (e == WaitEnd::kArrived) {
+    ARX_STAMP(g.trace, ch.in.family, s.seq, kArrived, globaltimer());
+    return true;
+  }
   give_up(g.words, e, seen, src, theirs);
   return false;
 }
@@ -193,6 +206,7 @@ __device__ void settle(const Grid& g, const Ch& ch, Family f, const SeqStart& s,
     ch.heard(flag_word(s.seq, s.desc));
   }
   w->family[(int)f].seq = s.seq;
+  ARX_STAMP(g.trace, f, s.seq, kEnd, globaltimer());
   if (!s.prior) {
     w->ring = s.ring + entries;
     store_relaxed(&g.ctl->done[(int)f], s.seq);  // for the watchdog: nothing is read on its strength

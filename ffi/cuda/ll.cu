@@ -213,7 +213,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
     // The announcement: release, so that it orders everything this rank did
     // before it, its earlier kernels' zeroing of their lines included (the
     // kernel boundary orders those before this thread).
-    if (threadIdx.x == 0 && !s.prior) ch.psum.open(s.send(), Fan::kEveryPeer).signal(kEveryPeer, 0, 0, 0);
+    if (threadIdx.x == 0 && !s.prior) {
+      ch.psum.open(s.send(), Fan::kEveryPeer).signal(kEveryPeer, 0, 0, 0);
+      note_published(g, Family::kPsum, s);
+    }
     note_begun(g, Family::kPsum, s);
     prefetch(pf, threadIdx.x, blockDim.x);
     // Every peer's announcement: thread t waits for peer t's.

@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
           // before the signal that announces them: the fence is cumulative.
           fence_acq_rel();
           send.signal(kEveryPeer, c, lo, hi);
+          note_published(g, Family::kPsum, s);
         }
       }
     }

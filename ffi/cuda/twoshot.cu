@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, con
       chunk_range(bytes, world, j, lo, hi);
       send.signal((uint64_t)j, 0, 0, hi - lo);
     }
+    note_published(g, Family::kPsum, s);
   }, &pf, gave_up);
   uint64_t lo, hi;
   chunk_range(bytes, world, rank, lo, hi);
@@ -188,6 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
   bool gave_up = false;
   const bool failed = signal_and_wait(g, ch, s, [&] {
     send.signal(kEveryPeer, 0, 0, hi - lo);
+    note_published(g, Family::kPsum, s);
   }, nullptr, gave_up);
   if (failed) {
     fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());

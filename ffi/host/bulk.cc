@@ -129,6 +129,7 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
         std::memcpy(send.put_dst(kEveryPeer, i) + lo, src + lo, hi - lo);
       send.signal(kEveryPeer, k, lo, hi);
     }
+    c.published();
     scatter_rows(dst + rank * block, src, 0, bytes, block, stride);
     for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
@@ -176,6 +177,7 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
         send.signal((uint64_t)j, k, lo, hi);
       }
     }
+    c.published();
     for (int k = 0; k < pieces; ++k) {
       uint64_t lo, hi;
       piece_range(slice, pieces, k, lo, hi);
@@ -226,6 +228,7 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
         send.signal((uint64_t)j, k, r0 * row, r1 * row);
       }
     }
+    c.published();
     // This rank's own rows into out, where the sum below takes them, in place.
     combine(rank, 0, rows_per_rank, own);
     for (int k = 0; k < pieces; ++k) {

@@ -33,6 +33,7 @@ Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count
     for (int i = 0; i < send.fanout(kEveryPeer); ++i) std::memcpy(send.put_dst(kEveryPeer, i), in, bytes);
     // The copies happen-before the signal's release store (one thread).
     send.signal(kEveryPeer, 0, 0, bytes);
+    c.published();
     if (!c.wait_peers(ch.in, 0)) return c.fail(nan);
     const uint8_t* parts[kMaxWorld];
     for (int src = 0; src < world; ++src)

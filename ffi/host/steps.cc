@@ -14,6 +14,8 @@ Collective::Collective(Endpoint& ep, Family f, const Descriptor& d)
   seq_ = load_relaxed(&ctl_->done[(int)f]) + 1;
   ring_ = load_relaxed(&ctl_->ring_published);
   store_relaxed(&ctl_->begun[(int)f], seq_);
+  ARX_STAMP(ep.trace(), f, seq_, kBegin, trace_now());
+  ARX_STAMP(ep.trace(), f, seq_, kSeq, seq_);
   poll_ = HostPoll{ctl_, HostPoll::Clock::now(),
                    std::chrono::duration_cast<HostPoll::Clock::duration>(
                        std::chrono::duration<double>(ep.spec().config.timeout_s))};
@@ -26,7 +28,10 @@ bool Collective::wait_peers(const Inbox& in, int piece) {
     uint64_t seen = 0;
     FailureRecord r;
     const WaitEnd e = wait_piece(in, src, piece, seq_, d_, poll_, seen, r.theirs);
-    if (e == WaitEnd::kArrived) continue;
+    if (e == WaitEnd::kArrived) {
+      ARX_STAMP(ep_.trace(), family_, seq_, kArrived, trace_now());
+      continue;
+    }
     r.seq = seq_;
     r.kind = failure_kind(e);
     r.flag = seen;
@@ -45,6 +50,7 @@ bool Collective::wait_peers(const Inbox& in, int piece) {
 }
 
 Status Collective::finish() {
+  ARX_STAMP(ep_.trace(), family_, seq_, kEnd, trace_now());
   store_release(&ctl_->done[(int)family_], seq_);
   return Status::Ok();
 }

@@ -68,6 +68,9 @@ class Collective {
     return Status::Ok();
   }
 
+  // The last signal of the seq is out (the trace's kPublished).
+  void published() { ARX_STAMP(ep_.trace(), family_, seq_, kPublished, trace_now()); }
+
   // Waits for piece `piece` of this seq from every peer. False: a wait gave
   // up; the failure is recorded (the first one of the endpoint is kept).
   bool wait_peers(const Inbox& in, int piece);

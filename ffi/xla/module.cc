@@ -211,6 +211,22 @@ NB_MODULE(_core, m) {
 #endif
     return platforms;
   }, "Handler capsules by platform and target name, for jax.ffi.register_ffi_target.");
+#if defined(ARX_TRACE)
+  // A trace build (base/trace.h): examples/bench_stages.py reads these.
+  m.def("trace", [](int64_t comm_id, int device_ordinal) {
+    auto ep = arx::find_endpoint(comm_id, device_ordinal);
+    if (!ep || !ep->trace()) throw std::runtime_error("jax_arx: no connected endpoint with a trace there");
+    return nb::bytes(reinterpret_cast<const char*>(ep->trace()), sizeof(arx::TraceBuffer));
+  }, nb::arg("comm_id"), nb::arg("device_ordinal"),
+        "The endpoint's stage timestamps: uint64 [family][seq % 4096][stage] (base/trace.h), as bytes.");
+#if ARX_HAVE_CUDA
+  m.def("trace_clock", [](int device) {
+    int64_t offset = 0, error = 0;
+    arx::check(arx::cuda::trace_clock(device, offset, error));
+    return std::make_tuple(offset, error);
+  }, nb::arg("device"), "(offset_ns, error_ns): host steady clock = the GPU's %globaltimer + offset_ns.");
+#endif
+#endif
   m.def("failures", [] {
     std::vector<std::string> out;
     for (auto& ep : arx::all_endpoints())

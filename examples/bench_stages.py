@@ -1,0 +1,195 @@
+"""Where one jax_arx.psum's time goes, stage by stage, on whatever route the
+environment picks (the proxy: JAX_ARX_CUDA_DIRECT=0; host inboxes:
+JAX_ARX_CUDA_PEER_MEMORY=0; tcp: JAX_ARX_TRANSPORT=tcp).
+
+Needs a trace build of jax_arx (the stamps cost nothing in any other):
+
+    pip install --no-build-isolation --no-deps -C cmake.define.JAX_ARX_TRACE=ON .
+    JAX_ARX_CUDA_DIRECT=0 python -m jax_arx.launch -n 2 examples/bench_stages.py --sizes-kb 8,64
+
+Every rank runs --calls dependent psums of each size in one jitted program
+(as the benchmarks time them), --repeats times, then reads its endpoint's
+stamps (ffi/base/trace.h): the kernel's (or host side's) begin, its last
+signal, the proxy taking the first trigger and returning from its last put,
+the last peer's piece seen, the end. GPU stamps are moved onto the host's
+clock (jax_arx._core.trace_clock: a ping-pong whose shortest round trip
+bounds the offset; its half is printed as the error). Rank 0 prints, per
+size, the median over the calls of each stage's length, with the peer's
+stamps for the cross-rank ones (ranks on one host share the clock), and
+writes them to --json.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+import jax_arx
+
+jax_arx.distributed_initialize()  # before jax starts its backend
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bench_common import barrier, describe_run  # noqa: E402  (beside this file)
+
+AXIS = "x"
+# ffi/base/trace.h: TraceStage, kTraceSeqs, kFamilies.
+BEGIN, PUBLISHED, TAKEN, POSTED, ARRIVED, END, SEQ = 0, 1, 2, 3, 4, 5, 7
+SEQS, STAGES, FAMILIES = 4096, 8, 2
+GPU_STAGES = (BEGIN, PUBLISHED, ARRIVED, END)
+
+# (name, (whose stamp, stage), (whose stamp, stage)): "me" is the rank that
+# waits, "peer" the one whose piece it waits for; "deliver" is the peer's
+# last put returned on the proxy route, its last signal on the direct one.
+SPANS = [
+    ("launch gap: previous end -> begin", ("me", "prev_end"), ("me", BEGIN)),
+    ("begin -> published (copy, fence, signal)", ("me", BEGIN), ("me", PUBLISHED)),
+    ("published -> proxy took it", ("me", PUBLISHED), ("me", TAKEN)),
+    ("proxy took -> its last put returned", ("me", TAKEN), ("me", POSTED)),
+    ("peer delivered -> seen, while polling", ("peer", "deliver"), ("me", "arrived_polling")),
+    ("peer published -> seen", ("peer", PUBLISHED), ("me", ARRIVED)),
+    ("seen -> end (sum, settle)", ("me", ARRIVED), ("me", END)),
+    ("begin -> end (the kernel)", ("me", BEGIN), ("me", END)),
+    ("begin: me - peer", ("peer", BEGIN), ("me", BEGIN)),
+    ("period: begin -> next begin", ("me", BEGIN), ("me", "next_begin")),
+]
+
+
+def spans(rows, me, peer, seqs):
+    """Median microseconds of each span over `seqs`, for rank `me` waiting
+    for rank `peer`."""
+    empty = [0] * STAGES
+
+    def stamp(who, stage, s):
+        r = rows[me if who == "me" else peer]
+        row = r.get(s, empty)
+        if stage == "prev_end":
+            return r.get(s - 1, empty)[END]
+        if stage == "next_begin":
+            return r.get(s + 1, empty)[BEGIN]
+        if stage == "deliver":
+            return row[POSTED] or row[PUBLISHED]
+        if stage == "arrived_polling":
+            # Only where this rank was polling before the peer delivered: the
+            # time the route took to show the piece, not this rank's lateness.
+            delivered = row_of(rows[peer], s)[POSTED] or row_of(rows[peer], s)[PUBLISHED]
+            return row[ARRIVED] if row[PUBLISHED] and row[PUBLISHED] < delivered else 0
+        return row[stage]
+
+    def row_of(r, s):
+        return r.get(s, empty)
+
+    out = {}
+    for name, (wa, sa), (wb, sb) in SPANS:
+        vals = [(b - a) / 1e3 for s in seqs for a, b in [(stamp(wa, sa, s), stamp(wb, sb, s))] if a and b]
+        out[name] = round(statistics.median(vals), 2) if vals else None
+        out[name + " (n)"] = len(vals)
+    return out
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-kb", default="8,64,256")
+    p.add_argument("--calls", type=int, default=64, help="dependent psums per program")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", help="write the table to this file (rank 0)")
+    return p.parse_args()
+
+
+def chain(mesh, calls):
+    world = mesh.shape[AXIS]
+
+    def body(i, x):
+        return (jax_arx.psum(x, AXIS) * (1.0 / world)).astype(x.dtype) + x[0, 0] * 0
+
+    return jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh,
+                                 in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def my_rows(endpoint, offset_ns):
+    """{seq: [stamp per stage, host ns, 0 where not reached]} of the psum family."""
+    from jax_arx import _core
+
+    t = np.frombuffer(_core.trace(endpoint.comm_id, endpoint.device_ordinal), dtype=np.uint64)
+    t = t.reshape(FAMILIES, SEQS, STAGES)[0].astype(np.int64)
+    rows = {}
+    for row in t:
+        if row[SEQ] == 0:
+            continue
+        stamps = [int(v) for v in row]
+        for s in GPU_STAGES if offset_ns is not None else ():
+            if stamps[s]:
+                stamps[s] += offset_ns
+        rows[int(row[SEQ])] = stamps
+    return rows
+
+
+def main():
+    args = parse_args()
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    world = mesh.shape[AXIS]
+    jax_arx.initialize(mesh)
+    from jax_arx import _comm, _core
+
+    if not hasattr(_core, "trace"):
+        sys.exit("bench_stages: this jax_arx is not a trace build; install it with "
+                 "-C cmake.define.JAX_ARX_TRACE=ON (see this file's docstring)")
+    rank0 = jax.process_index() == 0
+    (le,) = [e for e in _comm.communicators()[AXIS].endpoints]
+    endpoint = le.endpoint
+    offset, error = (None, 0)
+    if devices[0].platform == "gpu":
+        offset, error = _core.trace_clock(endpoint.device_ordinal)
+    if rank0:
+        print(f"bench_stages: {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
+              f"GPU clock onto the host's within {error / 1e3:.2f} us", flush=True)
+    from jax_arx import _compat
+
+    client = _compat.distributed_client()
+    table = {}
+    for kb in [int(v) for v in args.sizes_kb.split(",")]:
+        elems = kb * 1024 // 2
+        # This process's rows only: a device_put of a global array would check it
+        # across processes with an XLA collective (NCCL on GPUs, which refuses
+        # ranks that share a GPU).
+        local = np.ones((len(jax.local_devices()), elems), jnp.bfloat16)
+        x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, P(AXIS)), local)
+        f = chain(mesh, args.calls)
+        f(x).block_until_ready()
+        barrier(f"bench_stages {kb}")
+        for _ in range(args.repeats):
+            y = f(x)
+        y.block_until_ready()
+        barrier(f"bench_stages {kb} done")
+        rows = my_rows(endpoint, offset)
+        key = f"bench_stages/{kb}"
+        client.key_value_set_bytes(f"{key}/{jax.process_index()}", json.dumps(rows).encode())
+        if rank0:
+            every = [{int(k): v for k, v in json.loads(bytes(client.blocking_key_value_get_bytes(
+                f"{key}/{r}", 60_000))).items()} for r in range(world)]
+            common = sorted(set.intersection(*[set(r) for r in every]))
+            seqs = common[-min(len(common), args.calls * args.repeats):][1:-1]
+            table[kb] = {f"rank {me} <- rank {(me + 1) % world}": spans(every, me, (me + 1) % world, seqs)
+                         for me in range(world)}
+            table[kb]["raw"] = {r: {s: every[r][s] for s in seqs[:40]} for r in range(world)}
+            print(f"\n{kb} KB ({len(seqs)} calls)")
+            names = [name for name, _, _ in SPANS]
+            heads = [k for k in table[kb] if k != "raw"]
+            print(f"  {'':42s}" + "".join(f"{h[:22]:>24s}" for h in heads))
+            for name in names:
+                cells = [table[kb][h][name] for h in heads]
+                print(f"  {name:42s}" + "".join(f"{'-' if c is None else f'{c:8.2f} us':>24s}" for c in cells))
+        barrier(f"bench_stages {kb} read")
+    if rank0 and args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"route": endpoint.route, "clock_error_us": error / 1e3, "median_us": table}, fh, indent=1)
+    jax_arx.shutdown()
+
+
+if __name__ == "__main__":
+    main()
