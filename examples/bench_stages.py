@@ -38,9 +38,9 @@ from bench_common import barrier, describe_run  # noqa: E402  (beside this file)
 
 AXIS = "x"
 # ffi/base/trace.h: TraceStage, kTraceSeqs, kFamilies.
-BEGIN, PUBLISHED, TAKEN, POSTED, ARRIVED, END, SEQ = 0, 1, 2, 3, 4, 5, 7
+BEGIN, PUBLISHED, TAKEN, POSTED, ARRIVED, END, FLAG_SEEN, SEQ = range(8)
 SEQS, STAGES, FAMILIES = 4096, 8, 2
-GPU_STAGES = (BEGIN, PUBLISHED, ARRIVED, END)
+GPU_STAGES = (BEGIN, PUBLISHED, ARRIVED, END, FLAG_SEEN)
 
 # (name, (whose stamp, stage), (whose stamp, stage)): "me" is the rank that
 # waits, "peer" the one whose piece it waits for; "deliver" is the peer's
@@ -50,7 +50,8 @@ SPANS = [
     ("begin -> published (copy, fence, signal)", ("me", BEGIN), ("me", PUBLISHED)),
     ("published -> proxy took it", ("me", PUBLISHED), ("me", TAKEN)),
     ("proxy took -> its last put returned", ("me", TAKEN), ("me", POSTED)),
-    ("peer delivered -> seen, while polling", ("peer", "deliver"), ("me", "arrived_polling")),
+    ("peer delivered -> flags seen, while polling", ("peer", "deliver"), ("me", "flags_polling")),
+    ("flags seen -> header checked", ("me", FLAG_SEEN), ("me", ARRIVED)),
     ("peer published -> seen", ("peer", PUBLISHED), ("me", ARRIVED)),
     ("seen -> end (sum, settle)", ("me", ARRIVED), ("me", END)),
     ("begin -> end (the kernel)", ("me", BEGIN), ("me", END)),
@@ -73,11 +74,11 @@ def spans(rows, me, peer, seqs):
             return r.get(s + 1, empty)[BEGIN]
         if stage == "deliver":
             return row[POSTED] or row[PUBLISHED]
-        if stage == "arrived_polling":
+        if stage == "flags_polling":
             # Only where this rank was polling before the peer delivered: the
             # time the route took to show the piece, not this rank's lateness.
             delivered = row_of(rows[peer], s)[POSTED] or row_of(rows[peer], s)[PUBLISHED]
-            return row[ARRIVED] if row[PUBLISHED] and row[PUBLISHED] < delivered else 0
+            return row[FLAG_SEEN] if row[PUBLISHED] and row[PUBLISHED] < delivered else 0
         return row[stage]
 
     def row_of(r, s):

@@ -68,6 +68,17 @@ ARX_HD void fence_acq_rel() {
 #endif
 }
 
+// After relaxed loads that saw release stores: makes them acquires (what
+// the writers did before their stores happens-before what follows). On a
+// GPU the fence's weakest form that does so is acq_rel.
+ARX_HD void fence_acquire() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#else
+  std::atomic_thread_fence(std::memory_order_acquire);
+#endif
+}
+
 #if !defined(__CUDA_ARCH__)
 // Set-up handshakes: the time `seconds` from now, and a wait, sleeping
 // between looks, until `word` (written by another process, once) is

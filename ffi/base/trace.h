@@ -13,6 +13,7 @@
 //   kTaken      the proxy took its first trigger
 //   kPosted     the proxy's last put of it returned (the carrier wrote the
 //               bytes and the flag word, or posted them to the NIC)
+//   kFlagSeen   the flag words of a peer's piece were seen (its header not yet)
 //   kArrived    the last of the peers' pieces this rank waited for was seen
 //   kEnd        the seq settled (the output written, the seq advanced)
 //   kSeq        the seq itself (written with kBegin), to tell rows apart
@@ -31,7 +32,7 @@
 
 namespace arx {
 
-enum TraceStage { kBegin = 0, kPublished, kTaken, kPosted, kArrived, kEnd, kSeq = 7, kTraceStages = 8 };
+enum TraceStage { kBegin = 0, kPublished, kTaken, kPosted, kArrived, kEnd, kFlagSeen, kSeq, kTraceStages };
 constexpr int kTraceSeqs = 4096;
 
 struct TraceBuffer {

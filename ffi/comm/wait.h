@@ -29,42 +29,66 @@ namespace arx {
 
 enum class WaitEnd : uint32_t { kArrived = 0, kMismatch, kTimeout, kAborted, kStopped };
 
-// `seen`: the last value read (the disagreeing word, for a mismatch).
+// Piece `piece` of seq from `src`, of the collective `d`: its word on every
+// root of the channel (wait_words), then its header (check_header). The
+// bytes it announces happen-before the return (acquire), in
+// in.lane(seq & 1, src). On a mismatch, `theirs` gets the peer's header (all
+// zero when the hash already differed); `seen`: the last word read (the
+// disagreeing one, for a mismatch).
+//
+// wait_words looks at every root's word in each turn, with relaxed loads
+// that are in flight together, and one acquire fence follows once all have
+// arrived (a relaxed load that saw a release store, then an acquire fence,
+// is an acquire of it: C++ [atomics.fences], PTX's acquire pattern). For a
+// GPU each look at host memory is a round trip over the bus: an acquire
+// load per root would wait for the one before it.
 template <typename Poll>
-ARX_HD WaitEnd wait_word(const uint64_t* word, uint64_t seq, uint64_t desc, Poll& poll, uint64_t& seen) {
+ARX_HD WaitEnd wait_words(const Inbox& in, int src, int piece, uint64_t seq, uint64_t desc, Poll& poll,
+                          uint64_t& seen) {
+  const int roots = in.words.roots;
+  uint32_t pending = (1u << roots) - 1;
   for (uint32_t turn = 0;; ++turn) {
-    seen = load_acquire(word);
-    if (flag_seq(seen) >= seq) {
+    uint64_t v[kRoots] = {};
+    for (int r = 0; r < kRoots; ++r)
+      if (r < roots && (pending >> r & 1)) v[r] = load_relaxed(in.word(src, piece, r));
+    for (int r = 0; r < kRoots; ++r) {
+      if (r >= roots || !(pending >> r & 1)) continue;
+      seen = v[r];
+      if (flag_seq(seen) < seq) continue;
       if (flag_seq(seen) == seq && flag_desc(seen) != (desc & kDescMask)) return WaitEnd::kMismatch;
-      return WaitEnd::kArrived;
+      pending &= ~(1u << r);
     }
+    if (pending == 0) break;
     if (poll.aborted(turn)) return WaitEnd::kAborted;
     if (poll.stopped(turn)) return WaitEnd::kStopped;
     if (poll.expired()) return WaitEnd::kTimeout;
     poll.pause(turn);
   }
+  fence_acquire();
+  return WaitEnd::kArrived;
 }
 
-// Piece `piece` of seq from `src`, of the collective `d`: its word on every
-// root of the channel, then its header. The bytes it announces happen-before
-// the return (acquire), in in.lane(seq & 1, src). The header slot of this
-// parity still holds seq's header when the word is past seq: the peer writes
-// it again only at seq + 2 (channel.h, "Buffer reuse"), and it wrote seq's
-// before the word that was acquired. On a mismatch, `theirs` gets the peer's
-// header (all zero when the hash already differed).
+// After wait_words arrived: the peer's exact Descriptor in its header slot of
+// this parity must be ours. The slot still holds seq's header when the word
+// was past seq: the peer writes it again only at seq + 2 (channel.h, "Buffer
+// reuse"), so it may be read any time before this rank finishes seq, and it
+// was written before the word that was acquired.
+ARX_HD void load_header(const Inbox& in, int src, uint64_t seq, uint64_t (&theirs)[kDescriptorWords]) {
+  const uint64_t* h = in.header((int)(seq & 1), src);
+  for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = load_relaxed(h + i);
+}
+ARX_HD bool header_matches(const Descriptor& d, const uint64_t (&theirs)[kDescriptorWords]) {
+  return theirs[0] == d.op && theirs[1] == d.type && theirs[2] == d.count && theirs[3] == d.tag;
+}
+
 template <typename Poll>
 ARX_HD WaitEnd wait_piece(const Inbox& in, int src, int piece, uint64_t seq, const Descriptor& d, Poll& poll,
                           uint64_t& seen, uint64_t (&theirs)[kDescriptorWords]) {
   for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = 0;
-  const uint64_t desc = describe(d);
-  for (int r = 0; r < in.words.roots; ++r) {
-    const WaitEnd e = wait_word(in.word(src, piece, r), seq, desc, poll, seen);
-    if (e != WaitEnd::kArrived) return e;
-  }
-  const uint64_t* h = in.header((int)(seq & 1), src);
-  for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = load_relaxed(h + i);
-  if (theirs[0] != d.op || theirs[1] != d.type || theirs[2] != d.count || theirs[3] != d.tag) return WaitEnd::kMismatch;
-  return WaitEnd::kArrived;
+  const WaitEnd e = wait_words(in, src, piece, seq, describe(d), poll, seen);
+  if (e != WaitEnd::kArrived) return e;
+  load_header(in, src, seq, theirs);
+  return header_matches(d, theirs) ? WaitEnd::kArrived : WaitEnd::kMismatch;
 }
 
 // The first failure of an endpoint, kept in its Control block for the host
