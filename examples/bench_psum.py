@@ -13,8 +13,11 @@ result checked before it is timed.
     python examples/bench_psum.py --cpu --check
 
 Ranks: rank r runs on GPU r % G of the G GPUs there are. A timed run whose
-ranks share a GPU says so: its times measure how the GPU time-slices
-between processes, not the collectives.
+ranks share a GPU says so. Under CUDA MPS (its control daemon running) the
+ranks' kernels run at the same time, so every route that needs no NVLink
+(host inboxes, the proxy, tcp, GPU inboxes on one device) is timed as it
+runs, against the floor measured in the same run; without MPS the GPU
+time-slices between the processes and the times mean nothing.
 
 Method (bench_common.median_seconds): K dependent calls inside one jitted
 program, each scaled by 1/world behind an optimization barrier, minus the
@@ -44,6 +47,10 @@ environment of their own in one job), in this order:
                     arx-shm-noll, what the LL limit is chosen from
   arx-shm-piece4k   one-shot pieces of 4 KiB (_tuning cuda_chunk_bytes;
                     8k, 16k, 32k, 64k): what the piece sizes are chosen from
+  arx-shm-proxy-piece8k  the same through the proxy (16k, 32k)
+  floor             the proxy route's floor: a word from a host thread to
+                    a kernel and back through mapped host memory (rank 0,
+                    jax_arx._core.pinned_round_trip; GPUs only)
   nccl              jax.lax.psum, NCCL as it comes (on --cpu: gloo)
   nccl-p2p-off      NCCL_P2P_DISABLE=1 (through host memory)
   nccl-socket       NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo
@@ -121,13 +128,17 @@ CONFIGS = {
     "arx-shm-ll64k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 64 << 10}, gpu_only=True),
     **{f"arx-shm-piece{k}k": bj.arx_config(bj.SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
        for k in (4, 8, 16, 32, 64)},
+    **{f"arx-shm-proxy-piece{k}k": bj.arx_config(dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_chunk_bytes": k << 10},
+                                                 gpu_only=True)
+       for k in (8, 16, 32)},
+    "floor": bj.floor_config(),
     **bj.NCCL_CONFIGS,
     "nccl-socket": bj.lax_config({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
                                  gpu_only=True),
     "xla-oneshot": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, watch=XLA_WATCH),
     "xla-oneshot-1proc": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, one_process=True, watch=XLA_WATCH),
 }
-DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "arx-shm-ring", "nccl", "nccl-p2p-off",
+DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "arx-shm-ring", "floor", "nccl", "nccl-p2p-off",
            "nccl-socket", "xla-oneshot", "xla-oneshot-1proc")
 ALGORITHMS = ("jax_arx.psum", "one-shot", "two-shot")
 # What each algorithm series may run (stats' names), and the LL ceiling a
@@ -135,7 +146,11 @@ ALGORITHMS = ("jax_arx.psum", "one-shot", "two-shot")
 ALLOWED = {"jax_arx.psum": {"ll", "one_shot", "two_shot"}, "one-shot": {"ll", "one_shot"}, "two-shot": {"two_shot"}}
 LL_CEILING = {"arx-shm-noll": 0, "arx-shm-ll32k": 32 << 10, "arx-shm-ll64k": 64 << 10}
 LAX = "jax.lax.psum"
+FLOOR = "pinned round trip"
 RATIOS = [
+    ("proxy route over the pinned round trip (target: <= 4 at 8 KB)", ("arx-shm-proxy", "jax_arx.psum"),
+     ("floor", FLOOR), None),
+    ("host inboxes over the pinned round trip", ("arx-shm-host", "jax_arx.psum"), ("floor", FLOOR), None),
     ("jax_arx.psum over NCCL as it comes", ("arx-shm", "jax_arx.psum"), ("nccl", LAX), 0.5),
     ("jax_arx.psum over XLA's one-shot kernel", ("arx-shm", "jax_arx.psum"), ("xla-oneshot", LAX), None),
     ("jax_arx.psum over XLA's one-shot kernel, one process", ("arx-shm", "jax_arx.psum"),
@@ -147,10 +162,17 @@ RATIOS = [
 ]
 
 
-def algorithm_env(algorithm, max_bytes, world):
+# The library's one-shot limit on GPU host inboxes when JAX_ARX_ONESHOT_MAX_BYTES
+# is unset (ffi/comm/plan.cc, kOneShotMaxHostInboxes).
+HOST_INBOX_ONESHOT_MAX = 128 << 10
+
+
+def algorithm_env(algorithm, max_bytes, world, host_inboxes=False):
     """The JAX_ARX_* settings of an algorithm series (see the docstring),
     with room for partials of ``max_bytes``: jax_arx.psum keeps the default
-    one-shot limit, so that it runs what the library picks."""
+    one-shot limit (``host_inboxes``: the configuration's inboxes are in
+    pinned host memory, where that limit is lower), so that it runs what
+    the library picks."""
     from jax_arx.config import Config, size_setting
 
     d = Config()
@@ -164,7 +186,8 @@ def algorithm_env(algorithm, max_bytes, world):
     if algorithm == "two-shot":
         env["JAX_ARX_ONESHOT_MAX_BYTES"] = "16"
     elif algorithm == "jax_arx.psum" and slot > d.slot_bytes:
-        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(d.slot_bytes)
+        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(min(d.slot_bytes, HOST_INBOX_ONESHOT_MAX) if host_inboxes
+                                                        else d.slot_bytes)
     return env
 
 
@@ -193,12 +216,32 @@ class Worker(bw.BenchWorker):
                 for nbytes in self.job["sizes"]:
                     self.rec.skip(config, nbytes, algorithm, "the CPU backend has no two-shot")
                 continue
-            env = algorithm_env(algorithm, max(self.job["sizes"]), self.world)
+            host = not self.job["cpu"] and spec["env"].get("JAX_ARX_CUDA_PEER_MEMORY") == "0"
+            env = algorithm_env(algorithm, max(self.job["sizes"]), self.world, host_inboxes=host)
             self.phase(config, spec, env, run, f"{config} {algorithm}",
                        lambda comm, a=algorithm: self.series(config, a, lambda y: self.jax_arx.psum(y, bw.AXIS), comm))
 
     def other(self, config, spec):
-        self.series(config, LAX, lambda y: self.jax.lax.psum(y, bw.AXIS))
+        if spec["kind"] == "floor":
+            self.floor(config)
+        else:
+            self.series(config, LAX, lambda y: self.jax.lax.psum(y, bw.AXIS))
+
+    def floor(self, config):
+        """The proxy route's floor, in the same run: a word from a host thread
+        to a kernel and back through mapped host memory (the median of 2000
+        round trips, jax_arx._core.pinned_round_trip), measured by rank 0
+        while the others wait; the same for every size."""
+        from jax_arx import _core
+
+        self.ex.barrier()
+        if self.rank0:
+            rtt = _core.pinned_round_trip(0)
+            for nbytes in self.job["sizes"]:
+                self.rec.time(config, nbytes, FLOOR, rtt["median_us"])
+            self.rec.doc.setdefault("floors", {})[FLOOR] = {k: rtt[k] for k in ("min_us", "median_us")}
+            print(f"{config} {FLOOR}: median {rtt['median_us']:.2f} us, least {rtt['min_us']:.2f} us", flush=True)
+        self.ex.barrier()
 
     def series(self, config, series, call, comm=None):
         """Every size of one series. ``comm``: jax_arx's communicator
@@ -242,6 +285,8 @@ def table_rows(doc, names, algorithms):
     for config in names:
         if CONFIGS[config]["kind"] == "arx":
             rows += [(config, a, f"{config} {a}") for a in algorithms]
+        elif CONFIGS[config]["kind"] == "floor":
+            rows.append((config, FLOOR, f"{config}: {FLOOR}"))
         else:
             rows.append((config, LAX, config))
     return [r for r in rows if r[0] in doc["results"] or r[0] in doc["checks"]]

@@ -31,7 +31,10 @@ JAX_ARX_ON_FAILURE         raise | abort (exit the process with     raise
 JAX_ARX_SLOT_BYTES         per-peer slot; the one-shot size limit   1 MiB
 JAX_ARX_SEND_BYTES         per-parity send buffer (two-shot)        4 MiB
 JAX_ARX_ONESHOT_MAX_BYTES  one-shot up to here, then two-shot (GPU)  slot
-                           up to min(send, world x slot)            bytes
+                           up to min(send, world x slot)            bytes;
+                                                                    GPU host
+                                                                    inboxes:
+                                                                    128 KiB
 JAX_ARX_PREFILL_SLOT_BYTES per-parity buffer of the bulk ops        32 MiB
                            (all_gather output, psum_scatter input,
                            world x the largest slice; pinned 4 x
@@ -124,7 +127,7 @@ class Config:
     grad_sums: str = "jax_arx"  # jax_arx/_grad.py
     on_failure: str = "raise"
     slot_bytes: int = 1 << 20
-    oneshot_max_bytes: int | None = None  # None: slot_bytes (see ffi/comm/plan.cc)
+    oneshot_max_bytes: int | None = None  # None: slot_bytes, 128 KiB on GPU host inboxes (ffi/comm/plan.cc)
     send_bytes: int = 4 << 20
     # all_gather / psum_scatter / the fused MoE combine: the largest gathered
     # output (or scattered input) per call. Their endpoints, made at the

@@ -20,6 +20,13 @@ constexpr uint64_t kPieceBytesProxy = 64 << 10;
 // (docs/performance.md, "Pieces of the bulk collectives on the CPU").
 constexpr uint64_t kPieceBytesBulkHostProxy = 512 << 10;
 
+// On host inboxes the one-shot reads every peer's whole partial over the bus,
+// and from 256 KiB on it loses to the two-shot, which reads a 1/world share
+// of each (examples/bench_psum.py, arx-shm-host one-shot against two-shot
+// under MPS: docs/performance.md): unless JAX_ARX_ONESHOT_MAX_BYTES says
+// otherwise, the one-shot stops where LL does there.
+constexpr uint64_t kOneShotMaxHostInboxes = kLLMaxPayload;
+
 uint64_t ll_limit(const Endpoint& ep) {
   const int64_t cfg = ep.spec().config.cuda_ll_max_bytes;
   if (cfg == 0) return 0;
@@ -70,7 +77,10 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
   const Config& cfg = ep.spec().config;
   const bool cuda = ep.spec().platform == Platform::kCuda;
   Plan p;
-  const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes) : L.slot_bytes;
+  const bool host_inboxes = cuda && ep.route().direct && !ep.route().gpu_inboxes;
+  const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes)
+                               : host_inboxes       ? std::min(kOneShotMaxHostInboxes, L.slot_bytes)
+                                                    : L.slot_bytes;
   // The two-shot partial is staged whole (send_bytes), and each rank's chunk
   // fills at most a slot.
   const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;

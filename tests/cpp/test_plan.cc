@@ -5,7 +5,8 @@
 // written out here on their own:
 //   psum: LL up to its limit (CUDA, direct route: 128 KiB, or
 //   cuda_ll_max_bytes), the one-shot up to the slot (or
-//   JAX_ARX_ONESHOT_MAX_BYTES, at most the slot), the two-shot (CUDA only)
+//   JAX_ARX_ONESHOT_MAX_BYTES, at most the slot; unset, on CUDA host
+//   inboxes -- direct, not in GPU memory -- up to 128 KiB), the two-shot (CUDA only)
 //   up to min(send, world x slot); past that nothing, with a message that
 //   names the setting to raise;
 //   bulk: every rank's lane together within JAX_ARX_PREFILL_SLOT_BYTES.
@@ -64,7 +65,10 @@ const char* name(Algorithm a) {
 Algorithm expected_psum(const Case& c, uint64_t bytes) {
   const bool cuda = c.platform == Platform::kCuda;
   const uint64_t slot = c.cfg.slot_bytes;
-  const uint64_t oneshot = c.cfg.oneshot_max_bytes ? std::min(c.cfg.oneshot_max_bytes, slot) : slot;
+  const bool host_inboxes = cuda && c.direct && !c.gpu_inboxes;
+  const uint64_t oneshot = c.cfg.oneshot_max_bytes ? std::min(c.cfg.oneshot_max_bytes, slot)
+                           : host_inboxes         ? std::min<uint64_t>(128 * kKiB, slot)
+                                                  : slot;
   const int64_t ll_cfg = c.cfg.cuda_ll_max_bytes;
   const uint64_t ll = !cuda || !c.direct ? 0 : ll_cfg < 0 ? 128 * kKiB : std::min<uint64_t>(ll_cfg, 128 * kKiB);
   if (bytes <= oneshot) return bytes <= ll ? Algorithm::kLL : Algorithm::kOneShot;
@@ -103,6 +107,7 @@ void check_pieces() {
     Case c{Platform::kCuda, direct, false, Config{}};
     c.cfg.cuda_ll_max_bytes = 0;
     c.cfg.cuda_chunk_bytes = 4096;
+    c.cfg.oneshot_max_bytes = 1 << 20;  // host inboxes would stop the one-shot at 128 KiB
     auto ep = open_endpoint(c);
     if (!ep) return;
     const FlagWords w = psum_words(c.world, direct ? 1 : ep->roots());
