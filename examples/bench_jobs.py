@@ -24,8 +24,10 @@ installed jax_arx does not read (``needs``) is skipped, saying so.
 
 Ranks: rank r runs on GPU r % G of the G GPUs there are (nvidia-smi's,
 narrowed to CUDA_VISIBLE_DEVICES), so a world larger than G shares GPUs
-(time-sliced: the results are checked, the times mean nothing). NCCL
-refuses two ranks on one GPU, so ``lax`` configurations are skipped there.
+(time-sliced: the results are checked, the times mean nothing; under CUDA
+MPS the kernels run at once and the times of routes that need no NVLink
+hold). NCCL refuses two ranks on one GPU, so ``lax`` configurations are
+skipped there.
 A configuration with ``one_process`` runs one process driving the world's
 GPUs (``--world`` of them).
 
@@ -301,12 +303,23 @@ def stop(p, grace_s=30):
             p.wait()
 
 
+def mps_running():
+    """Whether a CUDA MPS control daemon serves this machine (its pipe
+    directory, CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps, holds the
+    control socket): then processes that share a GPU run their kernels at
+    the same time instead of taking turns."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
 def describe_where(world, gpus, cpu, device):
-    """'3 ranks on 1 x NVIDIA H200 (3 per GPU, time-sliced)', '2 ranks on the CPU'."""
+    """'3 ranks on 1 x NVIDIA H200 (3 per GPU, time-sliced)', '2 ranks on
+    1 x NVIDIA H200 (2 per GPU, under CUDA MPS)', '2 ranks on the CPU'."""
     if cpu:
         return f"{world} ranks on the CPU"
     used = min(world, len(gpus))
-    sharing = f" ({-(-world // used)} per GPU, time-sliced)" if world > used else ""
+    how = "under CUDA MPS" if mps_running() else "time-sliced"
+    sharing = f" ({-(-world // used)} per GPU, {how})" if world > used else ""
     return f"{world} ranks on {used} x {device or 'GPU'}{sharing}"
 
 
@@ -317,9 +330,14 @@ def timing_caveat(world, gpus, cpu):
     if cpu:
         return ("the CPU backend: the times mostly measure the host's scheduling of the ranks' threads; the "
                 "figures that matter are from GPUs")
+    if world > len(gpus) and mps_running():
+        return (f"{world} ranks share {len(gpus)} GPU(s) under CUDA MPS: their kernels run at once, so the routes "
+                f"through host memory, the proxy and tcp are timed as they run, but GPU inboxes are one device's "
+                f"memory (no NVLink), and jax.lax is skipped (NCCL refuses ranks that share a GPU): compare with "
+                f"the floors of this run")
     if world > len(gpus):
         return (f"{world} ranks share {len(gpus)} GPU(s), which time-slice between their processes: the timings are "
-                f"NOT meaningful (the checks are); time with a GPU per rank")
+                f"NOT meaningful (the checks are); time with a GPU per rank, or under CUDA MPS")
     return None
 
 

@@ -12,8 +12,8 @@ Every rank runs --calls dependent psums of each size in one jitted program
 stamps (ffi/base/trace.h): the kernel's (or host side's) begin, its last
 signal, the proxy taking the first trigger and returning from its last put,
 the last peer's piece seen, the end. GPU stamps are moved onto the host's
-clock (jax_arx._core.trace_clock: a ping-pong whose shortest round trip
-bounds the offset; its half is printed as the error). Rank 0 prints, per
+clock (jax_arx._core.pinned_round_trip: a ping-pong whose shortest round
+trip bounds the offset; its half is printed as the error). Rank 0 prints, per
 size, the median over the calls of each stage's length, with the peer's
 stamps for the cross-rank ones (ranks on one host share the clock), and
 writes them to --json.
@@ -145,7 +145,8 @@ def main():
     endpoint = le.endpoint
     offset, error = (None, 0)
     if devices[0].platform == "gpu":
-        offset, error = _core.trace_clock(endpoint.device_ordinal)
+        rtt = _core.pinned_round_trip(endpoint.device_ordinal)
+        offset, error = rtt["offset_ns"], rtt["error_ns"]
     if rank0:
         print(f"bench_stages: {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
               f"GPU clock onto the host's within {error / 1e3:.2f} us", flush=True)

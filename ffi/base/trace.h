@@ -18,7 +18,7 @@
 //   kEnd        the seq settled (the output written, the seq advanced)
 //   kSeq        the seq itself (written with kBegin), to tell rows apart
 // GPU stages read %globaltimer, host ones std::chrono::steady_clock, both
-// in ns; the module's trace_clock() measures the offset between the two.
+// in ns; the module's pinned_round_trip() measures the offset between the two.
 // When several threads reach a stage, the last store wins: a stage's time
 // is when some piece reached it, near the last one.
 #pragma once

@@ -133,11 +133,15 @@ struct Channels {
 };
 const Channels& channels_of(const Endpoint& ep);
 
-#if defined(ARX_TRACE)
-// A trace build's clocks (trace.cu): host steady clock = GPU %globaltimer +
-// offset_ns, within error_ns.
-Status trace_clock(int device, int64_t& offset_ns, int64_t& error_ns);
-#endif
+// The pinned round trip (ping_pong.cu): `rounds` passes of a word from a
+// host thread to a kernel's thread on `device` and back, through mapped host
+// memory. The host's steady clock = the GPU's %globaltimer + offset_ns,
+// within error_ns (half the shortest round trip).
+struct PingPong {
+  uint64_t min_ns = 0, median_ns = 0;
+  int64_t offset_ns = 0, error_ns = 0;
+};
+Status pinned_ping_pong(int device, int rounds, PingPong& out);
 
 // The inboxes in GPU memory (peer_memory.cc), for attach(): this rank's
 // (`mine`, zeroed) and every peer's, mapped for this rank's GPU; all null

@@ -219,13 +219,21 @@ NB_MODULE(_core, m) {
     return nb::bytes(reinterpret_cast<const char*>(ep->trace()), sizeof(arx::TraceBuffer));
   }, nb::arg("comm_id"), nb::arg("device_ordinal"),
         "The endpoint's stage timestamps: uint64 [family][seq % 4096][stage] (base/trace.h), as bytes.");
-#if ARX_HAVE_CUDA
-  m.def("trace_clock", [](int device) {
-    int64_t offset = 0, error = 0;
-    arx::check(arx::cuda::trace_clock(device, offset, error));
-    return std::make_tuple(offset, error);
-  }, nb::arg("device"), "(offset_ns, error_ns): host steady clock = the GPU's %globaltimer + offset_ns.");
 #endif
+#if ARX_HAVE_CUDA
+  m.def("pinned_round_trip", [](int device, int rounds) {
+    arx::cuda::PingPong p;
+    arx::check(arx::cuda::pinned_ping_pong(device, rounds, p));
+    nb::dict d;
+    d["min_us"] = p.min_ns / 1e3;
+    d["median_us"] = p.median_ns / 1e3;
+    d["offset_ns"] = p.offset_ns;
+    d["error_ns"] = p.error_ns;
+    return d;
+  }, nb::arg("device"), nb::arg("rounds") = 2000,
+        "The proxy route's floor: `rounds` round trips of a word between a host thread and a kernel on `device` "
+        "(its local ordinal) through mapped host memory: {'min_us', 'median_us', 'offset_ns', 'error_ns'}, where "
+        "the host's steady clock = the GPU's %globaltimer + offset_ns within error_ns (half the shortest).");
 #endif
   m.def("failures", [] {
     std::vector<std::string> out;
