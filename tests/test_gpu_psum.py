@@ -164,11 +164,13 @@ def check_phase(run, phase, world, summary_line):
 def expected_algorithm(phase, nbytes, report, route):
     """What the settings of ``phase`` make of a psum of ``nbytes``: LL up to
     its limit (on the direct routes on GPUs), the one-shot up to the slot (or
-    JAX_ARX_ONESHOT_MAX_BYTES), the two-shot up to min(send, world x slot)
-    (GPUs); None: jax_arx does not take it."""
+    JAX_ARX_ONESHOT_MAX_BYTES; unset, on GPU host inboxes, up to LL's cap),
+    the two-shot up to min(send, world x slot) (GPUs); None: jax_arx does not
+    take it."""
     env, tuning = PHASES[phase]
     slot, cuda = report["slot"], report["platform"] == "cuda"
-    oneshot_max = min(int(env.get("JAX_ARX_ONESHOT_MAX_BYTES", slot)), slot)
+    default_oneshot = min(LL_CAP, slot) if cuda and route == HOST_INBOXES else slot
+    oneshot_max = min(int(env.get("JAX_ARX_ONESHOT_MAX_BYTES", default_oneshot)), slot)
     ll = tuning.get("cuda_ll_max_bytes", -1)
     ll = 0 if not cuda or route == PROXY else LL_CAP if ll < 0 else min(ll, LL_CAP)
     if nbytes <= oneshot_max:
