@@ -245,7 +245,8 @@ def _collective_lowering(target, lax_prim, dimension_param, op, ctx, x, **params
     if why is not None:
         _policy.fallback(op, *why)
         return _compat.lax_collective_lowering(lax_prim, ctx, x, **_lax_params(params))
-    attributes = dict(comm_id=params["comm_id"], site=_ordering.call_site_tag(ctx), dimension=params[dimension_param])
+    attributes = dict(comm_id=params["comm_id"], site=_ordering.call_site_tag(ctx, op, params[dimension_param]),
+                      dimension=params[dimension_param])
     return _ordering.emit_ordered_call(ctx, target, [x], attributes)
 
 

@@ -204,7 +204,7 @@ def _moe_lowering(ctx, *operands, axis_name, axis_size, padded_tokens, scaled, c
         # The unfused computation cannot be built here without the tracing
         # context; such a program must be traced again.
         raise JaxArxFallbackError(f"jax_arx.moe_combine_psum_scatter: {why[1]}; trace the function again")
-    attributes = dict(comm_id=comm_id, site=_ordering.call_site_tag(ctx), scaled=int(scaled))
+    attributes = dict(comm_id=comm_id, site=_ordering.call_site_tag(ctx, padded_tokens, scaled), scaled=int(scaled))
     return _ordering.emit_ordered_call(ctx, MOE_COMBINE_TARGET, list(operands), attributes)
 
 

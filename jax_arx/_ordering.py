@@ -50,11 +50,14 @@ from jax_arx import _compat
 # one depend on the other's result to fix the order.
 #
 # The site tag identifies the call site: a hash of the module's name, the
-# call's number among the module's jax_arx calls in lowering order, and
-# where in the user's code it comes from (`_compat.call_site`), all the same
-# in every process. It travels, with size and dtype, in the descriptor each
+# call's number among the module's jax_arx calls in lowering order, where
+# in the user's code it comes from (`_compat.call_site`), the shapes and
+# dtypes of its operands and the op's own attributes (the axis a bulk op
+# gathers or scatters along), all the same in every process that runs the
+# same program. It travels, with size and dtype, in the descriptor each
 # rank sends; ranks that pair different calls get an error, even calls of
-# two programs that happen to share a name.
+# two programs that happen to share a name, or that hold the same number
+# of elements in another shape ((64, 2) against (2, 64)).
 
 _LOOPS_AND_BRANCHES = ("stablehlo.while", "stablehlo.case", "stablehlo.if")
 _TARGET_PREFIX = "jax_arx_"  # the FFI targets of every jax_arx collective
@@ -89,10 +92,12 @@ def _analysis(ctx) -> _Analysis:
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def call_site_tag(ctx) -> int:
-    """The `site` attribute of the call being lowered (see above)."""
+def call_site_tag(ctx, *attributes) -> int:
+    """The `site` attribute of the call being lowered (see above):
+    ``attributes`` are the op's own, which must agree across ranks too."""
     n = next(_analysis(ctx).sites)
-    key = f"{_compat.module_name(ctx)}|{n}|{_compat.call_site(ctx, _PACKAGE_DIR)}"
+    operands = ";".join(f"{tuple(a.shape)}{a.dtype}" for a in ctx.avals_in)
+    key = f"{_compat.module_name(ctx)}|{n}|{_compat.call_site(ctx, _PACKAGE_DIR)}|{operands}|{attributes}"
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 16  # 48 bits: the handler tags leaves as site * 64 + i
 

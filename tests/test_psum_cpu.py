@@ -32,7 +32,8 @@ and a CRC of all jax_arx results must be the same on every rank.
   under jit, grad and vmap, and no prefetch operands in the CPU call.
 - ``quick`` (4 processes; 2 processes with 2 CPU devices each): a subset.
 - ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that call psum
-  with different sizes get an error saying so, never a sum; then, after
+  with different sizes, or with as many elements in different shapes, get
+  an error saying so, never a sum; then, after
   ``jax_arx.shutdown()`` and ``initialize()``, a peer that never calls makes
   rank 0's call fail within the timeout with an error naming rank 1, and
   ``jax_arx.check()`` raises it too.
@@ -82,6 +83,10 @@ def test_two_processes_with_two_devices_each(core_built, tmp_path):
 def test_failures_are_errors_not_sums(core_built, tmp_path, transport):
     results = _run("failures", 2, transport, tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
     missing = launched.assert_failure_suite(results)
+    for rank in (0, 1):  # the same element count in another shape
+        shape = results[rank]["shape_mismatch"]
+        assert not shape["finite_result"] and "different collective" in shape["error"], shape
+        assert shape["kind"] == "CollectiveMismatchError", shape
     assert "rank 1" in missing["error"] and "timed out" in missing["error"], missing
     assert missing["kind"] == "CollectiveTimeoutError", missing  # the call's JaxRuntimeError, translated
     assert results[1]["missing_peer"] == {"skipped": True}
@@ -456,6 +461,15 @@ def _suite_failures(w):
     x = jax.make_array_from_callback((w.world, n), w.sharded, lambda idx: np.ones((1, n), np.float32))
     f = w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())
     out["mismatch"] = launched.mismatch_report(lambda: np.concatenate(w.shards(f(x))), jax_arx)
+
+    # Ranks that hold as many elements in another shape ((64, 2) against
+    # (2, 64)): an error, never an element-by-element sum.
+    jax_arx.shutdown()
+    jax_arx.initialize(w.mesh)
+    shape = (64, 2) if me == 0 else (2, 64)
+    x = jax.make_array_from_callback((w.world, *shape), w.sharded, lambda idx: np.ones((1, *shape), np.float32))
+    f = w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())
+    out["shape_mismatch"] = launched.mismatch_report(lambda: np.concatenate(w.shards(f(x))), jax_arx)
 
     # Fresh endpoints, then a peer that never calls.
     jax_arx.shutdown()
