@@ -30,12 +30,19 @@ job; it then exits with the first failing rank's status. A rank that raises
 an exception nothing catches ends at once (``jax_arx.distributed_initialize``
 makes it skip the exit-time barriers), so the whole job ends within a few
 seconds of the exception.
+
+Ranks never outlive the launcher: SIGINT, SIGTERM and SIGHUP (a closed
+terminal, a dropped ssh) to it stop them the same way, and where the
+launcher itself is killed outright (SIGKILL), Linux kills every rank with
+it (a parent-death signal, ``prctl(PR_SET_PDEATHSIG)``), so no rank is left
+holding GPU memory and ports.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
 import secrets
 import signal
@@ -146,6 +153,7 @@ def main(argv=None) -> int:
 
     address = f"127.0.0.1:{_free_port()}"
     secret = None if "JAX_ARX_SECRET" in os.environ else secrets.token_hex(32)
+    die_with_launcher = _parent_death_hook()
     procs = []
     pumps = []
     stderr_pumps = []  # by rank
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
         # Each rank leads its own process group, so terminating a rank also
         # reaches whatever it started.
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_launcher)
         procs.append(proc)
         prefix = f"[rank {rank}] ".encode()
         stderr_pumps.append(_Pump(proc.stderr, sys.stderr.buffer, prefix, lock))
@@ -183,7 +191,7 @@ def main(argv=None) -> int:
     def on_signal(signum, frame):
         interrupted.append(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     status = 0
     stop_at = None  # when to terminate the ranks still running
     killed_at = None
@@ -235,6 +243,23 @@ def _first_failure(rank: int, returncode: int, then: str, tail) -> str:
     if lines:
         report += ". The end of its stderr:\n" + "\n".join(f"[launch]   {line}" for line in lines)
     return report
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _parent_death_hook():
+    """What each rank's process runs before the program (Popen's
+    preexec_fn): SIGKILL the rank when the launcher's thread that started it
+    (the main one) goes, however the launcher ends. prctl is looked up here,
+    before any fork, so that the hook itself makes one system call (the
+    launcher has no other thread yet when it starts ranks). None where there
+    is no prctl (not Linux): the signal handlers are all there is then."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _signal_group(proc, signum):

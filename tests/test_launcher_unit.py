@@ -4,6 +4,7 @@ jax.distributed key-value store rendezvous with the stand-in core
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -170,6 +171,56 @@ def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
     report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)"):]
     assert "[launch]   RuntimeError: rank 1 gives up" in report, proc.stderr[-3000:]
     assert "[launch] rank 0" not in proc.stderr  # rank 0 was stopped, not reported as the failure
+
+
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGTERM", "SIGKILL"])
+def test_no_rank_outlives_the_launcher(tmp_path, how):
+    # A closed terminal (SIGHUP), a kill, or a kill -9 of the launcher: every
+    # rank (each its own process group, reparented if the launcher is gone)
+    # must be gone within a few seconds, checked by pid.
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "sleeper.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+        time.sleep(600)
+        """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    launcher = subprocess.Popen([sys.executable, "-m", "jax_arx.launch", "-n", "3", str(script)], env=env,
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(pids)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = [int(p) for p in os.listdir(pids)]
+        assert len(ranks) == 3, launcher.stderr.read() if launcher.poll() is not None else "ranks did not start"
+        launcher.send_signal(getattr(signal, how))
+        launcher.wait(timeout=60)
+
+        def alive(pid):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            # A zombie waits for its parent to reap it; it holds nothing.
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if alive(p)], f"ranks still running {how and ''}after the launcher got {how}"
+        if how != "SIGKILL":
+            assert f"got signal {int(getattr(signal, how))}; stopping the ranks" in launcher.stderr.read()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in os.listdir(pids):
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_launch_module_form(tmp_path):
