@@ -253,6 +253,7 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
     """
     global _generation
     mesh = _resolve_mesh(mesh)
+    _distributed.warn_if_alone(mesh)
     cfg = _config.with_topology(_config.load(), topology)
     with _lock:
         wanted: dict[Hashable, int] = {}

@@ -21,9 +21,13 @@ def initialize_distributed() -> bool:
     backend.
 
     Reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``. On CPU it also selects the gloo cross-process
-    collectives (when this jax has that option and nothing else was chosen),
-    so ``jax.lax`` collectives work across processes there too.
+    ``JAX_PROCESS_ID``. Where none is set but the process is one task of
+    several under SLURM (``SLURM_NTASKS``) or Open MPI
+    (``OMPI_COMM_WORLD_SIZE``), it calls ``jax.distributed.initialize()``
+    with no arguments: jax's own cluster detection reads the rest from that
+    environment. On CPU it also selects the gloo cross-process collectives
+    (when this jax has that option and nothing else was chosen), so
+    ``jax.lax`` collectives work across processes there too.
 
     In a process set up here, an exception that nothing catches ends the
     process at once (status 1, after Python printed the traceback): it does
@@ -32,7 +36,9 @@ def initialize_distributed() -> bool:
 
     Returns:
       True when jax.distributed is initialized (now or already), False when
-      none of the variables is set (a single process: nothing to do).
+      none of the variables is set and no cluster manager started several
+      tasks (a single process: nothing to do; ``jax_arx.initialize`` then
+      warns if the mesh has nothing to reduce over).
 
     Raises:
       ValueError: only some of the variables are set, or one is malformed.
@@ -40,7 +46,7 @@ def initialize_distributed() -> bool:
     values = {name: os.environ.get(name) for name in (_ENV_ADDRESS, _ENV_NUM, _ENV_ID)}
     present = {name: v for name, v in values.items() if v}
     if not present:
-        return False
+        return _from_cluster_manager()
     missing = [name for name in values if name not in present]
     if missing:
         raise ValueError(
@@ -61,17 +67,67 @@ def initialize_distributed() -> bool:
 
     if jax.distributed.is_initialized():
         return True
-    try:
-        if jax.config.jax_cpu_collectives_implementation in (None, "none"):
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except AttributeError:
-        pass  # a jax without the option: its CPU backend picks its own
+    _select_cpu_collectives(jax)
     jax.distributed.initialize(coordinator_address=values[_ENV_ADDRESS], num_processes=num_processes,
                                process_id=process_id)
     # Registered after jax's own exit hook and jax_arx's shutdown(), so it
     # runs before both (exit hooks run last-registered first).
     atexit.register(_end_at_once_on_uncaught_exception)
     return True
+
+
+# Variables that say a cluster manager started this process as one task of
+# several; jax.distributed.initialize() detects these managers itself.
+_CLUSTER_TASKS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def _from_cluster_manager() -> bool:
+    tasks = {}
+    for name in _CLUSTER_TASKS:
+        try:
+            tasks[name] = int(os.environ.get(name, "1"))
+        except ValueError:
+            continue
+    if max(tasks.values(), default=1) <= 1:
+        return False
+    import jax
+
+    if not jax.distributed.is_initialized():
+        _select_cpu_collectives(jax)
+        jax.distributed.initialize()
+        atexit.register(_end_at_once_on_uncaught_exception)
+    return True
+
+
+def _select_cpu_collectives(jax) -> None:
+    try:
+        if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:
+        pass  # a jax without the option: its CPU backend picks its own
+
+
+_warned_alone = []
+
+
+def warn_if_alone(mesh) -> None:
+    """Once per process: a warning when this process runs alone and every
+    axis of ``mesh`` has one device, so jax_arx's collectives have nothing
+    to reduce over (a script started without the launcher, or without
+    ``distributed_initialize``, gives a one-process job that looks fine)."""
+    import jax
+
+    if _warned_alone or jax.distributed.is_initialized() or any(size > 1 for size in mesh.shape.values()):
+        return
+    _warned_alone.append(True)
+    import logging
+
+    logging.getLogger("jax_arx").warning(
+        "jax_arx.initialize: this process runs alone (jax.distributed is not initialized) and every axis of the "
+        "mesh has one device, so jax_arx's collectives have nothing to reduce over. For N processes: call "
+        "jax_arx.distributed_initialize() first thing in the program and start it with `python -m "
+        "jax_arx.launch -n N program.py` (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, "
+        "or run it as a SLURM or Open MPI job of several tasks)")
 
 
 def uncaught_exception() -> bool:

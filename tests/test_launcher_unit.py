@@ -20,6 +20,47 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # --- launcher ------------------------------------------------------------------------
 
+def test_initialize_distributed_under_a_cluster_manager(monkeypatch):
+    # No launcher variables, but SLURM (or Open MPI) started several tasks:
+    # jax's own cluster detection is asked, with no arguments; one task
+    # alone is a single process.
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
+                 "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    import jax
+    from jax_arx import _distributed
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(_distributed, "_select_cpu_collectives", lambda jax: None)
+    monkeypatch.setattr(_distributed.atexit, "register", lambda fn: None)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert launch.initialize_distributed() is False and calls == []
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert launch.initialize_distributed() is True and calls == [((), {})]
+    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert launch.initialize_distributed() is True and len(calls) == 2
+
+
+def test_a_process_alone_is_warned_once(monkeypatch, caplog):
+    # A script run without the launcher on a mesh of one device: jax_arx says
+    # so, once, naming distributed_initialize and the launcher.
+    import jax
+    import numpy as np
+    from jax_arx import _distributed
+
+    monkeypatch.setattr(_distributed, "_warned_alone", [])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("alone_axis",))
+    with caplog.at_level("WARNING", logger="jax_arx"):
+        jax_arx.initialize(mesh)
+        jax_arx.initialize(mesh)
+    said = [r.getMessage() for r in caplog.records if "runs alone" in r.getMessage()]
+    assert len(said) == 1 and "distributed_initialize()" in said[0] and "jax_arx.launch -n N" in said[0], said
+    jax_arx.shutdown()
+
+
 def test_split_argv():
     split = launch._split_argv
     assert split(["-n", "2", "s.py", "-n", "3"]) == (["-n", "2"], ["s.py", "-n", "3"])
