@@ -32,7 +32,9 @@ def initialize_distributed() -> bool:
     In a process set up here, an exception that nothing catches ends the
     process at once (status 1, after Python printed the traceback): it does
     not wait at jax_arx's and jax's exit-time barriers for peers that may
-    never get there (see ``python -m jax_arx.launch``).
+    never get there (see ``python -m jax_arx.launch``). So does SIGTERM
+    (status 143), unless the program installed its own handler for it
+    before: jax's preemption notifier would only log it.
 
     Returns:
       True when jax.distributed is initialized (now or already), False when
@@ -70,10 +72,42 @@ def initialize_distributed() -> bool:
     _select_cpu_collectives(jax)
     jax.distributed.initialize(coordinator_address=values[_ENV_ADDRESS], num_processes=num_processes,
                                process_id=process_id)
-    # Registered after jax's own exit hook and jax_arx's shutdown(), so it
-    # runs before both (exit hooks run last-registered first).
-    atexit.register(_end_at_once_on_uncaught_exception)
+    _end_at_once_on_exit_or_sigterm()
     return True
+
+
+def _end_at_once_on_exit_or_sigterm() -> None:
+    # The exit hook is registered after jax's own and jax_arx's shutdown(),
+    # so it runs before both (exit hooks run last-registered first).
+    atexit.register(_end_at_once_on_uncaught_exception)
+    import signal
+    import threading
+
+    # Python reports a handler installed in C (jax's preemption notifier) as
+    # None: replaced; one the program installed from Python is kept.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+            signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _end_on_sigterm)
+
+
+def _end_on_sigterm(signum, frame) -> None:
+    # A rank asked to end (by the launcher, a scheduler, kill) ends now,
+    # with the status a shell gives a death by that signal. No exit hook
+    # runs: jax_arx's shutdown() could wait for a lock the interrupted code
+    # holds, and jax's at an exit barrier for peers. The kernel closes this
+    # rank's links, so its peers fail their next collective naming it, and
+    # the shared-memory regions' guard unlinks them once every process that
+    # mapped them is gone.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        os.write(2, f"jax_arx: this process got signal {signum} (SIGTERM) and ends now\n".encode())
+    except OSError:
+        pass
+    os._exit(128 + signum)
 
 
 # Variables that say a cluster manager started this process as one task of
@@ -95,7 +129,7 @@ def _from_cluster_manager() -> bool:
     if not jax.distributed.is_initialized():
         _select_cpu_collectives(jax)
         jax.distributed.initialize()
-        atexit.register(_end_at_once_on_uncaught_exception)
+        _end_at_once_on_exit_or_sigterm()
     return True
 
 

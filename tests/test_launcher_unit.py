@@ -264,6 +264,41 @@ def test_no_rank_outlives_the_launcher(tmp_path, how):
                 pass
 
 
+def test_a_rank_sent_sigterm_ends_and_is_named(tmp_path):
+    # jax's preemption notifier only logs a SIGTERM; a rank set up by
+    # distributed_initialize ends on it (status 143), and the launcher names
+    # it and stops the other.
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "term.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        import jax_arx
+        jax_arx.distributed_initialize()
+        import jax
+        open(os.path.join({str(pids)!r}, str(jax.process_index())), "w").write(str(os.getpid()))
+        time.sleep(600)
+        """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    launcher = subprocess.Popen([sys.executable, "-m", "jax_arx.launch", "-n", "2", "--grace-s", "0.5", str(script)],
+                                env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(os.listdir(pids)) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.1)
+        assert len(os.listdir(pids)) == 2, "ranks did not start"
+        time.sleep(0.5)  # the pid is written right after jax.distributed.initialize
+        os.kill(int((pids / "1").read_text()), signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 143, err[-3000:]
+    assert "[rank 1] jax_arx: this process got signal 15 (SIGTERM) and ends now" in err, err[-3000:]
+    assert "[launch] rank 1 failed first (exited with status 143)" in err, err[-3000:]
+
+
 def test_launch_module_form(tmp_path):
     (tmp_path / "arx_launch_probe.py").write_text(
         "import os, sys\nprint('probe', os.environ['JAX_PROCESS_ID'], os.environ['PYTHONUNBUFFERED'], sys.argv[1:])\n")
