@@ -87,6 +87,20 @@ def test_independent_psums_lower_to_a_chain_with_distinct_stable_sites(mesh4):
 
 
 @needs_4_devices
+def test_the_site_tag_tells_shapes_of_one_size_apart(mesh4):
+    # (64, 2) on one rank and (2, 64) on another hold as many elements of one
+    # dtype at the same call site: only the tag keeps them from being summed
+    # element by element (jax_arx/_ordering.py).
+    def site(shape):
+        f = jax.jit(jax.shard_map(lambda v: jax_arx.psum(v, "tp"), mesh=mesh4, in_specs=P("tp"), out_specs=P()))
+        (call,) = _ffi_calls(f.lower(jnp.ones((4 * shape[0], shape[1]), jnp.float32)).as_text())
+        return _site(call[2])
+
+    assert site((64, 2)) != site((2, 64))
+    assert site((64, 2)) == site((64, 2))  # the same program, the same tag
+
+
+@needs_4_devices
 def test_pytree_psum_lowers_to_one_call(mesh4):
     f = jax.jit(jax.shard_map(lambda t: jax_arx.psum(t, "tp"), mesh=mesh4, in_specs=(P("tp"),), out_specs=P()))
     tree = {"a": jnp.ones(8), "b": jnp.ones((4, 3), jnp.bfloat16), "c": jnp.ones(12, jnp.float16)}
