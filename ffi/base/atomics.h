@@ -68,14 +68,26 @@ ARX_HD void fence_acq_rel() {
 #endif
 }
 
-// After relaxed loads that saw release stores: makes them acquires (what
-// the writers did before their stores happens-before what follows). On a
-// GPU the fence's weakest form that does so is acq_rel.
-ARX_HD void fence_acquire() {
+// A wait's look at a word that a peer releases, where a wait looks at
+// several words in one turn, then fence_after_looks() once all of them
+// showed what it waited for: together an acquire of each. On a GPU the
+// look is a relaxed load, so that the looks at host memory (a bus round
+// trip each) are in flight together, and the fence makes them acquires (a
+// relaxed load that saw a release store, then a fence, is PTX's acquire
+// pattern; acq_rel is the weakest fence that does so). On the host each
+// look is an acquire load, as cheap there, and the fence is nothing:
+// ThreadSanitizer, which the host side's tests run under, does not model
+// fences.
+ARX_HD uint64_t load_look(const uint64_t* p) {
+#if defined(__CUDA_ARCH__)
+  return load_relaxed(p);
+#else
+  return load_acquire(p);
+#endif
+}
+ARX_HD void fence_after_looks() {
 #if defined(__CUDA_ARCH__)
   asm volatile("fence.acq_rel.sys;" ::: "memory");
-#else
-  std::atomic_thread_fence(std::memory_order_acquire);
 #endif
 }
 

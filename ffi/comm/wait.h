@@ -36,12 +36,11 @@ enum class WaitEnd : uint32_t { kArrived = 0, kMismatch, kTimeout, kAborted, kSt
 // zero when the hash already differed); `seen`: the last word read (the
 // disagreeing one, for a mismatch).
 //
-// wait_words looks at every root's word in each turn, with relaxed loads
-// that are in flight together, and one acquire fence follows once all have
-// arrived (a relaxed load that saw a release store, then an acquire fence,
-// is an acquire of it: C++ [atomics.fences], PTX's acquire pattern). For a
-// GPU each look at host memory is a round trip over the bus: an acquire
-// load per root would wait for the one before it.
+// wait_words looks at every root's word in each turn (load_look: on a GPU
+// relaxed loads in flight together, since each look at host memory is a
+// round trip over the bus and an acquire load per root would wait for the
+// one before it), and fence_after_looks() once all have arrived makes the
+// looks acquires (base/atomics.h).
 template <typename Poll>
 ARX_HD WaitEnd wait_words(const Inbox& in, int src, int piece, uint64_t seq, uint64_t desc, Poll& poll,
                           uint64_t& seen) {
@@ -50,7 +49,7 @@ ARX_HD WaitEnd wait_words(const Inbox& in, int src, int piece, uint64_t seq, uin
   for (uint32_t turn = 0;; ++turn) {
     uint64_t v[kRoots] = {};
     for (int r = 0; r < kRoots; ++r)
-      if (r < roots && (pending >> r & 1)) v[r] = load_relaxed(in.word(src, piece, r));
+      if (r < roots && (pending >> r & 1)) v[r] = load_look(in.word(src, piece, r));
     for (int r = 0; r < kRoots; ++r) {
       if (r >= roots || !(pending >> r & 1)) continue;
       seen = v[r];
@@ -64,7 +63,7 @@ ARX_HD WaitEnd wait_words(const Inbox& in, int src, int piece, uint64_t seq, uin
     if (poll.expired()) return WaitEnd::kTimeout;
     poll.pause(turn);
   }
-  fence_acquire();
+  fence_after_looks();
   return WaitEnd::kArrived;
 }
 
