@@ -23,12 +23,11 @@
 // is when some piece reached it, near the last one.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 #include "base/atomics.h"
 #include "base/layout.h"
-
-#include <chrono>
 
 namespace arx {
 

@@ -80,12 +80,17 @@ ARX_HD bool header_matches(const Descriptor& d, const uint64_t (&theirs)[kDescri
   return theirs[0] == d.op && theirs[1] == d.type && theirs[2] == d.count && theirs[3] == d.tag;
 }
 
-template <typename Poll>
+// `flags_seen()`: called between the two steps (a trace build's stamp).
+struct NoHook {
+  ARX_HD void operator()() const {}
+};
+template <typename Poll, typename Hook = NoHook>
 ARX_HD WaitEnd wait_piece(const Inbox& in, int src, int piece, uint64_t seq, const Descriptor& d, Poll& poll,
-                          uint64_t& seen, uint64_t (&theirs)[kDescriptorWords]) {
+                          uint64_t& seen, uint64_t (&theirs)[kDescriptorWords], Hook flags_seen = {}) {
   for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = 0;
   const WaitEnd e = wait_words(in, src, piece, seq, describe(d), poll, seen);
   if (e != WaitEnd::kArrived) return e;
+  flags_seen();
   load_header(in, src, seq, theirs);
   return header_matches(d, theirs) ? WaitEnd::kArrived : WaitEnd::kMismatch;
 }

@@ -141,13 +141,9 @@ __device__ inline void give_up(DeviceWords* w, WaitEnd e, uint64_t seen, int src
 template <typename Ch>
 __device__ __forceinline__ bool wait_for(const Grid& g, const Ch& ch, const SeqStart& s, int src, int piece) {
   DevicePoll poll{g, s.start};
-  uint64_t seen = 0, theirs[kDescriptorWords] = {};
-  WaitEnd e = wait_words(ch.in, src, piece, s.seq, s.desc, poll, seen);
-  if (e == WaitEnd::kArrived) {
-    ARX_STAMP(g.trace, ch.in.family, s.seq, kFlagSeen, globaltimer());
-    load_header(ch.in, src, s.seq, theirs);
-    if (!header_matches(s.d, theirs)) e = WaitEnd::kMismatch;
-  }
+  uint64_t seen = 0, theirs[kDescriptorWords];
+  const WaitEnd e = wait_piece(ch.in, src, piece, s.seq, s.d, poll, seen, theirs,
+                               [&] { ARX_STAMP(g.trace, ch.in.family, s.seq, kFlagSeen, globaltimer()); });
   if (e == WaitEnd::kArrived) {
     ARX_STAMP(g.trace, ch.in.family, s.seq, kArrived, globaltimer());
     return true;

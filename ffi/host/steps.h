@@ -47,11 +47,9 @@ class Collective {
 
   uint64_t seq() const { return seq_; }
   int parity() const { return (int)(seq_ & 1); }
-  const Descriptor& descriptor() const { return d_; }
-  uint64_t flag() const { return flag_word(seq_, describe(d_)); }
 
   // What the channel's handle needs of this seq (ch.open).
-  SeqSend send() const { return SeqSend{parity(), flag(), d_, ring_}; }
+  SeqSend send() const { return SeqSend{parity(), flag_word(seq_, describe(d_)), d_, ring_}; }
 
   // Takes the `entries` trigger ring positions the seq's signals publish
   // at (out.entries; a DirectChannel takes none), before the first of them.
