@@ -35,6 +35,7 @@ RING = 256  # layout.h, kRing: the trigger ring's entries
 TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
 LL_LINE, LL_PAYLOAD = 16, 8  # layout.h, kLLLineBytes, kLLLinePayload
 TRIGGER_HEADER = 1 << 8  # layout.h, kTriggerHeader: a piece-0 trigger puts the staged header first
+NO_FLAG = M64  # layout.h, kTriggerNoFlag: a put with no flag word (LL lines)
 # base/words.h, "The flag page": kPsumWords + kMaxWorld x kChunks x kRoots bulk
 # words, then 2 families x kMaxWorld heard words, then the header slots of
 # kDescriptorWords words by (family, parity, source).
@@ -116,8 +117,8 @@ class FakePeer:
         assert lib.arx_testing_layout(self._id, 0, out) == 0
         (self.base, self.flags, self.recv, self.send, self.ring, self.ll_recv, self.slot, self.send_bytes, self.total,
          self.roots, self.stride, self.pieces_per_src) = list(out)
-        # ll_recv is the last area, [2 parities][world sources][an LL slot], whole pages.
-        self.ll_slot = (self.total - self.ll_recv) // (2 * world)
+        # ll_recv is [2 parities][world sources][an LL slot], right before the staging buffer.
+        self.ll_slot = (self.send - self.ll_recv) // (2 * world)
 
     @property
     def _id(self):

@@ -82,6 +82,7 @@ pytestmark = pytest.mark.gpu
 THIS = os.path.abspath(__file__)
 DTYPES = ("float32", "bfloat16", "float16")
 LL_CAP = 128 << 10  # the LL one-shot's largest partial, its default limit (ffi/base/layout.h, kLLMaxPayload)
+LL_PROXY = 16 << 10  # its default limit through the proxy (ffi/comm/plan.cc, kLLMaxProxy)
 ALGORITHMS = {"one_shot": 1, "two_shot": 2, "ll": 3}  # Endpoint.plan's numbers (ffi/comm/plan.h)
 PIECE_BYTES = (4096, 40000, 65536)  # partials whose pieces each phase asks the plan for
 
@@ -163,7 +164,10 @@ def check_phase(run, phase, world, summary_line):
 
 def expected_algorithm(phase, nbytes, report, route):
     """What the settings of ``phase`` make of a psum of ``nbytes``: LL up to
-    its limit (on the direct routes on GPUs), the one-shot up to the slot (or
+    its limit (cuda_ll_max_bytes, at most LL's cap; unset, the cap direct
+    and LL_PROXY through the proxy; on GPUs: direct, or through the proxy over a carrier that
+    puts whole words -- shm, not tcp -- with no relay, the lines within the
+    send buffer), the one-shot up to the slot (or
     JAX_ARX_ONESHOT_MAX_BYTES; unset, on GPU host inboxes, up to LL's cap),
     the two-shot up to min(send, world x slot) (GPUs); None: jax_arx does not
     take it."""
@@ -172,7 +176,9 @@ def expected_algorithm(phase, nbytes, report, route):
     default_oneshot = min(LL_CAP, slot) if cuda and route == HOST_INBOXES else slot
     oneshot_max = min(int(env.get("JAX_ARX_ONESHOT_MAX_BYTES", default_oneshot)), slot)
     ll = tuning.get("cuda_ll_max_bytes", -1)
-    ll = 0 if not cuda or route == PROXY else LL_CAP if ll < 0 else min(ll, LL_CAP)
+    relayed = env.get("JAX_ARX_TOPOLOGY") == "ring" and report["world"] == 4
+    proxy_ll = env.get("JAX_ARX_TRANSPORT") != "tcp" and not relayed and 2 * -(-nbytes // 8) * 8 <= report["send"]
+    ll = 0 if not cuda or (route == PROXY and not proxy_ll) else (LL_PROXY if route == PROXY else LL_CAP) if ll < 0 else min(ll, LL_CAP)
     if nbytes <= oneshot_max:
         return "ll" if nbytes <= ll else "one_shot"
     return "two_shot" if cuda and nbytes <= min(report["send"], report["world"] * slot) else None

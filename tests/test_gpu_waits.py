@@ -15,7 +15,7 @@ time out ends within [timeout, 2x timeout] (3 s); one that must end at once
 means after the test has seen the kernel waiting: Control::begun ahead of
 Control::done.
 
-One-shot and two-shot, rank 0 of 2 over the proxy channel unless said:
+One-shot and two-shot, rank 0 of 2 over the proxy channel (LL off) unless said:
 - ``oneshot_on_time_late_stale``: seq 1 on time (the sum; the triggers and
   the staged partial), seq 2 late, seq 3 stale (the peer's flags still at
   seq 2): NaN after the timeout, the record names rank 1; the next call whose
@@ -40,6 +40,12 @@ The LL one-shot, over the direct channel looped back:
 - ``ll_no_announcement``: every line on time, no announcement: NaN after
   the timeout;
 - ``ll_abort``: the host fails the endpoint while the kernel waits.
+
+The LL one-shot over the proxy channel (a carrier that puts whole words):
+- ``ll_proxy_sent_mismatch``: seq 1 on time (the sum; the announcement as
+  trigger 0, the lines staged once and published as trigger 1 without a
+  flag word, the peer's lines zeroed); seq 2, the peer ran a one-shot: NaN
+  at once.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ THIS = os.path.abspath(__file__)
 SHORT_S, LONG_S = 3.0, 20.0  # endpoint timeouts: cases that must time out, and those that must not wait
 CASES = ("oneshot_on_time_late_stale", "pieces_rank1_aliased", "mismatch", "abort", "two_shot",
          "ll_on_time_torn_stale", "ll_rank1_tails_blocks", "ll_mismatch_ll", "ll_mismatch_oneshot",
-         "ll_no_announcement", "ll_abort")
+         "ll_no_announcement", "ll_abort", "ll_proxy_sent_mismatch")
 
 
 # --- the tests -------------------------------------------------------------------
@@ -195,7 +201,7 @@ def _aborted(c, peer, f, x):
 def case_oneshot_on_time_late_stale(c):
     from gpu_fake_peer import EVERY_PEER, TRIGGER_HEADER, FakePeer, chunk_range, flag_word, raw
 
-    peer = FakePeer(9001, 0, timeout_s=SHORT_S)
+    peer = FakePeer(9001, 0, timeout_s=SHORT_S, ll_max_bytes=0)
     n, nbytes = 1001, 2002
     algorithm, pieces = peer.plan(nbytes)
     c.expect("plan", algorithm == "one_shot", algorithm=algorithm)
@@ -262,7 +268,7 @@ def case_pieces_rank1_aliased(c):
 def case_mismatch(c):
     from gpu_fake_peer import MISMATCH, FakePeer, flag_word
 
-    peer = FakePeer(9003, 0, timeout_s=LONG_S)
+    peer = FakePeer(9003, 0, timeout_s=LONG_S, ll_max_bytes=0)
     n = 512
     _, pieces = peer.plan(4 * n)
     desc, other = peer.oneshot_desc("float32", n, pieces), peer.oneshot_desc("float32", n + 1, pieces)
@@ -278,7 +284,7 @@ def case_mismatch(c):
 def case_abort(c):
     from gpu_fake_peer import FakePeer
 
-    peer = FakePeer(9004, 0, timeout_s=LONG_S)
+    peer = FakePeer(9004, 0, timeout_s=LONG_S, ll_max_bytes=0)
     mine, _ = _inputs("float32", 512, 5)
     _aborted(c, peer, _psum(9004, _dev(mine)), mine)
     peer.close()
@@ -413,6 +419,41 @@ def case_ll_abort(c):
     peer = FakePeer(9105, 0, timeout_s=LONG_S, direct=True)
     mine, _ = _inputs("bfloat16", 1001, 24)
     _aborted(c, peer, _psum(9105, _dev(mine)), mine)
+    peer.close()
+
+
+def case_ll_proxy_sent_mismatch(c):
+    from gpu_fake_peer import (EVERY_PEER, LL_LINE, MISMATCH, NO_FLAG, TRIGGER_HEADER, FakePeer, flag_word, ll_flag,
+                               lines_of)
+
+    peer = FakePeer(9107, 0, timeout_s=LONG_S)
+    n, nbytes = 1001, 2002  # 251 lines, the last with 6 bytes of padding
+    lines = -(-nbytes // 8)
+    c.expect("plan", peer.plan(nbytes)[0] == "ll", plan=peer.plan(nbytes))
+    desc = peer.ll_desc("bfloat16", n)
+    mine, theirs = _inputs("bfloat16", n, 26)
+    f = _psum(9107, _dev(mine))
+    peer.write_lines(1, 1, theirs, ll_flag(1, desc))
+    peer.signal(1, 1, desc)
+    c.expect("on_time_sum", _same(np.asarray(f(_dev(mine))), _sum(mine, theirs)))
+    staged = peer.send + peer.send_bytes  # parity 1, lane 0
+    wants = [{"src": staged, "len": 0, "dst": peer.slot_at(1, 0), "flag": peer.word(0, 0), "value": flag_word(1, desc),
+              "dest": EVERY_PEER, "family": TRIGGER_HEADER, "tag": 1},
+             {"src": staged, "len": LL_LINE * lines, "dst": peer.lines_at(1, 0), "flag": NO_FLAG,
+              "value": flag_word(1, desc), "dest": EVERY_PEER, "family": 0, "tag": 2}]
+    for k, want in enumerate(wants):
+        c.expect(f"trigger_{k}", peer.trigger(k) == want, **{f"trigger_{k}": peer.trigger(k), f"want_{k}": want})
+    sent = np.frombuffer(peer.read(staged, LL_LINE * lines), np.uint32).reshape(lines, 4)
+    c.expect("staged_lines", np.array_equal(sent, lines_of(mine, ll_flag(1, desc), ll_flag(1, desc))))
+    c.expect("consumed_zeroed", not peer.read_lines(1, 1, lines).any())
+    ctl = peer.control()
+    c.expect("on_time_control", ctl["done"] == 1 and ctl["failed_seq"] == 0, control=ctl)
+
+    other = peer.oneshot_desc("bfloat16", n, 1)  # the peer ran a one-shot at seq 2
+    peer.write_slot(2, 1, theirs)
+    peer.signal(1, 2, other)
+    got, seconds = _timed(f, mine)
+    _at_once(c, peer, got, seconds, MISMATCH, failed_seq=2, failed_src=1, failed_flag=flag_word(2, other))
     peer.close()
 
 

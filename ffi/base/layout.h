@@ -11,11 +11,11 @@
 //              the trigger ring's counters (this rank's writers only)
 //   flags      kFlagWords words: the flag words peers write (base/words.h, "The flag page")
 //   recv       psum inbox: [2 parities][world sources][slot_bytes]
+//   ll_recv    LL inbox: [2 parities][world sources][kLLSlotBytes]
 //   send       psum staging: [2 parities][send_bytes]
 //   ring       kRing triggers: the device side -> the proxy (see proxy.h)
 //   bulk_recv  bulk inbox: [2 parities][world sources][bulk_lane]
 //   bulk_send  bulk staging: [2 parities][world destinations][bulk_lane]
-//   ll_recv    LL inbox: [2 parities][world sources][kLLSlotBytes]
 //   relay      a ring of 4 only (base/topology.h): what prev sends to the
 //              rank two away, for this rank's proxy to put on to it: psum
 //              [2 parities][slot_bytes], bulk [2 parities][bulk_lane], the
@@ -24,12 +24,12 @@
 //              rank's own outgoing records, staged for the carrier
 //              [kRoots][kRing] (written by this rank only)
 // Peers write only their own parts of the inbox: their flag words, their
-// psum slots recv[*][src] and their bulk lanes bulk_recv[*][src], and, for a
-// relay, the relayed source's (a carrier checks every remote write with
-// Layout::may_write; prev alone writes the relay area). ll_recv is written
-// only by the peers' kernels, through a mapping of this region (the direct
-// channel on one host), never by a carrier; control, ring and the staging
-// buffers only by this rank.
+// psum slots recv[*][src], their LL slots ll_recv[*][src] and their bulk
+// lanes bulk_recv[*][src], and, for a relay, the relayed source's (a carrier
+// checks every remote write with Layout::may_write; prev alone writes the
+// relay area); control, ring and the staging buffers only by this rank.
+// flags, recv and ll_recv follow each other: the one window of the inbox
+// that a NIC lets peers write (inbox_lo, inbox_hi).
 //
 // Two families of collectives use the endpoint, each with its own sequence
 // numbers, buffers and flag words: psum (one-shot, two-shot, LL), and the
@@ -114,12 +114,15 @@ static_assert(sizeof(Control) <= 512 && 512 + 2 * (2 * kFamilies * kDescriptorWo
 constexpr int kRing = 256;
 constexpr uint64_t kEveryPeer = ~0ull;
 constexpr uint64_t kTriggerHeader = 1ull << 8;
+// Trigger::flag of a put with no flag word after its bytes: LL lines, which
+// carry their own (see "The LL one-shot").
+constexpr uint64_t kTriggerNoFlag = ~0ull;
 
 struct alignas(64) Trigger {
   uint64_t src;    // offset of the bytes in this rank's region
   uint64_t len;
   uint64_t dst;    // offset where they land in the peer's region
-  uint64_t flag;   // flag page index of root 0's word
+  uint64_t flag;   // flag page index of root 0's word, or kTriggerNoFlag
   uint64_t value;  // the flag word
   uint64_t dest;   // the peer's rank, or kEveryPeer
   uint64_t family; // Family, | kTriggerHeader: put the staged header (family, parity) first
@@ -136,26 +139,29 @@ struct alignas(64) RelayRecord {
 };
 static_assert(sizeof(RelayRecord) == 64, "RelayRecord crosses the wire: keep its layout fixed");
 
-// ---- the LL one-shot psum (direct channel on one host) ------------------------
+// ---- the LL one-shot psum ------------------------------------------------------
 //
 // A one-shot psum of at most kLLMaxPayload bytes whose flags travel inside
 // the data, as in NCCL's LL protocol (ffi/cuda/ll.cu): the reader needs no
-// separate flag and the writer no fence, so the partial crosses the bus once
-// each way. The partial goes in 16-byte lines of 8 payload bytes, {data0,
-// flag, data1, flag} (32-bit words), each 8-byte half carrying its own copy of
-// the line's flag: a line is written with one 16-byte store whose halves are
-// each one 8-byte single-copy-atomic access, so a reader may see one half new
-// and the other old, but never a half whose data and flag disagree. A partial
-// whose size is not a multiple of 8 pads its last line.
+// separate flag and no header after it, so it makes one round trip to the
+// bytes where the pipelined one-shot makes three (flag, header, data). The
+// partial goes in 16-byte lines of 8 payload bytes, {data0, flag, data1,
+// flag} (32-bit words), each 8-byte half carrying its own copy of the line's
+// flag: a line is written as two 8-byte single-copy-atomic accesses, so a
+// reader may see one half new and the other old, but never a half whose data
+// and flag disagree. A partial whose size is not a multiple of 8 pads its
+// last line.
 //
-// Sender `src` writes its lines for seq into each peer's ll_recv[seq & 1][src]
-// straight through the mapping of the peer's memory; no carrier and no proxy
-// is involved, which is why ll_recv is no carrier's to write. The flag,
-// ll_flag(seq, desc), is never 0 (bit 0 is set) and, for one seq, distinct for
-// distinct descriptors (the 24-bit descriptor fills bits 8-31); bits 1-7 hold
-// seq / 2 (the same slot's previous uses). Readers zero every line they
-// consumed (the proof that a polled line holds 0 or the line of this seq is
-// in ll.cu).
+// Sender `src`'s lines for seq land in each peer's ll_recv[seq & 1][src],
+// stored there by its kernel through the mapping of the peer's memory (the
+// direct channel), or staged once and put by its proxy (the proxy channel)
+// through a carrier whose puts land in whole aligned 8-byte words
+// (Transport::whole_words: shm, verbs; not tcp, whose receiver's recv() may
+// stop inside a word). The flag, ll_flag(seq, desc), is never 0 (bit 0 is
+// set) and, for one seq, distinct for distinct descriptors (the 24-bit
+// descriptor fills bits 8-31); bits 1-7 hold seq / 2 (the same slot's
+// previous uses). Readers zero every line they consumed (the proof that a
+// polled line holds 0 or the line of this seq is in ll.cu).
 constexpr uint64_t kLLLineBytes = 16;
 constexpr uint64_t kLLLinePayload = 8;
 constexpr uint64_t kLLMaxPayload = 128 << 10;  // the largest LL partial: a slot holds its lines, twice its size
@@ -201,12 +207,12 @@ struct Layout {
     l.control = 0;
     l.flags = kPage;
     l.recv = kPage + 8 * kFlagWords;
-    l.send = l.recv + 2 * (uint64_t)g.world * g.slot_bytes;
+    l.ll_recv = page_up(l.recv + 2 * (uint64_t)g.world * g.slot_bytes);
+    l.send = l.ll_recv + 2 * (uint64_t)g.world * kLLSlotBytes;
     l.ring = page_up(l.send + 2 * g.send_bytes);
     l.bulk_recv = page_up(l.ring + kRing * sizeof(Trigger));
     l.bulk_send = page_up(l.bulk_recv + 2 * (uint64_t)g.world * l.bulk_lane);
-    l.ll_recv = page_up(l.bulk_send + 2 * (uint64_t)g.world * l.bulk_lane);
-    l.relay = page_up(l.ll_recv + 2 * (uint64_t)g.world * kLLSlotBytes);
+    l.relay = page_up(l.bulk_send + 2 * (uint64_t)g.world * l.bulk_lane);
     const bool relays = l.topo.relays();
     l.relay_bulk = page_up(l.relay + (relays ? 2 * g.slot_bytes : 0));
     l.relay_headers = page_up(l.relay_bulk + (relays ? 2 * l.bulk_lane : 0));
@@ -284,11 +290,13 @@ struct Layout {
     return flag_offset == this->flag_offset(relay_word(0)) || flag_offset == this->flag_offset(relay_word(kRoots - 1));
   }
   // Whether `src` may write [offset, offset + len) of a peer's region: inside
-  // one of its own inbox slots (recv[p][src], bulk_recv[p][src]).
+  // one of its own inbox slots (recv[p][src], ll_recv[p][src],
+  // bulk_recv[p][src]) or header slots.
   ARX_HD bool src_may_write(int src, uint64_t offset, uint64_t len) const {
     for (int p = 0; p < 2; ++p) {
-      const uint64_t a = recv_offset(p, src), b = bulk_recv_offset(p, src);
+      const uint64_t a = recv_offset(p, src), b = bulk_recv_offset(p, src), c = ll_recv_offset(p, src);
       if (offset >= a && offset <= a + slot_bytes && len <= a + slot_bytes - offset) return true;
+      if (offset >= c && offset <= c + kLLSlotBytes && len <= c + kLLSlotBytes - offset) return true;
       if (bulk_lane && offset >= b && offset <= b + bulk_lane && len <= b + bulk_lane - offset) return true;
       for (int f = 0; f < kFamilies; ++f) {
         const uint64_t h = flag_offset(header_word((Family)f, p, src)), n = 8 * kDescriptorWords;
@@ -302,7 +310,7 @@ struct Layout {
     if (offset < flags || offset >= flags + 8 * kFlagWords || (offset - flags) % 8) return false;
     return src_owns_word(src, (int)((offset - flags) / 8), world);
   }
-  // The whole inbox, [flags, end of recv), bulk_recv and the relay area:
+  // The whole inbox, [flags, end of ll_recv), bulk_recv and the relay area:
   // what any peer may write at all (the verbs carrier registers these for
   // remote writes).
   uint64_t inbox_lo() const { return flags; }

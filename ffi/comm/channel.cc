@@ -8,7 +8,8 @@ struct FamilyPlace {
   uint64_t inbox, inbox_parity, lane, stage, stage_parity;
 };
 
-FamilyPlace place_of(const Layout& L, Family f) {
+FamilyPlace place_of(const Layout& L, Family f, bool ll_lines) {
+  if (ll_lines) return {L.ll_recv, (uint64_t)L.world * kLLSlotBytes, kLLSlotBytes, L.send, L.send_bytes};
   switch (f) {
     case Family::kPsum:
       return {L.recv, (uint64_t)L.world * L.slot_bytes, L.slot_bytes, L.send, L.send_bytes};
@@ -26,8 +27,8 @@ FlagWords words_of(const Layout& L, Family f, int roots) {
   return {};
 }
 
-Inbox inbox_of(const Layout& L, Family f, int roots, uint8_t* base) {
-  const FamilyPlace p = place_of(L, f);
+Inbox inbox_of(const Layout& L, Family f, int roots, uint8_t* base, bool ll_lines) {
+  const FamilyPlace p = place_of(L, f, ll_lines);
   Inbox in;
   in.data = base + p.inbox;
   in.parity_bytes = p.inbox_parity;
@@ -40,10 +41,10 @@ Inbox inbox_of(const Layout& L, Family f, int roots, uint8_t* base) {
 
 }  // namespace
 
-ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, uint8_t* base) {
-  const FamilyPlace p = place_of(L, f);
+ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, uint8_t* base, bool ll_lines) {
+  const FamilyPlace p = place_of(L, f, ll_lines);
   ProxyChannel c;
-  c.in = inbox_of(L, f, roots, base);
+  c.in = inbox_of(L, f, roots, base, ll_lines);
   c.rank = rank;
   c.world = L.world;
   c.family = f;
@@ -56,10 +57,11 @@ ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, 
   return c;
 }
 
-DirectChannel make_direct_channel(const Layout& L, Family f, int rank, uint8_t* base, uint8_t* const* peers) {
-  const FamilyPlace p = place_of(L, f);
+DirectChannel make_direct_channel(const Layout& L, Family f, int rank, uint8_t* base, uint8_t* const* peers,
+                                  bool ll_lines) {
+  const FamilyPlace p = place_of(L, f, ll_lines);
   DirectChannel c;
-  c.in = inbox_of(L, f, 1, base);
+  c.in = inbox_of(L, f, 1, base, ll_lines);
   c.rank = rank;
   c.world = L.world;
   for (int j = 0; j < L.world; ++j) {

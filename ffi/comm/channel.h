@@ -17,7 +17,9 @@
 //                  trigger; the proxy thread puts the bytes and the flag word
 //                  through the carrier (shm, tcp, verbs), in that order on
 //                  one ordered channel per root.
-// The LL one-shot, whose flags travel inside the data, is the third medium
+// The LL one-shot's lines, which carry their flags, go over either medium
+// as a channel of their own whose inbox is ll_recv (make_*_channel with
+// `ll_lines`): their bytes are announced with publish(), no flag word
 // (cuda/ll.cu).
 //
 // The protocol both carry, per family (psum; the bulk collectives):
@@ -126,7 +128,13 @@ ARX_HD uint64_t trigger_index(Fan fan, int rank, int world, int piece, uint64_t 
 //                            offset in it);
 //   signal(dest, p, lo, hi)  announces bytes [lo, hi) of that lane as
 //                            piece p of the seq;
-//   entries(pieces)          trigger ring entries the collective takes.
+//   publish(dest, p, lo, hi) the same without a flag word, for bytes that
+//                            carry their own (LL lines): through the proxy,
+//                            the put alone; direct, nothing left to do;
+//   entries(pieces)          trigger ring entries the collective takes;
+// and the channel says whether its puts are only staged (kStaged: nothing
+// reaches a peer before the signal or publish, which therefore must follow
+// every put it covers in a fence's order).
 
 // Peers on one host, whose memory is mapped here. A put is a store into the
 // peer's lane for this rank; the signal, one release store per peer into its
@@ -142,6 +150,7 @@ struct DirectChannel {
   uint64_t* peer_flags[kMaxWorld] = {};  // each peer's flag page, mapped here
   uint64_t* peer_heard[kMaxWorld] = {};  // this rank's heard word of the family in each peer's region (layout.h)
 
+  static constexpr bool kStaged = false;
   struct Out;
   // `fan` and `lane` are the proxy's: a peer's lane is where its inbox has it.
   ARX_HD Out open(const SeqSend& s, Fan fan, uint64_t lane = 0) const;
@@ -174,6 +183,7 @@ struct DirectChannel::Out {
       store_release(page + ch.in.words.index(ch.rank, piece, 0), s.value);
     }
   }
+  ARX_HD void publish(uint64_t, int, uint64_t, uint64_t) const {}
   ARX_HD uint64_t entries(int) const { return 0; }
 };
 
@@ -203,6 +213,7 @@ struct ProxyChannel {
   Trigger* ring = nullptr;
   uint64_t* staged = nullptr;      // this family's staged headers, by parity (Layout::staged_header_offset)
 
+  static constexpr bool kStaged = true;
   struct Out;
   // `lane`: how far apart the staging lanes of the peers are (kEachPeer).
   ARX_HD Out open(const SeqSend& s, Fan fan, uint64_t lane = 0) const;
@@ -234,16 +245,24 @@ struct ProxyChannel::Out {
       store_relaxed(h + 2, s.d.count);
       store_relaxed(h + 3, s.d.tag);
     }
+    trigger(dest, piece, lo, hi, (uint64_t)ch.in.words.index(ch.rank, piece, 0),
+            (uint64_t)ch.family | (piece == 0 ? kTriggerHeader : 0));
+  }
+  // The put alone: no flag word, no header (the bytes carry their own).
+  ARX_HD void publish(uint64_t dest, int piece, uint64_t lo, uint64_t hi) const {
+    trigger(dest, piece, lo, hi, kTriggerNoFlag, (uint64_t)ch.family);
+  }
+  ARX_HD void trigger(uint64_t dest, int piece, uint64_t lo, uint64_t hi, uint64_t flag, uint64_t family) const {
     const uint64_t at = s.ring + trigger_index(fan, ch.rank, ch.world, piece, dest);
     Trigger* t = ch.ring + at % kRing;
     store_relaxed(&t->src, ch.stage_offset + stage_at(dest) + lo);
     store_relaxed(&t->len, hi - lo);
     store_relaxed(&t->dst,
                   ch.inbox_offset + (uint64_t)s.par * ch.in.parity_bytes + (uint64_t)ch.rank * ch.in.lane_bytes + lo);
-    store_relaxed(&t->flag, (uint64_t)ch.in.words.index(ch.rank, piece, 0));
+    store_relaxed(&t->flag, flag);
     store_relaxed(&t->value, s.value);
     store_relaxed(&t->dest, dest);
-    store_relaxed(&t->family, (uint64_t)ch.family | (piece == 0 ? kTriggerHeader : 0));
+    store_relaxed(&t->family, family);
     store_release(&t->tag, at + 1);
   }
   ARX_HD uint64_t entries(int pieces) const {
@@ -257,8 +276,11 @@ ARX_HD ProxyChannel::Out ProxyChannel::open(const SeqSend& s, Fan fan, uint64_t 
 
 // The channels of one family, built from a region as a device side sees it
 // (`base`: its address there; `peers[j]`: peer j's region mapped there, for
-// the direct medium). `roots`: the carrier's.
-ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, uint8_t* base);
-DirectChannel make_direct_channel(const Layout& L, Family f, int rank, uint8_t* base, uint8_t* const* peers);
+// the direct medium). `roots`: the carrier's. `ll_lines` (psum only): the
+// LL one-shot's lines, whose inbox is ll_recv (a lane is an LL slot) and
+// whose staging is the psum family's; they have no flag words of their own.
+ProxyChannel make_proxy_channel(const Layout& L, Family f, int rank, int roots, uint8_t* base, bool ll_lines = false);
+DirectChannel make_direct_channel(const Layout& L, Family f, int rank, uint8_t* base, uint8_t* const* peers,
+                                  bool ll_lines = false);
 
 }  // namespace arx

@@ -27,11 +27,32 @@ constexpr uint64_t kPieceBytesBulkHostProxy = 512 << 10;
 // otherwise, the one-shot stops where LL does there.
 constexpr uint64_t kOneShotMaxHostInboxes = kLLMaxPayload;
 
+// Through the proxy the receiving GPU polls lines in host memory while the
+// proxy writes them, and the two contend for the same lines: from 32 KiB on
+// the one-shot behind a flag wins (examples/bench_psum.py, arx-shm-proxy
+// against arx-shm-proxy-noll under MPS: docs/performance.md).
+constexpr uint64_t kLLMaxProxy = 16 << 10;
+
 uint64_t ll_limit(const Endpoint& ep) {
   const int64_t cfg = ep.spec().config.cuda_ll_max_bytes;
   if (cfg == 0) return 0;
-  // Up to its cap by default, with either kind of inbox (bench_psum.py).
-  return cfg < 0 ? kLLMaxPayload : std::min<uint64_t>((uint64_t)cfg, kLLMaxPayload);
+  // Up to its cap by default on the direct channel, with either kind of
+  // inbox (bench_psum.py); to kLLMaxProxy through the proxy.
+  if (cfg < 0) return ep.route().direct ? kLLMaxPayload : kLLMaxProxy;
+  return std::min<uint64_t>((uint64_t)cfg, kLLMaxPayload);
+}
+
+// Whether the LL one-shot runs a `bytes`-byte partial: on a GPU, up to its
+// limit, on the direct channel, or through the proxy where the carrier's
+// puts land in whole words (layout.h, "The LL one-shot"), no relay forwards
+// them (comm/proxy.cc: a relay would read lines the next rank zeroes) and the
+// lines fit the staging buffer.
+bool ll_runs(const Endpoint& ep, uint64_t bytes) {
+  if (ep.spec().platform != Platform::kCuda || bytes > ll_limit(ep)) return false;
+  if (ep.route().direct) return true;
+  const Layout& L = ep.layout();
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload * kLLLineBytes;
+  return ep.transport()->whole_words() && !L.topo.relays() && lines <= L.send_bytes;
 }
 
 int psum_pieces(const Endpoint& ep, uint64_t bytes) {
@@ -85,7 +106,7 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
   // fills at most a slot.
   const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;
   if (bytes <= oneshot_max) {
-    if (cuda && ep.route().direct && bytes <= ll_limit(ep)) {
+    if (ll_runs(ep, bytes)) {
       p.algorithm = Algorithm::kLL;
       return p;
     }

@@ -18,7 +18,7 @@ enum class Algorithm : int64_t {
   kNone = 0,     // jax_arx does not take it (why_not says why)
   kOneShot = 1,  // every rank puts its partial to every peer, in `pieces` pieces, then sums
   kTwoShot = 2,  // a reduce-scatter then an all-gather, a seq each
-  kLL = 3,       // the one-shot with its flags inside the data (CUDA, direct channel)
+  kLL = 3,       // the one-shot with its flags inside the data (CUDA)
   kBulk = 4,     // a bulk collective, in `pieces` pieces (at most kChunks)
 };
 static_assert((int)Algorithm::kBulk + 1 == Stats::kAlgorithms, "Stats counts every algorithm");

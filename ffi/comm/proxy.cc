@@ -86,6 +86,13 @@ Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
   for (int i = 0; i < n; ++i) {
     const int peer = peer_in_send_order(rank, world, t.dest, i);
     if (!L.topo.linked(rank, peer)) {
+      // A relay forwards out of the next rank's inbox, whose LL lines that
+      // rank zeroes once it has read them: lines are never relayed (the plan
+      // runs no LL through a relay).
+      if (t.flag == kTriggerNoFlag)
+        return Status::Error(strf("jax_arx: %s: trigger %llu puts LL lines to rank %d, which this rank reaches only "
+                                  "through a relay; a bug of jax_arx's plan, please report it",
+                                  ep.label().c_str(), (unsigned long long)t.tag - 1, peer));
       if (t.family & kTriggerHeader) ARX_RETURN_IF_ERROR(relay.header(t, peer, header));
       for (int root = 0; root < roots; ++root) {
         uint64_t off, len;
@@ -103,7 +110,8 @@ Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
       uint64_t off, len;
       root_split(t.len, root, roots, off, len);
       ARX_RETURN_IF_ERROR(carrier->put(peer, root, ep.base() + t.src + off, t.dst + off, len,
-                                       L.flag_offset((int)t.flag + root), t.value));
+                                       t.flag == kTriggerNoFlag ? kNoFlag : L.flag_offset((int)t.flag + root),
+                                       t.value));
     }
   }
   return Status::Ok();

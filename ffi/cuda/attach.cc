@@ -61,9 +61,7 @@ void use_gpu_inboxes(Channels& c, const Layout& L, const PeerInboxes& in) {
   };
   move(c.psum_direct, recv);
   move(c.bulk_direct, bulk);
-  c.ll.lines = in.mine + ll;
-  for (int p = 0; p < world; ++p)
-    if (p != rank) c.ll.peer_lines[p] = in.peer[p] + ll;
+  move(c.ll_direct.lines, ll);
 }
 
 uint64_t gpu_inbox_bytes(const Layout& L) {
@@ -104,6 +102,7 @@ Status attach(Endpoint& ep) {
   }
   c.psum_proxy = make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base);
   c.bulk_proxy = make_proxy_channel(L, Family::kBulk, rank, ep.roots(), base);
+  c.ll_proxy = LLChannel<ProxyChannel>{c.psum_proxy, make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base, true)};
   Endpoint::Route route;
   route.direct = ep.route().direct && ep.spec().config.cuda_direct;  // the host's choice: mapped peers, no ring
   if (route.direct) {
@@ -115,9 +114,7 @@ Status attach(Endpoint& ep) {
     }
     c.psum_direct = make_direct_channel(L, Family::kPsum, rank, base, peers);
     c.bulk_direct = make_direct_channel(L, Family::kBulk, rank, base, peers);
-    c.ll.lines = base + L.ll_recv;
-    for (int p = 0; p < world; ++p)
-      if (p != rank) c.ll.peer_lines[p] = peers[p] + L.ll_recv;
+    c.ll_direct.lines = make_direct_channel(L, Family::kPsum, rank, base, peers, true);
     PeerInboxes inboxes;
     ARX_RETURN_IF_ERROR(map_peer_memory(ep, device, gpu_inbox_bytes(L), inboxes));
     if (inboxes.mine) {
@@ -125,7 +122,7 @@ Status attach(Endpoint& ep) {
       st->peer_memory = std::move(inboxes.holder);
       route.gpu_inboxes = true;
     }
-    c.ll.psum = c.psum_direct;
+    c.ll_direct.psum = c.psum_direct;
   }
   c.direct = route.direct;
   ep.set_route(route);

@@ -62,15 +62,15 @@ struct Grid {
   TraceBuffer* trace;    // the stage timestamps, as the device addresses them (base/trace.h): null but in a trace build
 };
 
-// The LL one-shot's medium (ll.cu): lines that carry their flags, written
-// straight into each peer's ll_recv through the mapping of its memory. Its
-// announcement words are the psum family's piece-0 words of the direct
-// channel (so a peer that ran another algorithm at the same seq shows up
-// there as a mismatch).
+// The LL one-shot's channels (ll.cu), of one medium: its lines, which carry
+// their flags, over `lines` (a channel whose inbox is ll_recv: comm/
+// channel.h, `ll_lines`), and its announcement over `psum`, the psum
+// family's piece-0 word (so a peer that ran another algorithm at the same
+// seq shows up there as a mismatch).
+template <typename Ch>
 struct LLChannel {
-  DirectChannel psum;
-  uint8_t* lines = nullptr;                // this rank's ll_recv[0][0]
-  uint8_t* peer_lines[kMaxWorld] = {};     // each peer's ll_recv[0][0], mapped here
+  Ch psum;
+  Ch lines;
 };
 
 // Weight ranges the next kernels read: the kernel asks L2 for them while it
@@ -129,7 +129,8 @@ struct Channels {
   bool direct = false;
   DirectChannel psum_direct, bulk_direct;
   ProxyChannel psum_proxy, bulk_proxy;
-  LLChannel ll;
+  LLChannel<DirectChannel> ll_direct;
+  LLChannel<ProxyChannel> ll_proxy;
 };
 const Channels& channels_of(const Endpoint& ep);
 

@@ -23,9 +23,10 @@ template <typename Ch>
 cudaError_t launch_twoshot(const Grid& g, const Ch& ch, DType dtype, const void* in, void* out, uint64_t count,
                            uint64_t tag, const Prefetch& pf, cudaStream_t stream);
 
-// ll.cu: the LL one-shot (direct only).
-cudaError_t launch_ll(const Grid& g, const LLChannel& ch, DType dtype, const void* in, void* out, uint64_t count,
-                      uint64_t tag, const Prefetch& pf, cudaStream_t stream);
+// ll.cu: the LL one-shot.
+template <typename Ch>
+cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out,
+                      uint64_t count, uint64_t tag, const Prefetch& pf, cudaStream_t stream);
 
 // bulk.cu: one bulk collective.
 enum class BulkKind { kGather, kScatter, kMoe };

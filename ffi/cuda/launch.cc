@@ -23,7 +23,8 @@ cudaError_t launch_psum(const Endpoint& ep, const Plan& plan, DType dtype, const
   const Channels& c = channels_of(ep);
   switch (plan.algorithm) {
     case Algorithm::kLL:
-      return launch_ll(c.grid, c.ll, dtype, in, out, count, tag, pf, stream);
+      if (c.direct) return launch_ll(c.grid, c.ll_direct, dtype, in, out, count, tag, pf, stream);
+      return launch_ll(c.grid, c.ll_proxy, dtype, in, out, count, tag, pf, stream);
     case Algorithm::kOneShot:
       return over(c, Family::kPsum, [&](const auto& ch) {
         return launch_oneshot(c.grid, ch, dtype, in, out, count, tag, pf, plan.pieces, stream);

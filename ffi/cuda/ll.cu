@@ -1,22 +1,27 @@
-// The LL one-shot psum: the third medium (layout.h, "The LL one-shot";
-// NCCL's LL protocol), on the direct channel only. The pipelined one-shot's
-// reader makes two bus round trips per piece, one for the flag and one for
-// the data after it, and its writer fences between data and flag. Here the
-// partial goes in 16-byte lines, {data0, f, data1, f}, f = ll_flag(seq,
-// desc): the reader's poll of a line is its read of the data, and the writer
-// needs no fence, since each 8-byte half is one single-copy-atomic access
-// (the lines are stored and loaded as .v2.u64: the PTX memory model treats a
-// vector access as one access per element, so a half never tears; the halves
-// may arrive apart, which is why each has its own copy of f).
+// The LL one-shot psum (layout.h, "The LL one-shot"; NCCL's LL protocol),
+// over either medium (cuda/device_side.h, LLChannel). The pipelined
+// one-shot's reader makes a bus round trip for the flag, one for the header
+// and one for the data after them, and its writer fences between data and
+// flag. Here the partial goes in 16-byte lines, {data0, f, data1, f}, f =
+// ll_flag(seq, desc): the reader's poll of a line is its read of the data.
+// Each 8-byte half is one single-copy-atomic access (the lines are stored
+// and loaded as .v2.u64: the PTX memory model treats a vector access as one
+// access per element, so a half never tears; the halves may arrive apart,
+// which is why each has its own copy of f), and a carrier that puts lines
+// puts whole words (Transport::whole_words).
 //
 // One seq, one grid: B blocks of lines (ll_grid) and one service block. Thread
 // g of the B blocks' N threads owns lines g, g + N, ... (kLLLinesPerThread at
 // most) of the partial, 8 payload bytes each, and for each of them
 //   1. reads its 8 bytes of `in` (device memory), before anything is written
 //      to `out` (in may alias out: no other thread touches these bytes);
-//   2. stores the line into every peer's ll_recv[seq & 1][rank] (send order
-//      rank + 1, rank + 2, ...), one relaxed system-scope 16-byte store each,
-//      no fence;
+//   2. stores the line where the lines' channel says, one relaxed
+//      system-scope 16-byte store each: direct, into every peer's
+//      ll_recv[seq & 1][rank] (send order rank + 1, rank + 2, ...), no fence;
+//      through the proxy, into the staging buffer once, and the last block
+//      done with its stores (a grid counter, after a fence per block)
+//      publishes the whole partial's lines as one put, without a flag word
+//      (the staging is read before the trigger: comm/channel.h, kStaged);
 //   3. polls the same line of its own ll_recv[seq & 1][src], for every peer
 //      src, until both flag words equal f (ll_wait), bounded as every wait is
 //      (grid.cuh, DevicePoll);
@@ -24,12 +29,14 @@
 //   5. sums in rank order from rank 0's element, rounded once (the bits of
 //      every other algorithm), and writes its 8 bytes of out (NaN if it gave
 //      up).
-// The service block announces the seq to every peer (flag_word(seq, desc),
-// with release, into the peer's psum word (this rank, piece 0) -- the word
-// the other psum algorithms signal their first piece in), announces it to the
-// watchdog and asks L2 for the prefetch ranges, then waits for every peer's
-// announcement of seq. The last block out settles the seq (grid.cuh). After
-// an earlier failure (prior), no thread writes or waits for anything.
+// The service block announces the seq to every peer over the psum channel
+// (flag_word(seq, desc) into the peer's psum word (this rank, piece 0) --
+// the word the other psum algorithms signal their first piece in -- with
+// the exact descriptor in its header slot; through the proxy that trigger
+// comes first, before the lines'), announces it to the watchdog and asks L2
+// for the prefetch ranges, then waits for every peer's announcement of seq.
+// The last block out settles the seq (grid.cuh). After an earlier failure
+// (prior), no thread writes or waits for anything.
 //
 // Stale lines. Invariant: while an endpoint has not failed, every line of its
 // ll_recv holds 0 except lines that a peer wrote for a seq this rank has not
@@ -49,20 +56,27 @@
 // slot earlier (bits 1-7 of f wrap) by the same collective, a loop's
 // every-step psum, would be summed as this seq's: never acceptable.
 //
-// Buffer reuse: parity is enough. This rank writes its lines of seq + 2 into
-// a peer's ll_recv[seq & 1][rank] only in its kernel for seq + 2, which starts
-// after its kernel for seq + 1 completed. That kernel did not fail (after a
-// failure nothing more is written), so it acquired a word the peer released
-// in its kernel for seq + 1: the announcement (LL), or a piece's flag word
-// (the other algorithms, whose writers fence before it). That kernel of the
+// Buffer reuse: parity is enough. This rank's lines of seq + 2 reach a
+// peer's ll_recv[seq & 1][rank] only after its kernel for seq + 2 stored
+// them (and, through the proxy, published them), which starts after its
+// kernel for seq + 1 completed. That kernel did not fail (after a failure
+// nothing more is written), so it acquired a word the peer's seq + 1
+// released: the announcement (LL), or a piece's flag word (the other
+// algorithms, whose writers fence before it), stored by the peer's kernel
+// or by its proxy after acquiring the kernel's trigger. That kernel of the
 // peer's started after its kernel for seq completed, so every read of its
 // ll_recv[seq & 1] for seq, and every zeroing store, happens before that
 // release (the kernel boundary orders them before the releasing thread, and
-// the release is cumulative), hence before this rank's seq + 2 lines: the
-// peer finds 0 or seq + 2's lines there. The same holds for this rank's own
-// ll_recv, with the roles swapped. No fence is needed at the end of the
-// kernel. The argument needs an endpoint's kernels not to overlap (stream
-// order).
+// release is cumulative, also through the proxy's acquire and release),
+// hence before this rank's seq + 2 lines: the peer finds 0 or seq + 2's
+// lines there. The same holds for this rank's own ll_recv, with the roles
+// swapped. No fence is needed at the end of the kernel. The staging buffer
+// (proxy): this rank overwrites its lines of seq at seq + 2, after every
+// peer finished seq (comm/channel.h, (*)); a peer that finished seq had
+// every line of this rank's put, each written there after the proxy (or
+// the NIC) read it out of the staging buffer, so those reads are over,
+// although no flag word followed them. The argument needs an endpoint's
+// kernels not to overlap (stream order).
 //
 // Mismatch. A peer that issued another collective at this seq must show up
 // as an error, never as a sum. Its lines never match f (above). The
@@ -74,8 +88,8 @@
 // the same. A word past seq: the peer announced seq + 1 at the start of its
 // next kernel, so it finished seq -- it read all of this rank's lines, which
 // each thread stores before it polls -- and its own lines for seq were
-// stored before that kernel started: the next polls take them. It cannot be
-// past seq + 1: the peer's seq + 1 needs this rank's seq + 1 lines.
+// stored (or put) before that kernel started: the next polls take them. It
+// cannot be past seq + 1: the peer's seq + 1 needs this rank's seq + 1 lines.
 #include "cuda/device_side.h"
 #include "cuda/grid.cuh"
 #include "cuda/kernels.h"
@@ -152,10 +166,10 @@ __device__ __forceinline__ uint2 ll_sum(int rank, int world, uint2 mine, const u
 }
 
 // Step 3 for thread g's lines (g, g + nthr, ... below `lines`): polls them in
-// every peer's slot of `slots` (this rank's ll_recv[seq & 1]) until each
+// every peer's slot of `in` (this rank's ll_recv, lanes of parity seq & 1) until each
 // holds f in both halves, leaving them in lo / hi. false: the thread gave up
 // on the seq (what it found is in DeviceWords::fail_*).
-__device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, uint32_t f, const uint8_t* slots,
+__device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, uint32_t f, const Inbox& in,
                         uint64_t gt, uint64_t nthr, uint64_t lines, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
                         uint64_t (&hi)[kLLLinesPerThread][kMaxWorld]) {
   uint32_t pending = 0;  // bit src * kLLLinesPerThread + k: line k from src not taken yet
@@ -173,7 +187,7 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
         if (pending >> (src * kLLLinesPerThread + k) & 1)
-          ld_line(slots + src * kLLSlotBytes + kLLLineBytes * (gt + k * nthr), lo[k][src], hi[k][src]);
+          ld_line(in.lane(s.par, src) + kLLLineBytes * (gt + k * nthr), lo[k][src], hi[k][src]);
 #pragma unroll
     for (int src = 0; src < kMaxWorld; ++src)
 #pragma unroll
@@ -201,20 +215,25 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
   return true;
 }
 
-template <DType D>
-__global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, const uint8_t* in, uint8_t* out,
+template <typename Ch, DType D>
+__global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> ch, const uint8_t* in, uint8_t* out,
                                                          uint64_t count, uint64_t tag, Prefetch pf) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
   const int rank = ch.psum.rank, world = ch.psum.world, blocks = (int)gridDim.x - 1;
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
+  const auto announce = ch.psum.open(s.send(), Fan::kEveryPeer);
+  // Piece 1: the announcement is the collective's piece 0 (trigger_index).
+  const auto put = ch.lines.open(s.send(), Fan::kEveryPeer);
+  const uint64_t entries = announce.entries(1) + put.entries(1);
   auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
   if ((int)blockIdx.x == blocks) {
     // The announcement: release, so that it orders everything this rank did
     // before it, its earlier kernels' zeroing of their lines included (the
     // kernel boundary orders those before this thread).
     if (threadIdx.x == 0 && !s.prior) {
-      ch.psum.open(s.send(), Fan::kEveryPeer).signal(kEveryPeer, 0, 0, 0);
+      announce.signal(kEveryPeer, 0, 0, 0);
       note_published(g, Family::kPsum, s);
     }
     note_begun(g, Family::kPsum, s);
@@ -222,11 +241,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
     // Every peer's announcement: thread t waits for peer t's.
     const int t = (int)threadIdx.x;
     const bool ok = s.prior || t >= world || t == rank || wait_for(g, ch.psum, s, t, 0);
-    settle(g, ch.psum, Family::kPsum, s, !ok, 0, nan);
+    settle(g, ch.psum, Family::kPsum, s, !ok, entries, nan);
     return;
   }
   const uint64_t nthr = (uint64_t)blocks * blockDim.x, gt = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
   const bool aligned = aligned8(in) && aligned8(out);
   uint2 mine[kLLLinesPerThread];
 #pragma unroll
@@ -234,18 +252,31 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
     mine[k] = gt + k * nthr < lines ? ll_payload(in, gt + k * nthr, bytes, aligned) : make_uint2(0, 0);
   const uint32_t f = ll_flag(s.seq, s.desc);
   if (!s.prior) {
-    for (int step = 1; step < world; ++step) {  // send order: rank + 1, rank + 2, ...
-      const int peer = (rank + step) % world;
-      uint8_t* slot = ch.peer_lines[peer] + ((uint64_t)s.par * world + rank) * kLLSlotBytes;
+    for (int i = 0; i < put.fanout(kEveryPeer); ++i) {  // send order: rank + 1, rank + 2, ...
+      uint8_t* slot = put.put_dst(kEveryPeer, i);
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
         if (gt + k * nthr < lines)
           st_line(slot + kLLLineBytes * (gt + k * nthr), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
     }
+    if constexpr (Ch::kStaged) {
+      // The lines reach system scope before the put that reads them: each
+      // block's fence covers its threads' stores (after the barrier), and the
+      // last block's count acquires every other's.
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        fence_acq_rel();
+        const unsigned long long n = tagged_arrive(&g.words->family[(int)Family::kPsum].arrived, s.seq);
+        if ((n & 0xffff) == (unsigned long long)blocks) {
+          put.publish(kEveryPeer, 1, 0, kLLLineBytes * lines);
+          note_published(g, Family::kPsum, s);
+        }
+      }
+    }
   }
-  uint8_t* slots = ch.lines + (uint64_t)s.par * world * kLLSlotBytes;
   uint64_t lo[kLLLinesPerThread][kMaxWorld] = {}, hi[kLLLinesPerThread][kMaxWorld] = {};
-  const bool ok = !s.prior && ll_wait(g, s, rank, world, f, slots, gt, nthr, lines, lo, hi);
+  const bool ok = !s.prior && ll_wait(g, s, rank, world, f, ch.lines.in, gt, nthr, lines, lo, hi);
+  if (ok && threadIdx.x == 0) ARX_STAMP(g.trace, Family::kPsum, s.seq, kArrived, globaltimer());
   if (ok) {
     // Zero the lines consumed (see "Stale lines"). After a give-up the
     // endpoint is failed for good and no line is polled again.
@@ -253,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
       if (src == rank) continue;
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
-        if (gt + k * nthr < lines) st_line(slots + src * kLLSlotBytes + kLLLineBytes * (gt + k * nthr), 0, 0);
+        if (gt + k * nthr < lines) st_line(ch.lines.in.lane(s.par, src) + kLLLineBytes * (gt + k * nthr), 0, 0);
     }
   }
   // A thread that gave up writes NaN over its lines: the last block out
@@ -265,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel ch, c
   for (int k = 0; k < kLLLinesPerThread; ++k)
     if (gt + k * nthr < lines)
       ll_put(out, gt + k * nthr, bytes, aligned, ok ? ll_sum<D>(rank, world, mine[k], lo[k], hi[k]) : nan2);
-  settle(g, ch.psum, Family::kPsum, s, !ok && !s.prior, 0, nan);
+  settle(g, ch.psum, Family::kPsum, s, !ok && !s.prior, entries, nan);
 }
 
 // The LL grid: `blocks` blocks of `threads` threads (a multiple of 32, at
@@ -283,26 +314,32 @@ void ll_grid(uint64_t bytes, int& blocks, int& threads) {
   }
 }
 
-template <DType D>
-cudaError_t launch_typed(const Grid& g, const LLChannel& ch, const void* in, void* out, uint64_t count, uint64_t tag,
-                         const Prefetch& pf, cudaStream_t stream) {
+template <typename Ch, DType D>
+cudaError_t launch_typed(const Grid& g, const LLChannel<Ch>& ch, const void* in, void* out, uint64_t count,
+                         uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
   int blocks = 0, threads = 0;
   ll_grid(count * Elem<D>::kSize, blocks, threads);
-  ll_kernel<D><<<blocks + 1, threads, 0, stream>>>(g, ch, static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out),
-                                                   count, tag, pf);
+  ll_kernel<Ch, D><<<blocks + 1, threads, 0, stream>>>(g, ch, static_cast<const uint8_t*>(in),
+                                                       static_cast<uint8_t*>(out), count, tag, pf);
   return cudaGetLastError();  // may be an earlier kernel's error
 }
 
 }  // namespace
 
-cudaError_t launch_ll(const Grid& g, const LLChannel& ch, DType dtype, const void* in, void* out, uint64_t count,
-                      uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
+template <typename Ch>
+cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out,
+                      uint64_t count, uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: return launch_typed<DType::kF32>(g, ch, in, out, count, tag, pf, stream);
-    case DType::kBF16: return launch_typed<DType::kBF16>(g, ch, in, out, count, tag, pf, stream);
-    case DType::kF16: return launch_typed<DType::kF16>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, stream);
   }
   return cudaErrorInvalidValue;
 }
+
+template cudaError_t launch_ll<DirectChannel>(const Grid&, const LLChannel<DirectChannel>&, DType, const void*,
+                                              void*, uint64_t, uint64_t, const Prefetch&, cudaStream_t);
+template cudaError_t launch_ll<ProxyChannel>(const Grid&, const LLChannel<ProxyChannel>&, DType, const void*, void*,
+                                             uint64_t, uint64_t, const Prefetch&, cudaStream_t);
 
 }  // namespace arx::cuda

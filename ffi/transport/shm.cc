@@ -19,6 +19,7 @@ class ShmTransport final : public Transport {
   // Two roots, as on the NICs: the split costs one more copy and flag, and
   // keeps the protocol's two-root path exercised wherever tests run.
   int roots() const override { return kRoots; }
+  bool whole_words() const override { return true; }
 
   // The endpoint exchanged and mapped the regions: nothing of the carrier's own.
   std::string details() const override { return ""; }
@@ -41,12 +42,25 @@ class ShmTransport final : public Transport {
                                 "rank's slots in its inbox",
                                 ctx_.label.c_str(), peer, (unsigned long long)offset, (unsigned long long)len,
                                 (unsigned long long)flag_offset));
-    if (len) std::memcpy(base + offset, src, len);
+    if (len) copy(base + offset, src, offset, len);
     if (flag_offset != kNoFlag) store_release(reinterpret_cast<uint64_t*>(base + flag_offset), flag_value);
     return Status::Ok();
   }
 
   Status poll() override { return Status::Ok(); }
+  // An LL slot's lines are polled while they land (base/layout.h, "The LL
+  // one-shot"): they go in whole 8-byte stores, which memcpy does not
+  // promise. Everything else is read only after its flag.
+  void copy(uint8_t* dst, const void* src, uint64_t offset, uint64_t len) const {
+    const Layout& L = ctx_.layout;
+    if (offset < L.ll_recv || offset >= L.send || (offset | len | (uintptr_t)src) % 8) {
+      std::memcpy(dst, src, len);
+      return;
+    }
+    const uint64_t* from = static_cast<const uint64_t*>(src);
+    uint64_t* to = reinterpret_cast<uint64_t*>(dst);
+    for (uint64_t i = 0; i < len / 8; ++i) store_relaxed(to + i, from[i]);
+  }
   void close() override {}
 
  private:

@@ -103,6 +103,9 @@ class TcpTransport final : public Transport {
 
   TransportKind kind() const override { return TransportKind::kTcp; }
   int roots() const override { return kRoots; }
+  // recv() may return inside a word: a reader polling the destination could
+  // see half of it.
+  bool whole_words() const override { return false; }
   std::string details() const override { return tcp_auth::format_details(addr_, port_, keys_.pub); }
   Status connect(const std::vector<std::string>& details, double timeout_s) override;
   Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,

@@ -53,6 +53,10 @@ class Transport {
   // How many roots each write is split over: 2 (two NIC functions, or two
   // streams), or 1 (a single device; the data then goes whole).
   virtual int roots() const = 0;
+  // Whether every put lands in whole aligned 8-byte words: a reader polling
+  // the destination never sees an aligned word half written. The LL lines
+  // (base/layout.h) need it to travel through the proxy.
+  virtual bool whole_words() const = 0;
   // This rank's connection details, opaque to everyone but the same carrier
   // on the peers. Available right after construction.
   virtual std::string details() const = 0;

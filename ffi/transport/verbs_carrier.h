@@ -114,6 +114,9 @@ class VerbsTransport final : public Transport {
 
   TransportKind kind() const override { return TransportKind::kVerbs; }
   int roots() const override { return roots_; }
+  // The NIC writes host memory in aligned words of 8 bytes or more, never a
+  // part of one (what NCCL's LL protocol over the network relies on too).
+  bool whole_words() const override { return true; }
   std::string details() const override { return std::string(reinterpret_cast<const char*>(&wire_), sizeof wire_); }
 
   Status open();

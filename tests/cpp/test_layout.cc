@@ -17,10 +17,12 @@ int main() {
   for (uint32_t world : {2u, 3u, 8u}) {
     const Layout l = Layout::of(Geometry{world, 1 << 20, 4 << 20, 32 << 20});
     EXPECT(l.flags >= l.control + sizeof(Control) && l.recv >= l.flags + 8 * kFlagWords &&
-               l.send >= l.recv + 2 * world * l.slot_bytes && l.ring >= l.send + 2 * l.send_bytes &&
-               l.bulk_recv >= l.ring + kRing * sizeof(Trigger) && l.bulk_send >= l.bulk_recv + 2 * world * l.bulk_lane &&
-               l.ll_recv >= l.bulk_send + 2 * world * l.bulk_lane && l.total >= l.ll_recv + 2 * world * kLLSlotBytes,
+               l.ll_recv >= l.recv + 2 * world * l.slot_bytes && l.send >= l.ll_recv + 2 * world * kLLSlotBytes &&
+               l.ring >= l.send + 2 * l.send_bytes && l.bulk_recv >= l.ring + kRing * sizeof(Trigger) &&
+               l.bulk_send >= l.bulk_recv + 2 * world * l.bulk_lane && l.total >= l.bulk_send + 2 * world * l.bulk_lane,
            "world %u: the areas follow each other without overlap", world);
+    EXPECT(l.inbox_lo() == l.flags && l.inbox_hi() == l.ll_recv + 2 * world * kLLSlotBytes,
+           "world %u: the flag page, the psum slots and the LL slots are one window", world);
     EXPECT(l.bulk_lane * world >= (32u << 20) && l.bulk_lane % 16 == 0 && l.bulk_lane * world < (32u << 20) + 16 * world,
            "world %u: bulk lanes hold a world-th of the bulk bytes each, 16-aligned", world);
     for (int src = 0; src < (int)world; ++src) {
@@ -32,10 +34,13 @@ int main() {
         EXPECT(l.src_may_write(src, l.bulk_recv_offset(p, src), l.bulk_lane), "its bulk lane");
         EXPECT(!l.src_may_write(src, l.bulk_recv_offset(p, other), 16), "not another's bulk lane");
         EXPECT(!l.src_may_write(src, l.bulk_recv_offset(p, src) + l.bulk_lane - 8, 16), "no write straddles lanes");
+        EXPECT(l.src_may_write(src, l.ll_recv_offset(p, src), kLLSlotBytes), "its LL slot");
+        EXPECT(!l.src_may_write(src, l.ll_recv_offset(p, src), kLLSlotBytes + 1), "but not past it");
+        EXPECT(!l.src_may_write(src, l.ll_recv_offset(p, other), 16), "not another's LL slot");
       }
       EXPECT(!l.src_may_write(src, l.control, 8) && !l.src_may_write(src, l.send, 1) &&
                  !l.src_may_write(src, l.ring, 8) && !l.src_may_write(src, l.bulk_send, 16) &&
-                 !l.src_may_write(src, l.ll_recv, 16) && !l.src_may_write(src, l.flags, 8),
+                 !l.src_may_write(src, l.flags, 8),
              "this rank's own areas are not a peer's to write");
       for (int roots : {1, 2}) {
         const FlagWords pw = psum_words((int)world, roots), bw = bulk_words(roots);

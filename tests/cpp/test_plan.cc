@@ -3,8 +3,11 @@
 // route, the settings that move the limits. The expectations are the rules
 // as the configuration table (jax_arx/config.py) and the README state them,
 // written out here on their own:
-//   psum: LL up to its limit (CUDA, direct route: 128 KiB, or
-//   cuda_ll_max_bytes), the one-shot up to the slot (or
+//   psum: LL up to its limit (CUDA: cuda_ll_max_bytes, at most 128 KiB;
+//   unset, 128 KiB direct and 16 KiB through the proxy; on the
+//   direct route, or through the proxy over a carrier that puts whole words
+//   -- shm, verbs, not tcp -- with no relay and the lines, twice the bytes,
+//   within the send buffer), the one-shot up to the slot (or
 //   JAX_ARX_ONESHOT_MAX_BYTES, at most the slot; unset, on CUDA host
 //   inboxes -- direct, not in GPU memory -- up to 128 KiB), the two-shot (CUDA only)
 //   up to min(send, world x slot); past that nothing, with a message that
@@ -31,6 +34,7 @@ struct Case {
   bool direct, gpu_inboxes;
   Config cfg;
   int world = 2;
+  TransportKind transport = TransportKind::kTcp;
 };
 
 std::shared_ptr<Endpoint> open_endpoint(const Case& c) {
@@ -38,7 +42,7 @@ std::shared_ptr<Endpoint> open_endpoint(const Case& c) {
   s.comm_id = 11;
   s.rank = 0;
   s.world = c.world;
-  s.transport = TransportKind::kTcp;
+  s.transport = c.transport;
   s.platform = c.platform;
   s.name = "plan";
   s.secret = "secret-of-this-test";
@@ -70,8 +74,12 @@ Algorithm expected_psum(const Case& c, uint64_t bytes) {
                            : host_inboxes         ? std::min<uint64_t>(128 * kKiB, slot)
                                                   : slot;
   const int64_t ll_cfg = c.cfg.cuda_ll_max_bytes;
-  const uint64_t ll = !cuda || !c.direct ? 0 : ll_cfg < 0 ? 128 * kKiB : std::min<uint64_t>(ll_cfg, 128 * kKiB);
-  if (bytes <= oneshot) return bytes <= ll ? Algorithm::kLL : Algorithm::kOneShot;
+  const bool relays = c.cfg.topology == TopologyKind::kRing && c.world == 4;
+  const bool ll_route = c.direct || (c.transport != TransportKind::kTcp && !relays);
+  const uint64_t ll_default = c.direct ? 128 * kKiB : 16 * kKiB;
+  const uint64_t ll = !cuda || !ll_route ? 0 : ll_cfg < 0 ? ll_default : std::min<uint64_t>(ll_cfg, 128 * kKiB);
+  const bool lines_fit = c.direct || 2 * ((bytes + 7) / 8 * 8) <= c.cfg.send_bytes;
+  if (bytes <= oneshot) return bytes <= ll && lines_fit ? Algorithm::kLL : Algorithm::kOneShot;
   if (cuda && bytes <= std::min<uint64_t>(c.cfg.send_bytes, (uint64_t)c.world * slot)) return Algorithm::kTwoShot;
   return Algorithm::kNone;
 }
@@ -172,6 +180,16 @@ int main() {
   check_psum("cuda, GPU inboxes", {Platform::kCuda, true, true, dflt}, sizes);
   check_psum("cuda, host inboxes", {Platform::kCuda, true, false, dflt}, sizes);
   check_psum("cuda over the proxy", {Platform::kCuda, false, false, dflt}, sizes);
+  check_psum("cuda over the proxy, shm", {Platform::kCuda, false, false, dflt, 2, TransportKind::kShm}, sizes);
+  Config ring = dflt, tiny_send = dflt;
+  ring.topology = TopologyKind::kRing;
+  check_psum("cuda over the proxy, shm, a ring of 4", {Platform::kCuda, false, false, ring, 4, TransportKind::kShm},
+             sizes);
+  check_psum("cuda over the proxy, shm, a ring of 3", {Platform::kCuda, false, false, ring, 3, TransportKind::kShm},
+             sizes);
+  tiny_send.slot_bytes = tiny_send.send_bytes = 64 * kKiB;
+  check_psum("cuda over the proxy, shm, a send buffer of 64K",
+             {Platform::kCuda, false, false, tiny_send, 2, TransportKind::kShm}, sizes);
   check_psum("cuda, world 4 (send-bound two-shot)", {Platform::kCuda, true, true, dflt, 4}, sizes);
   Config small_send = dflt;
   small_send.send_bytes = 3 * slot / 2;

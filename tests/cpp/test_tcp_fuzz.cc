@@ -41,9 +41,9 @@ uint64_t pick(Rng& rng, uint64_t lo, uint64_t hi) {  // uniform in [lo, hi]
 
 // The reference, written from the layout's documented parts rather than
 // from Layout::may_write: the byte ranges and flag words `carrier` may store
-// into rank `at`'s region. A source's own parts: its psum slots, bulk lanes
-// and header slots; its flag words are every word of its psum and bulk
-// FlagWords and its notice word. In a ring of 4, prev(at) also carries the
+// into rank `at`'s region. A source's own parts: its psum slots, LL slots,
+// bulk lanes and header slots; its flag words are every word of its psum
+// and bulk FlagWords and its notice word. In a ring of 4, prev(at) also carries the
 // parts of prev(prev(at)) (the source it relays) and writes at's relay area
 // and relay words.
 struct Allowed {
@@ -54,6 +54,7 @@ struct Allowed {
 void add_source(const Layout& L, int src, Allowed& a) {
   for (int par = 0; par < 2; ++par) {
     a.ranges.push_back({L.recv_offset(par, src), L.recv_offset(par, src) + L.slot_bytes});
+    a.ranges.push_back({L.ll_recv_offset(par, src), L.ll_recv_offset(par, src) + kLLSlotBytes});
     if (L.bulk_lane) a.ranges.push_back({L.bulk_recv_offset(par, src), L.bulk_recv_offset(par, src) + L.bulk_lane});
     for (int f = 0; f < kFamilies; ++f) {
       const uint64_t h = L.flag_offset(header_word((Family)f, par, src));

@@ -57,9 +57,8 @@ void loopback(arx::Endpoint& ep) {
   arx::cuda::Channels& c = st->channels;
   c.psum_direct = arx::make_direct_channel(L, arx::Family::kPsum, ep.spec().rank, base, peers);
   c.bulk_direct = arx::make_direct_channel(L, arx::Family::kBulk, ep.spec().rank, base, peers);
-  c.ll.psum = c.psum_direct;
-  c.ll.lines = base + L.ll_recv;
-  for (uint8_t*& p : c.ll.peer_lines) p = base + L.ll_recv;
+  c.ll_direct.psum = c.psum_direct;
+  c.ll_direct.lines = arx::make_direct_channel(L, arx::Family::kPsum, ep.spec().rank, base, peers, true);
   c.direct = true;
   ep.set_route(arx::Endpoint::Route{true, false});
 }
