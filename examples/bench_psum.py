@@ -42,7 +42,8 @@ environment of their own in one job), in this order:
                     previous and next rank only, relays at world 4; through
                     the proxy); arx-tcp-ring over tcp. Skipped, saying so,
                     by a jax_arx without that setting
-  arx-shm-noll      no LL one-shot (_tuning cuda_ll_max_bytes=0)
+  arx-shm-noll      no LL one-shot (_tuning cuda_ll_max_bytes=0);
+                    arx-shm-proxy-noll through the proxy
   arx-shm-ll32k     LL up to 32 KiB (ll64k: 64 KiB); with arx-shm and
                     arx-shm-noll, what the LL limit is chosen from
   arx-shm-piece4k   one-shot pieces of 4 KiB (_tuning cuda_chunk_bytes;
@@ -126,6 +127,8 @@ CONFIGS = {
     "arx-shm-noll": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 0}, gpu_only=True),
     "arx-shm-ll32k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 32 << 10}, gpu_only=True),
     "arx-shm-ll64k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 64 << 10}, gpu_only=True),
+    "arx-shm-proxy-noll": bj.arx_config(dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_ll_max_bytes": 0},
+                                        gpu_only=True),
     **{f"arx-shm-piece{k}k": bj.arx_config(bj.SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
        for k in (4, 8, 16, 32, 64)},
     **{f"arx-shm-proxy-piece{k}k": bj.arx_config(dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_chunk_bytes": k << 10},
@@ -144,7 +147,7 @@ ALGORITHMS = ("jax_arx.psum", "one-shot", "two-shot")
 # What each algorithm series may run (stats' names), and the LL ceiling a
 # configuration sets: a cell that ran anything else is not "as_intended".
 ALLOWED = {"jax_arx.psum": {"ll", "one_shot", "two_shot"}, "one-shot": {"ll", "one_shot"}, "two-shot": {"two_shot"}}
-LL_CEILING = {"arx-shm-noll": 0, "arx-shm-ll32k": 32 << 10, "arx-shm-ll64k": 64 << 10}
+LL_CEILING = {"arx-shm-noll": 0, "arx-shm-proxy-noll": 0, "arx-shm-ll32k": 32 << 10, "arx-shm-ll64k": 64 << 10}
 LAX = "jax.lax.psum"
 FLOOR = "pinned round trip"
 RATIOS = [
