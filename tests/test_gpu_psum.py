@@ -82,7 +82,7 @@ pytestmark = pytest.mark.gpu
 THIS = os.path.abspath(__file__)
 DTYPES = ("float32", "bfloat16", "float16")
 LL_CAP = 128 << 10  # the LL one-shot's largest partial, its default limit (ffi/base/layout.h, kLLMaxPayload)
-LL_PROXY = 16 << 10  # its default limit through the proxy (ffi/comm/plan.cc, kLLMaxProxy)
+LL_PROXY = 8 << 10  # its default limit through the proxy (ffi/comm/plan.cc, kLLMaxProxy)
 ALGORITHMS = {"one_shot": 1, "two_shot": 2, "ll": 3}  # Endpoint.plan's numbers (ffi/comm/plan.h)
 PIECE_BYTES = (4096, 40000, 65536)  # partials whose pieces each phase asks the plan for
 

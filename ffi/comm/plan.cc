@@ -28,10 +28,10 @@ constexpr uint64_t kPieceBytesBulkHostProxy = 512 << 10;
 constexpr uint64_t kOneShotMaxHostInboxes = kLLMaxPayload;
 
 // Through the proxy the receiving GPU polls lines in host memory while the
-// proxy writes them, and the two contend for the same lines: from 32 KiB on
+// proxy writes them, and the two contend for the same lines: from 16 KiB on
 // the one-shot behind a flag wins (examples/bench_psum.py, arx-shm-proxy
 // against arx-shm-proxy-noll under MPS: docs/performance.md).
-constexpr uint64_t kLLMaxProxy = 16 << 10;
+constexpr uint64_t kLLMaxProxy = 8 << 10;
 
 uint64_t ll_limit(const Endpoint& ep) {
   const int64_t cfg = ep.spec().config.cuda_ll_max_bytes;

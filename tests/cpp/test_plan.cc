@@ -4,7 +4,7 @@
 // as the configuration table (jax_arx/config.py) and the README state them,
 // written out here on their own:
 //   psum: LL up to its limit (CUDA: cuda_ll_max_bytes, at most 128 KiB;
-//   unset, 128 KiB direct and 16 KiB through the proxy; on the
+//   unset, 128 KiB direct and 8 KiB through the proxy; on the
 //   direct route, or through the proxy over a carrier that puts whole words
 //   -- shm, verbs, not tcp -- with no relay and the lines, twice the bytes,
 //   within the send buffer), the one-shot up to the slot (or
@@ -76,7 +76,7 @@ Algorithm expected_psum(const Case& c, uint64_t bytes) {
   const int64_t ll_cfg = c.cfg.cuda_ll_max_bytes;
   const bool relays = c.cfg.topology == TopologyKind::kRing && c.world == 4;
   const bool ll_route = c.direct || (c.transport != TransportKind::kTcp && !relays);
-  const uint64_t ll_default = c.direct ? 128 * kKiB : 16 * kKiB;
+  const uint64_t ll_default = c.direct ? 128 * kKiB : 8 * kKiB;
   const uint64_t ll = !cuda || !ll_route ? 0 : ll_cfg < 0 ? ll_default : std::min<uint64_t>(ll_cfg, 128 * kKiB);
   const bool lines_fit = c.direct || 2 * ((bytes + 7) / 8 * 8) <= c.cfg.send_bytes;
   if (bytes <= oneshot) return bytes <= ll && lines_fit ? Algorithm::kLL : Algorithm::kOneShot;
