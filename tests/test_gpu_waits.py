@@ -327,19 +327,28 @@ def case_two_shot(c):
     peer.close()
 
 
+def _ll_on_time(c, peer, tag, seed):
+    """Seq 1 of an LL psum of 1001 bf16 (251 lines, the last with 6 bytes of
+    padding) against `peer`, whose lines and announcement are on time: checks
+    the plan and the sum; returns what the case goes on with."""
+    from gpu_fake_peer import ll_flag
+
+    n, nbytes = 1001, 2002
+    c.expect("plan", peer.plan(nbytes)[0] == "ll", plan=peer.plan(nbytes))
+    desc = peer.ll_desc("bfloat16", n)
+    mine, theirs = _inputs("bfloat16", n, seed)
+    f = _psum(tag, _dev(mine))
+    peer.write_lines(1, 1, theirs, ll_flag(1, desc))
+    peer.signal(1, 1, desc)  # the announcement: the peer's psum word (1, piece 0)
+    c.expect("on_time_sum", _same(np.asarray(f(_dev(mine))), _sum(mine, theirs)))
+    return n, nbytes, -(-nbytes // 8), desc, mine, theirs, f
+
+
 def case_ll_on_time_torn_stale(c):
     from gpu_fake_peer import FakePeer, flag_word, ll_flag, lines_of
 
     peer = FakePeer(9101, 0, timeout_s=SHORT_S, direct=True)
-    n, nbytes = 1001, 2002  # 251 lines, the last with 6 bytes of padding
-    lines = -(-nbytes // 8)
-    c.expect("plan", peer.plan(nbytes)[0] == "ll", plan=peer.plan(nbytes))
-    desc = peer.ll_desc("bfloat16", n)
-    mine, theirs = _inputs("bfloat16", n, 21)
-    f = _psum(9101, _dev(mine))
-    peer.write_lines(1, 1, theirs, ll_flag(1, desc))
-    peer.signal(1, 1, desc)  # the announcement: the peer's psum word (1, piece 0)
-    c.expect("on_time_sum", _same(np.asarray(f(_dev(mine))), _sum(mine, theirs)))
+    n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9101, 21)
     # Looped back: its lines for rank 1 are in its own ll_recv[1][0], its announcement in its own word.
     c.expect("sent_lines", np.array_equal(peer.read_lines(1, 0, lines), lines_of(mine, ll_flag(1, desc),
                                                                                    ll_flag(1, desc))))
@@ -427,15 +436,7 @@ def case_ll_proxy_sent_mismatch(c):
                                lines_of)
 
     peer = FakePeer(9107, 0, timeout_s=LONG_S)
-    n, nbytes = 1001, 2002  # 251 lines, the last with 6 bytes of padding
-    lines = -(-nbytes // 8)
-    c.expect("plan", peer.plan(nbytes)[0] == "ll", plan=peer.plan(nbytes))
-    desc = peer.ll_desc("bfloat16", n)
-    mine, theirs = _inputs("bfloat16", n, 26)
-    f = _psum(9107, _dev(mine))
-    peer.write_lines(1, 1, theirs, ll_flag(1, desc))
-    peer.signal(1, 1, desc)
-    c.expect("on_time_sum", _same(np.asarray(f(_dev(mine))), _sum(mine, theirs)))
+    n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9107, 26)
     staged = peer.send + peer.send_bytes  # parity 1, lane 0
     wants = [{"src": staged, "len": 0, "dst": peer.slot_at(1, 0), "flag": peer.word(0, 0), "value": flag_word(1, desc),
               "dest": EVERY_PEER, "family": TRIGGER_HEADER, "tag": 1},

@@ -291,23 +291,17 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
           combine_rows(op, j, r0, r1, dst + lo);
         }
       }
-      // 2. The last producer of piece c signals it. This block's writes
-      // (before the barrier) reach system scope before its arrival (fence,
-      // then acq_rel); the last arrival's signal carries them all.
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        fence_acq_rel();
-        const unsigned long long n = tagged_arrive(&w->piece_arrived[c], s.seq);
-        if (n >> 16 == s.seq && (int)(n & 0xffff) == G) {
-          uint64_t plo, phi;
-          piece_of<K>(op, c, plo, phi);
-          if (fan_out<K>()) {
-            send.signal(kEveryPeer, c, plo, phi);
-          } else {
-            for (int step = 1; step < world; ++step) send.signal((uint64_t)((rank + step) % world), c, plo, phi);
-          }
-          note_published(g, Family::kBulk, s);
+      // 2. The last producer of piece c signals it; its signal carries
+      // every producer's writes (last_to_arrive).
+      if (last_to_arrive(&w->piece_arrived[c], s.seq, G)) {
+        uint64_t plo, phi;
+        piece_of<K>(op, c, plo, phi);
+        if (fan_out<K>()) {
+          send.signal(kEveryPeer, c, plo, phi);
+        } else {
+          for (int step = 1; step < world; ++step) send.signal((uint64_t)((rank + step) % world), c, plo, phi);
         }
+        note_published(g, Family::kBulk, s);
       }
     } else {
       // 3. Every peer's piece c: thread t waits for peer t. The MoE sum also

@@ -47,6 +47,19 @@ __device__ __forceinline__ unsigned long long tagged_arrive(unsigned long long* 
   return count_arrival(word, 1);
 }
 
+// Whether this thread is thread 0 of the last of `blocks` blocks to arrive
+// on `word` for seq; every thread of each block calls it. Each block's
+// writes before the call reach system scope before its arrival (barrier,
+// fence, then the acq_rel count), so the last arrival's thread sees them
+// all and what it publishes next carries them.
+__device__ __forceinline__ bool last_to_arrive(unsigned long long* word, uint64_t seq, int blocks) {
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  fence_acq_rel();
+  const unsigned long long n = tagged_arrive(word, seq);
+  return n >> 16 == seq && (int)(n & 0xffff) == blocks;
+}
+
 // The seq a kernel of family `f` runs, and what every block needs of it:
 // parity, descriptor, the start of its waits' bounds, whether an earlier
 // collective failed (`prior`: recorded by an earlier kernel, so every block

@@ -259,18 +259,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
         if (gt + k * nthr < lines)
           st_line(slot + kLLLineBytes * (gt + k * nthr), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
     }
+    // Staged lines reach system scope before the put that reads them: the
+    // last block to arrive publishes them all (last_to_arrive).
     if constexpr (Ch::kStaged) {
-      // The lines reach system scope before the put that reads them: each
-      // block's fence covers its threads' stores (after the barrier), and the
-      // last block's count acquires every other's.
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        fence_acq_rel();
-        const unsigned long long n = tagged_arrive(&g.words->family[(int)Family::kPsum].arrived, s.seq);
-        if ((n & 0xffff) == (unsigned long long)blocks) {
-          put.publish(kEveryPeer, 1, 0, kLLLineBytes * lines);
-          note_published(g, Family::kPsum, s);
-        }
+      if (last_to_arrive(&g.words->family[(int)Family::kPsum].arrived, s.seq, blocks)) {
+        put.publish(kEveryPeer, 1, 0, kLLLineBytes * lines);
+        note_published(g, Family::kPsum, s);
       }
     }
   }
