@@ -37,6 +37,8 @@ Series (per configuration):
   psum_scatter                   jax_arx.psum_scatter, or jax.lax's
   moe_combine_psum_scatter       jax_arx.moe_combine_psum_scatter: the
                                  combine fused into the reduce-scatter
+                                 (the moe_fused tuning: the fused kernel,
+                                 where the plan would run the pair below)
   moe_combine + psum_scatter     the unfused pair: the combine in plain jax
                                  (jax_arx.moe_combine), then
                                  jax_arx.psum_scatter, or jax.lax's
@@ -109,8 +111,18 @@ GATHER, SCATTER, FUSED, UNFUSED, FLOOR = ("all_gather", "psum_scatter", "moe_com
 OPS = (GATHER, SCATTER, FUSED, UNFUSED)
 PLANNED_OP = {GATHER: "all_gather", SCATTER: "psum_scatter", FUSED: "moe_combine_psum_scatter",
               UNFUSED: "psum_scatter"}  # Endpoint.plan's name for what a series runs with jax_arx
+
+
+def _fused(config):
+    """A jax_arx configuration whose fused series times the fused kernel
+    itself (the moe_fused tuning): by default the plan steps aside for the
+    unfused pair (ffi/comm/plan.cc, plan_moe_combine), which the unfused
+    series times."""
+    return dict(config, tuning=dict(config["tuning"], moe_fused=1))
+
+
 CONFIGS = {
-    **bj.ARX_CONFIGS,
+    **{name: _fused(config) for name, config in bj.ARX_CONFIGS.items()},
     **bj.NCCL_CONFIGS,
     "floor": bj.floor_config(),
 }

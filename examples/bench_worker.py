@@ -25,7 +25,7 @@ from bench_report import describe_cell
 
 AXIS = "x"
 # stats()["algorithms"]' names, by the algorithm numbers of Endpoint.plan (ffi/comm/plan.h).
-ALGORITHM_NAMES = {0: "none", 1: "one_shot", 2: "two_shot", 3: "ll", 4: "bulk"}
+ALGORITHM_NAMES = {0: "none", 1: "one_shot", 2: "two_shot", 3: "ll", 4: "bulk", 5: "unfused"}  # ffi/comm/plan.h
 
 
 def place_rank(job):

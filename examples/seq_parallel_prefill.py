@@ -262,7 +262,11 @@ def main():
     rank0 = jax.process_index() == 0
     if a.heads % n or a.ffn % n or a.experts % n or a.tokens % n:
         raise SystemExit(f"--heads, --ffn, --experts and --tokens must divide by the {n} ranks")
-    jax_arx.initialize(mesh)
+    # The fused MoE combine even where the plan would step aside for its
+    # unfused pair (slower today: docs/performance.md), so that the checks
+    # below cover the fused kernel; a program of your own leaves it to the
+    # plan (jax_arx.initialize(mesh)), with the same bits either way.
+    jax_arx.initialize(mesh, _tuning={"moe_fused": 1})
     if rank0:
         print(f"seq_parallel_prefill: {describe_run(jax, jax_arx, AXIS)}; checking a prefill step, then timing",
               flush=True)

@@ -42,8 +42,11 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     ``[i * Tpad / n, (i + 1) * Tpad / n)`` on device ``i`` of ``n``: what
     ``jax_arx.psum_scatter(moe_combine(...), axis_name, tiled=True)`` gives
     (``moe_combine`` in this module is that plain-JAX reference), bit for
-    bit. jax_arx writes the rows straight into the reduce-scatter's send
-    buffer and sends them piece by piece while computing the rest.
+    bit. Fused, jax_arx writes the rows straight into the reduce-scatter's
+    send buffer and sends them piece by piece while computing the rest; the
+    C++ core's plan runs that pair instead where the fused kernel is slower
+    (today on every route: it steps aside, counted in
+    ``jax_arx.stats()["plans"]``, which is no fallback).
 
     The float32 arithmetic is exactly: ``acc = shared[t]``, then for k in
     order, with ``f = w[t, k]`` (e4m3 ``y``: ``f = w[t, k] *
@@ -116,7 +119,7 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
         return unfused()
     decision = _decide("moe_combine_psum_scatter", aval, axes, None, gathered=False, nbytes=tpad * H * 2)
     if decision is None:
-        return unfused()
+        return unfused()  # a fallback, or the plan's choice of the unfused pair (_policy.planned)
     operands = [y] + ([y_scale] if y_scale is not None else []) + [pos, w, shared]
     return moe_combine_p.bind(*[_pvary(v, axes) for v in operands], axis_name=axes, axis_size=decision.world,
                               padded_tokens=tpad, scaled=y_scale is not None, comm_id=decision.comm_id)

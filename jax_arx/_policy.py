@@ -12,6 +12,12 @@ place for sizes and algorithms). Anything else goes to ``jax.lax``:
   constants (the callers check those);
 - otherwise with one log line per distinct reason on the ``"jax_arx"``
   logger, or ``JaxArxFallbackError`` when ``JAX_ARX_FALLBACK=error``.
+
+A fused op whose plan is its unfused pair (``ALGORITHM_UNFUSED``: the MoE
+combine, run as ``jax_arx.moe_combine`` then ``jax_arx.psum_scatter``) is
+no fallback: the plan chose the pair that defines its result, so it is
+counted by reason (``planned``, ``stats()["plans"]``), never logged as a
+fallback nor refused by ``JAX_ARX_FALLBACK=error``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(
 
 _logged_reasons: set = set()
 _fallbacks: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced that fell back (jax_arx.stats())
+_plans: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced as their unfused pair (jax_arx.stats())
+# Endpoint.plan's algorithm for a fused op run as its unfused pair
+# (ffi/comm/plan.h, Algorithm::kUnfused).
+ALGORITHM_UNFUSED = 5
 _logged_lock = threading.Lock()
 # What the calls being decided are, when not the user's own (jax_arx/_grad.py):
 # said in their fallback messages.
@@ -83,6 +93,22 @@ def fallback_counts() -> dict[str, dict[str, int]]:
         return {op: dict(reasons) for op, reasons in _fallbacks.items()}
 
 
+def planned(op: str, reason: str) -> None:
+    """Counts a call of ``op`` that the plan runs as its unfused pair, by
+    the plan's ``reason`` (not a fallback: nothing is logged or refused)."""
+    with _logged_lock:
+        reasons = _plans.setdefault(op, {})
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+
+def plan_counts() -> dict[str, dict[str, int]]:
+    """How many calls of each op the plan ran as their unfused pair, by
+    reason, since jax_arx was imported (a copy): counted when a call is
+    traced."""
+    with _logged_lock:
+        return {op: dict(reasons) for op, reasons in _plans.items()}
+
+
 def check_axes_bound(op: str, axes: tuple) -> None:
     """Raises NameError for the first of ``axes`` that nothing binds where
     ``jax_arx.op`` is traced, naming it, the mesh's axes and the names that
@@ -101,7 +127,9 @@ def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Call
            lane_bytes: Callable[[int], int]) -> _comm.Communicator | None:
     """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
     None for jax.lax (after ``fallback`` for a reason the user should know
-    about). ``dtype_refusal(aval)``: why the op does not take this dtype, or
+    about), or None, after ``planned``, where the plan runs a fused op as
+    its unfused pair (which its caller traces, as it does for a fallback).
+    ``dtype_refusal(aval)``: why the op does not take this dtype, or
     None. ``lane_bytes(world)``: the bytes one rank moves, what the plan's
     envelope is about (a psum's partial, a bulk collective's slice)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -132,6 +160,9 @@ def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Call
     algorithm, why_not = comm.plan(op, lane_bytes(world))
     if not algorithm:
         return fallback(op, ("size", axis), f"{aval.str_short()}: {why_not}")
+    if algorithm == ALGORITHM_UNFUSED:
+        planned(op, why_not)  # why_not holds the plan's reason here
+        return None
     return comm
 
 

@@ -1,6 +1,7 @@
 """``jax_arx.stats()``: what jax_arx ran in this process, and what it left to
 ``jax.lax``. The counters live in the C++ endpoints (``Endpoint::Stats``,
-ffi/comm/endpoint.h), the fallbacks in ``_policy``."""
+ffi/comm/endpoint.h), the fallbacks and the plans' unfused pairs in
+``_policy``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def stats() -> dict:
              "relayed_puts": n,
              "endpoints": [{"rank", "group", "device", "ops", "stalls",
                             "last_stall", "relayed_puts", "failure"}]}},
-         "fallbacks": {op: {reason: n}}}
+         "fallbacks": {op: {reason: n}},
+         "plans": {op: {reason: n}}}
 
     - ``communicators``: one entry per mesh axis ``jax_arx.initialize`` set
       up (and ``jax_arx.shutdown`` has not closed); its counters start at 0
@@ -68,6 +70,14 @@ def stats() -> dict:
       jax_arx was imported. The calls jax_arx leaves to jax.lax silently
       (constants, axes of size 1, names bound by ``jax.vmap``) are not
       fallbacks.
+    - ``plans``: per op, the calls the plan ran as their unfused pair
+      instead of the fused op, by the plan's reason (which names the route
+      and the measurement that chose it). Today only
+      ``moe_combine_psum_scatter``: ``jax_arx.moe_combine`` then
+      ``jax_arx.psum_scatter``, whose result is the fused op's, bit for bit
+      (the ``psum_scatter`` is counted under ``ops`` as such). No fallback:
+      not logged, not refused by ``JAX_ARX_FALLBACK=error``. Counted when a
+      call is traced; since jax_arx was imported.
     """
     comms = {}
     for axis, comm in _comm.communicators().items():
@@ -93,7 +103,7 @@ def stats() -> dict:
             "relayed_puts": sum(e["relayed_puts"] for e in endpoints),
             "endpoints": endpoints,
         }
-    return {"communicators": comms, "fallbacks": _policy.fallback_counts()}
+    return {"communicators": comms, "fallbacks": _policy.fallback_counts(), "plans": _policy.plan_counts()}
 
 
 def _op(raw: dict) -> dict:

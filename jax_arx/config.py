@@ -78,9 +78,11 @@ Sizes accept a plain byte count or a binary suffix: ``65536``, ``64K``,
 
 Settings that benchmarks decided are no user settings: the pieces a psum is
 cut into on GPUs, how far the LL one-shot goes, how the verbs carrier splits
-its writes, the pieces of a bulk collective on the CPU. Tests and benchmarks that must reach a path the defaults take
-only at other sizes pass them to ``jax_arx.initialize(mesh,
-_tuning={...})`` (``TUNING_KEYS``). The variables that used to set them
+its writes, the pieces of a bulk collective on the CPU, whether the fused MoE
+combine runs where the plan steps aside for its unfused pair. Tests and
+benchmarks that must reach a path the defaults take only at other sizes (or
+not at all) pass them to ``jax_arx.initialize(mesh, _tuning={...})``
+(``TUNING_KEYS``). The variables that used to set them
 (``RETIRED``) are ignored with one warning.
 """
 
@@ -102,7 +104,9 @@ TOPOLOGIES = ("mesh", "ring")
 MAX_RING_WORLD = 4
 # jax_arx.initialize(_tuning=...): the endpoint options a test or a benchmark
 # may set (ffi/base/config.h, "tuning").
-TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes")
+# moe_fused=1: the fused MoE combine runs wherever it fits (the plan would
+# otherwise run its unfused pair: ffi/comm/plan.cc, plan_moe_combine).
+TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "moe_fused")
 # Variables of earlier releases whose settings benchmarks have decided.
 RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
 FALLBACKS = ("lax", "error")

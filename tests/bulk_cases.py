@@ -27,13 +27,18 @@ from bulk_reference import (_dtypes, _moe_inputs, random_array,  # noqa: F401 (i
 
 RESULT = launched.RESULT
 PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers (tests/test_prefill_cpu.py)
+# The _tuning under which the MoE cases run the fused kernel itself: by
+# default the plan steps aside for its unfused pair (ffi/comm/plan.cc,
+# plan_moe_combine; case_moe_plan tests that).
+MOE_FUSED = {"moe_fused": 1}
 
 
 # --- the worker -------------------------------------------------------------------
 
 class _Worker(launched.MeshWorker):
     def __init__(self):
-        super().__init__("sp")
+        super().__init__("sp", tuning=MOE_FUSED)
+        self.extra = {}  # what a case reports besides its checks (in the RESULT line)
 
     def put(self, parts):
         """A global array whose device ``r`` holds ``parts[r]`` (stacked along
@@ -332,9 +337,10 @@ MOE_SHAPES = ((5, 9, 128, 1), (13, 40, 256, 3), (37, 64, 128, 8), (2, 16, 128, 1
 
 
 def case_moe(w: _Worker, shapes=MOE_SHAPES):
-    """The fused combine: bf16 and e4m3 y, topk 1 to 16 (17 falls back:
-    moe_combine then jax_arx.psum_scatter), T + world - 1 not a multiple of
-    the world; against the numpy reference (bits)."""
+    """The fused combine (jax_arx initialized with MOE_FUSED): bf16 and
+    e4m3 y, topk 1 to 16 (17 falls back: moe_combine then
+    jax_arx.psum_scatter), T + world - 1 not a multiple of the world;
+    against the numpy reference (bits)."""
     jax_arx, P = w.jax_arx, w.P
     rng = np.random.default_rng(6)
     n = w.world
@@ -383,6 +389,96 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
                 w.check("moe", got, reference_scatter(combined, 0, True, r), what)
                 # The documented promise: the bits of the unfused program.
                 w.check("moe", got, w.mine(unfused[k])[r], what + " (psum_scatter(moe_combine(...)))")
+
+
+def case_moe_plan(w: _Worker):
+    """Run with JAX_ARX_FALLBACK=error. With the default settings the plan
+    steps aside for the fused combine's unfused pair: the program holds
+    jax_arx's psum_scatter and no fused call; ``stats()["plans"]`` counts
+    each call traced, under the plan's reason (reported as ``plans``);
+    nothing is a fallback (none counted, nothing logged, nothing raised);
+    the results equal, bit for bit, the fused kernel's (run first, under
+    MOE_FUSED) and the numpy reference."""
+    import logging
+
+    from jax_arx import config
+
+    jax_arx, P = w.jax_arx, w.P
+    n = w.world
+    if config.load().fallback != "error":
+        w.fail("moe_plan", "run with JAX_ARX_FALLBACK=error")
+    rng = np.random.default_rng(11)
+    cases = []
+    for e4m3 in (False, True):
+        for T, R, H, topk in MOE_SHAPES[:4]:  # topk up to 16: the fused kernel's
+            T = T * n + 1
+            cases.append((e4m3, T, R, H, topk, _moe_inputs(rng, w, T, R, H, topk, e4m3)))
+    args = []
+    for e4m3, *_, (ys, scales, poss, ws, shareds) in cases:
+        args += [w.put(ys)] + ([w.put(scales)] if e4m3 else []) + [w.put(poss), w.put(ws), w.put(shareds)]
+
+    def body(*flat):
+        outs, i = [], 0
+        for e4m3, *_ in cases:
+            y, *rest = flat[i:i + (5 if e4m3 else 4)]
+            i += 5 if e4m3 else 4
+            scale = rest.pop(0) if e4m3 else None
+            pos, wt, shared = rest
+            outs.append(jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp", y_scale=scale))
+        return tuple(outs)
+
+    def program():  # a new jitted function: traced anew, under the current set-up
+        return w.smap(_lift(body), (P("sp"),) * len(args), (P("sp"),) * len(cases))
+
+    f = program()
+    fused_calls = len(w.calls(f, *args, target="jax_arx_moe_combine_psum_scatter"))
+    w.record("moe_plan", None if fused_calls == len(cases) else
+             f"with {MOE_FUSED}: {fused_calls} fused calls, expected {len(cases)}")
+    fused = [w.mine(out) for out in f(*args)]
+
+    jax_arx.shutdown()
+    jax_arx.initialize(w.mesh)  # the defaults: the plan decides
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("jax_arx").addHandler(handler)
+    before = jax_arx.stats()
+    try:
+        g = program()
+        text = g.lower(*args).as_text()
+        traced = jax_arx.stats()
+        outs = w.jax.block_until_ready(g(*args))  # every handler has run (the counters below)
+    except jax_arx.JaxArxFallbackError as e:
+        w.fail("moe_plan", f"the plan's unfused pair raised as a fallback: {e}")
+        return
+    finally:
+        logging.getLogger("jax_arx").removeHandler(handler)
+    lowered = {t: text.count(f"custom_call @{t}(") for t in ("jax_arx_moe_combine_psum_scatter",
+                                                              "jax_arx_psum_scatter")}
+    w.record("moe_plan", None if lowered == {"jax_arx_moe_combine_psum_scatter": 0,
+                                             "jax_arx_psum_scatter": len(cases)} else
+             f"by default the program lowered {lowered}; want the unfused pair's {len(cases)} psum_scatters")
+    op = "moe_combine_psum_scatter"
+    was = before["plans"].get(op, {})
+    plans = {k: v - was.get(k, 0) for k, v in traced["plans"].get(op, {}).items() if v != was.get(k, 0)}
+    w.extra["plans"] = plans
+    w.record("moe_plan", None if sum(plans.values()) == len(cases) and set(traced["plans"]) == {op} else
+             f"stats()['plans'] counted {traced['plans']} (before: {before['plans']}); want {len(cases)} for {op}")
+    w.record("moe_plan", None if traced["fallbacks"] == before["fallbacks"] and not logged else
+             f"a fallback: counted {traced['fallbacks']} (before: {before['fallbacks']}), logged {logged}")
+    ops = jax_arx.stats()["communicators"]["sp"]["ops"]
+    local = len(w.jax.local_devices())
+    w.record("moe_plan", None if ops[op]["calls"] == 0 and ops["psum_scatter"]["calls"] == len(cases) * local else
+             f"the endpoints ran {ops[op]['calls']} fused calls and {ops['psum_scatter']['calls']} psum_scatters; "
+             f"want 0 and {len(cases) * local}")
+    for k, (e4m3, T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
+        tpad = -(-T // n) * n
+        combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
+                    for r in range(n)]
+        for r, got in w.mine(outs[k]).items():
+            what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
+            w.check("moe_plan", got, reference_scatter(combined, 0, True, r), what)
+            w.check("moe_plan", got, fused[k][r], what + " (the fused kernel's)")
 
 
 FULL_CASES = ["first_use", "gather", "scatter", "sizes", "mixed", "loop", "python_loop", "grad", "moe"]
@@ -466,7 +562,7 @@ def _suite_failures(w):
     return out
 
 
-SUITES = {"full": _suite_full, "quick": _suite_quick}
+SUITES = {"full": _suite_full, "quick": _suite_quick, "moe_plan": case_moe_plan}
 
 
 def run_worker(suite, suites=SUITES):
@@ -482,7 +578,7 @@ def run_worker(suite, suites=SUITES):
     else:
         for name in suite.split("+"):
             suites[name](w)
-        report.update(cases=w.cases, seconds=w.seconds)
+        report.update(cases=w.cases, seconds=w.seconds, **w.extra)
     print(RESULT + json.dumps(report), flush=True)
 
 

@@ -404,17 +404,19 @@ class GpuWorker(suites._Worker):
         super().__init__()
         self.smoke = cpu_smoke
         self.platform = "cpu" if self.jax.devices()[0].platform == "cpu" else "cuda"
-        self.phase_name, self.crc, self._env, self._tuning = "main", 0, {}, None
+        self.phase_name, self.crc, self._env, self._tuning = "main", 0, {}, dict(suites.MOE_FUSED)
         self.lowered: dict[str, int] = {}
 
     def phase(self, name: str, env: dict | None = None, tuning: dict | None = None, fresh: bool = False) -> str:
         """Starts phase ``name``: fresh records, and jax_arx initialized again
-        with ``env`` on top of the worker's environment and ``tuning`` where
+        with ``env`` on top of the worker's environment and ``tuning`` (on
+        top of suites.MOE_FUSED: the MoE cases run the fused kernel) where
         they differ from the last phase's (or where ``fresh``: new endpoints).
         Every process must run the same phases in order. Returns
         initialize's error, or ''."""
         self.phase_name, self.crc, self.cases, self.lowered = name, 0, {}, {}
-        if not fresh and (env or {}) == self._env and (tuning or {}) == (self._tuning or {}):
+        tuning = dict(suites.MOE_FUSED, **(tuning or {}))
+        if not fresh and (env or {}) == self._env and tuning == self._tuning:
             return ""
         self.jax_arx.shutdown()
         for key in self._env:

@@ -101,9 +101,10 @@ class MeshWorker:
     over a 1-D mesh of every device, named ``axis`` (ranks are positions in
     jax.devices(), process 0's devices first), and the record of what each
     case checked, which the RESULT line reports (see assert_all_correct).
-    Test files add their own inputs and comparisons."""
+    Test files add their own inputs and comparisons. ``tuning``: the
+    ``_tuning`` of ``jax_arx.initialize``."""
 
-    def __init__(self, axis: str):
+    def __init__(self, axis: str, tuning: dict | None = None):
         import jax_arx
 
         jax_arx.distributed_initialize()
@@ -113,7 +114,7 @@ class MeshWorker:
 
         self.jax, self.jax_arx, self.P = jax, jax_arx, P
         self.mesh = Mesh(np.array(jax.devices()), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
-        jax_arx.initialize(self.mesh)
+        jax_arx.initialize(self.mesh, _tuning=tuning)
         self.world = self.mesh.size
         self.sharded = NamedSharding(self.mesh, P(axis))
         self.cases: dict[str, dict] = {}

@@ -4,7 +4,8 @@ tests/stand_in_core.py (one process, 4 CPU devices; no C++ module needed
 but for the plan, which the stand-in asks of the real core).
 
 - Over verbs, as over shm and tcp, jax_arx runs all_gather, psum_scatter and
-  the fused MoE combine (bf16 and e4m3) itself: with JAX_ARX_FALLBACK=error
+  the fused MoE combine (bf16 and e4m3; with the ``moe_fused`` tuning, or
+  the plan would step aside for its unfused pair) itself: with JAX_ARX_FALLBACK=error
   every one traces to jax_arx's primitive, on the bulk communicator, whose
   endpoints are on the verbs carrier.
 - initialize() makes endpoints without the bulk lanes; psum makes none; the
@@ -88,7 +89,7 @@ def test_every_bulk_op_runs_with_jax_arx_over_every_carrier(fake_core, mesh, mon
     JAX_ARX_FALLBACK=error a fallback would raise."""
     monkeypatch.setenv("JAX_ARX_TRANSPORT", transport)
     monkeypatch.setenv("JAX_ARX_FALLBACK", "error")
-    jax_arx.initialize(mesh)
+    jax_arx.initialize(mesh, _tuning={"moe_fused": 1})
     x = jnp.zeros((4 * 64, 8), jnp.bfloat16)
     traced = (_traced(mesh, _gather, x) + _traced(mesh, _scatter, x) + _traced(mesh, _moe(False), *_moe_args())
               + _traced(mesh, _moe(True), *_moe_args()))

@@ -20,7 +20,11 @@ fused MoE combine, in one process on 4 CPU devices over the stand-in core
   JAX_ARX_PREFILL_SLOT_BYTES (all_gather's lane is its input, psum_scatter's
   a world-th of it, the combine's a world-th of its padded rows); none at
   all with JAX_ARX_PREFILL_SLOT_BYTES=0.
-- The MoE combine: its argument errors with the numbers in the message,
+- The MoE combine: by default the plan steps aside for its unfused pair
+  (jax_arx's psum_scatter of ``moe_combine``'s rows), counted with the
+  plan's reason and no fallback (nothing logged; JAX_ARX_FALLBACK=error
+  raises nothing); with the ``moe_fused`` tuning the fused primitive within
+  the envelope; its argument errors with the numbers in the message,
   ``padded_tokens`` checked, topk past 16 and H not a multiple of 8 run
   unfused; ``moe_combine`` (its reference and fallback) against numpy.
 """
@@ -342,10 +346,35 @@ def test_no_prefill_slot_runs_every_bulk_op_with_jax_lax(fake_core, monkeypatch,
 
 # --- the MoE combine ----------------------------------------------------------------------
 
+def test_moe_steps_aside_for_the_unfused_pair_by_default(fake_core, monkeypatch, caplog):
+    from jax_arx import _policy
+
+    monkeypatch.setenv("JAX_ARX_PREFILL_SLOT_BYTES", str(PREFILL))
+    monkeypatch.setenv("JAX_ARX_FALLBACK", "error")  # the plan's choice is no fallback: nothing raises
+    mesh = auto_mesh((4,), ("tp",))
+    jax_arx.initialize(mesh)
+    plans, fallbacks = _policy.plan_counts(), _policy.fallback_counts()
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        prims = _prims(mesh, _moe_body, *_moe_args())
+    assert SCATTER in prims and MOE not in prims, prims
+    assert not caplog.records, caplog.text
+    assert _policy.fallback_counts() == fallbacks
+    was = plans.get("moe_combine_psum_scatter", {})
+    counted = {k: n - was.get(k, 0) for k, n in _policy.plan_counts()["moe_combine_psum_scatter"].items()
+               if n != was.get(k, 0)}
+    (reason, n), = counted.items()
+    assert n == 1 and "docs/performance.md" in reason and "the same bits" in reason, counted
+    # Past the envelope it is a fallback as before, the pair's psum_scatter too.
+    monkeypatch.delenv("JAX_ARX_FALLBACK")
+    at = PREFILL // (2 * 128)
+    _falls_back(monkeypatch, caplog, lambda: _prims(mesh, _moe_body, *_moe_args(T=at + 1)),
+                "moe_combine_psum_scatter moves", "jax.lax.psum_scatter", op="moe_combine_psum_scatter")
+
+
 def test_moe_runs_fused_within_its_envelope(fake_core, monkeypatch, caplog):
     monkeypatch.setenv("JAX_ARX_PREFILL_SLOT_BYTES", str(PREFILL))
     mesh = auto_mesh((4,), ("tp",))
-    jax_arx.initialize(mesh)
+    jax_arx.initialize(mesh, _tuning={"moe_fused": 1})
     H = 128
     at = PREFILL // (2 * H)  # padded tokens whose bf16 rows fill the buffer: 1024
     assert MOE in _prims(mesh, _moe_body, *_moe_args(T=at))

@@ -41,7 +41,7 @@ def test_config_endpoint_options_are_strings_the_core_accepts():
            "JAX_ARX_ONESHOT_MAX_BYTES": "64K", "JAX_ARX_CUDA_DIRECT": "0", "JAX_ARX_CUDA_PEER_MEMORY": "1",
            "JAX_ARX_IB_TIMEOUT": "20", "JAX_ARX_PREFILL_SLOT_BYTES": "0"}
     cfg = config.load(env)
-    options = cfg.endpoint_options("127.0.0.1", {"cuda_ll_max_bytes": 0, "cuda_chunk_bytes": 4096})
+    options = cfg.endpoint_options("127.0.0.1", {"cuda_ll_max_bytes": 0, "cuda_chunk_bytes": 4096, "moe_fused": 1})
     assert all(isinstance(v, str) for v in options.values())
     # The real core's parser takes every one (it rejects unknown keys and bad values).
     core = _comm._core()
@@ -98,6 +98,7 @@ def test_cuda_settings_reach_the_core_as_it_reads_them(env, options):
 @pytest.mark.parametrize("tuning,error", [
     ({"cuda_chunk_bytes": 100}, r"cuda_chunk_bytes \(100\) must be a multiple of 16"),
     ({"cuda_ll_max_bytes": -2}, r"cuda_ll_max_bytes \(-2\) must be -1 \(built in\), 0 \(off\) or a size"),
+    ({"moe_fused": 2}, r"option moe_fused=2 is outside \[0, 1\]"),
 ])
 def test_cuda_tuning_the_core_refuses(tuning, error):
     options = config.load({}).endpoint_options(None, tuning)

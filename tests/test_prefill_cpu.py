@@ -32,6 +32,15 @@ runs one, the program is compiled first and started together everywhere.
   numpy reference.
 - ``quick`` (3 processes over shm, 2 over tcp, 4 over shm and tcp, and 2
   processes with 2 CPU devices each): a subset, the first use included.
+- ``moe_plan`` (2 processes over shm and over tcp,
+  ``JAX_ARX_FALLBACK=error``): by default the plan steps aside for the
+  fused combine's unfused pair: the program holds jax_arx's psum_scatter
+  and no fused call, ``stats()["plans"]`` counts every call traced under a
+  reason that names the route, docs/performance.md and the same bits, no
+  fallback is counted, logged or raised, and every result equals, bit for
+  bit, the numpy reference and the fused kernel's (the ``moe_fused``
+  tuning, run first in the same processes). The other suites run the MoE
+  cases with that tuning: the fused kernel itself.
 - ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that trace
   different programs (rank 0 its first all_gather, which sets up the bulk
   endpoints on every process, rank 1 a psum) both fail within the timeout,
@@ -74,6 +83,17 @@ def test_two_processes_with_two_devices_each(core_built, tmp_path):
     results = _run("quick", 2, "shm", tmp_path, cpu_devices=2)
     launched.assert_all_correct(results, expect=QUICK_CASES)
     assert all(r["world"] == 4 and r["local_devices"] == 2 for r in results.values())
+
+
+@pytest.mark.parametrize("transport,route", [("shm", "over shared memory"), ("tcp", "through the proxy")])
+def test_moe_combine_steps_aside_by_default(core_built, tmp_path, transport, route):
+    results = _run("moe_plan", 2, transport, tmp_path, env={"JAX_ARX_FALLBACK": "error"})
+    launched.assert_all_correct(results, expect=["moe_plan"])
+    for r in results.values():
+        (reason, n), = r["plans"].items()  # one reason, every call traced (the worker checks how many)
+        assert n == 8, r["plans"]
+        assert f"CPU backend {route}" in reason and "docs/performance.md" in reason, reason
+        assert "the same bits" in reason, reason
 
 
 def test_failures_are_errors_not_results(core_built, tmp_path):

@@ -211,7 +211,7 @@ def run_topology(w, topology):
 
     w.jax_arx.shutdown()
     w.cases, w.digests = {}, {}
-    w.jax_arx.initialize(w.mesh, topology=topology)
+    w.jax_arx.initialize(w.mesh, topology=topology, _tuning=suites.MOE_FUSED)  # the fused combine itself
     comm = _comm.communicator("sp")
     stats = lambda: [le.endpoint.stats() for le in comm.endpoints]
     before = stats()

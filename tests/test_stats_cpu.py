@@ -4,7 +4,8 @@ this file as its worker, ``--worker SUITE``).
 
 - ``stats``: the counters against what the worker did, exactly: psum
   three times, a pytree psum of two leaves, all_gather twice, psum_scatter
-  and the fused MoE combine once each, a psum that falls back (int32: one
+  and the fused MoE combine (the ``moe_fused`` tuning: the kernel itself,
+  so no plan steps aside) once each, a psum that falls back (int32: one
   fallback, counted when traced, however often it runs); then rank 1 comes
   4 s late to a psum (a stall on rank 0, reported in words); then the ranks
   issue psums of different sizes (a failed call on each, the endpoints'
@@ -73,6 +74,7 @@ def test_stats_count_what_ran(core_built, tmp_path):
         assert ran["ops"] == _RAN and ran["endpoints"][0]["ops"] == _RAN, ran
         # One fallback, traced once and run twice.
         assert r["fallbacks"] == {"psum": {"dtype int32 is not supported (float32, bfloat16 and float16 are)": 1}}
+        assert r["plans"] == {}, r["plans"]
         late = r["late"]
         assert late["ops"]["psum"]["calls"] == 6, late
         failed = r["failed"]
@@ -104,7 +106,7 @@ def test_collectives_from_two_threads_at_once_fail_on_every_rank(core_built, tmp
 # --- the workers ------------------------------------------------------------------
 
 def _suite_stats():
-    w = launched.MeshWorker("tp")
+    w = launched.MeshWorker("tp", tuning={"moe_fused": 1})  # the fused combine's own counters
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     import ml_dtypes
     from jax_arx import _compat
@@ -146,7 +148,7 @@ def _suite_stats():
     for _ in range(2):
         w.together(lax, i32)
     report["ran"] = comm()
-    report["fallbacks"] = jax_arx.stats()["fallbacks"]
+    report["fallbacks"], report["plans"] = jax_arx.stats()["fallbacks"], jax_arx.stats()["plans"]
 
     # Rank 1 comes late to a psum: rank 0's watchdog reports the stall.
     client.wait_at_barrier("test_stats/late", 120_000)

@@ -52,6 +52,10 @@ struct Config {
   // of at least this many bytes, at most kChunks (comm/plan.cc, bulk_pieces);
   // 0: built in.
   uint64_t bulk_piece_bytes = 0;
+  // tuning: 1 runs the fused MoE combine within the bulk envelope on every
+  // route; 0: the plan decides, and steps aside for the unfused pair where
+  // the fused kernel loses (comm/plan.cc, plan_moe_combine).
+  int64_t moe_fused = 0;
   // tuning: on the direct channel, a one-shot psum up to this size goes LL,
   // its flags inside the data (cuda/ll.cu). -1: built in; 0: never.
   int64_t cuda_ll_max_bytes = -1;

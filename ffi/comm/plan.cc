@@ -91,6 +91,17 @@ std::string size_setting(uint64_t n) {
   return strf("%llu", (unsigned long long)n);
 }
 
+// Where the fused MoE combine's measurements are (docs/performance.md, by
+// section), and the route they were taken on, for the plan's reason.
+std::string moe_route(const Endpoint& ep) {
+  const Endpoint::Route& r = ep.route();
+  if (ep.spec().platform == Platform::kHost)
+    return strf("the CPU backend %s; docs/performance.md, \"On the CPU backend\"",
+                r.direct ? "over shared memory" : "through the proxy");
+  return strf("CUDA, %s; docs/performance.md, \"The GB10 route on one H200 under CUDA MPS\"",
+              !r.direct ? "through the proxy" : r.gpu_inboxes ? "GPU inboxes" : "host inboxes");
+}
+
 }  // namespace
 
 Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
@@ -158,6 +169,24 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
                    op, (unsigned long long)lane_bytes, (unsigned long long)(lane_bytes * L.world), L.world,
                    (unsigned long long)ep.spec().config.bulk_bytes, size_setting(lane_bytes * L.world).c_str());
   return p;
+}
+
+Plan plan_moe_combine(const Endpoint& ep, uint64_t lane_bytes) {
+  Plan p = plan_bulk(ep, "moe_combine_psum_scatter", lane_bytes);
+  if (p.algorithm != Algorithm::kBulk || ep.spec().config.moe_fused) return p;
+  // The fused kernel exists only to beat the pair it is defined by (jax's
+  // combine writing its rows to memory, then the bulk psum_scatter reading
+  // them), and it loses to that pair on every route and size it was
+  // measured on (docs/performance.md): its producers compute the rows on the
+  // copy grid's few blocks, and a piece leaves only when every block has
+  // finished it. So it steps aside; the pair sums in the same rank order and
+  // gives the same bits. Every rank decides alike: the route and the config
+  // are the communicator's.
+  Plan unfused;
+  unfused.algorithm = Algorithm::kUnfused;
+  unfused.reason = "the fused combine measured slower than its unfused pair on this route (" + moe_route(ep) +
+                   "): jax's combine, then jax_arx.psum_scatter, the same bits";
+  return unfused;
 }
 
 }  // namespace arx

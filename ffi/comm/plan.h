@@ -20,13 +20,18 @@ enum class Algorithm : int64_t {
   kTwoShot = 2,  // a reduce-scatter then an all-gather, a seq each
   kLL = 3,       // the one-shot with its flags inside the data (CUDA)
   kBulk = 4,     // a bulk collective, in `pieces` pieces (at most kChunks)
+  // The fused MoE combine left to its unfused pair: Python traces jax's
+  // combine (jax_arx.moe_combine) then the bulk psum_scatter instead, so it
+  // never reaches a handler, and Stats does not count it.
+  kUnfused = 5,
 };
-static_assert((int)Algorithm::kBulk + 1 == Stats::kAlgorithms, "Stats counts every algorithm");
+static_assert((int)Algorithm::kBulk + 1 == Stats::kAlgorithms, "Stats counts every algorithm a handler runs");
 
 struct Plan {
   Algorithm algorithm = Algorithm::kNone;
   int pieces = 1;       // kOneShot: pieces of the partial; kBulk: of each lane
   std::string why_not;  // kNone: the reason and the fix, for the fallback message
+  std::string reason;   // kUnfused: why the plan chose it, for stats()["plans"]
 };
 
 // A psum of a `bytes`-byte partial.
@@ -36,5 +41,13 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes);
 // destination's part of a psum_scatter or of the MoE combine's output) is
 // `lane_bytes`; `total_bytes` is world times that, for the message.
 Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes);
+
+// The fused MoE combine + psum_scatter whose output lane is `lane_bytes`:
+// plan_bulk's envelope first (kNone past it); within it kUnfused, the pair
+// its result is defined by (the same bits), wherever the fused kernel is
+// not known to win; kBulk where it runs fused (Config::moe_fused). The
+// handlers of the fused op run only where this chose kBulk, and ask
+// plan_bulk for its pieces.
+Plan plan_moe_combine(const Endpoint& ep, uint64_t lane_bytes);
 
 }  // namespace arx

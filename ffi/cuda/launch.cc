@@ -35,6 +35,7 @@ cudaError_t launch_psum(const Endpoint& ep, const Plan& plan, DType dtype, const
       });
     case Algorithm::kNone:
     case Algorithm::kBulk:
+    case Algorithm::kUnfused:
       break;
   }
   return cudaErrorInvalidValue;

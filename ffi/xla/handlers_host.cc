@@ -169,6 +169,8 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
     host::fill_nan(DType::kBF16, out->untyped_data(), out->element_count());
     return overlapping(*ep, Stats::kMoeCombine, "moe_combine_psum_scatter");
   }
+  // plan_bulk, not plan_moe_combine: the call exists only where the plan
+  // chose the fused op (Python lowers the unfused pair otherwise).
   count_call(*ep, Stats::kMoeCombine, lane, plan_bulk(*ep, "moe_combine_psum_scatter", lane));
   const Status s = host::moe_combine_reduce_scatter(*ep, a, static_cast<uint16_t*>(out->untyped_data()),
                                                     (uint64_t)site * 64);

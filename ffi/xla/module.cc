@@ -121,15 +121,16 @@ class PyEndpoint {
 
   // What runs a collective of `op` ("psum", "all_gather", "psum_scatter",
   // "moe_combine_psum_scatter") on this endpoint: (algorithm, pieces, why
-  // not), comm/plan.h. `bytes`: a psum's partial; for the bulk ops one rank's
-  // lane (an all_gather's input, a psum_scatter's or the combine's output).
+  // not, or for kUnfused the plan's reason), comm/plan.h. `bytes`: a psum's
+  // partial; for the bulk ops one rank's lane (an all_gather's input, a
+  // psum_scatter's or the combine's output).
   std::tuple<int, int, std::string> plan(const std::string& op, uint64_t bytes) const {
     Plan p;
     if (op == "psum") p = plan_psum(*ep_, bytes);
-    else if (op == "all_gather" || op == "psum_scatter" || op == "moe_combine_psum_scatter")
-      p = plan_bulk(*ep_, op.c_str(), bytes);
+    else if (op == "all_gather" || op == "psum_scatter") p = plan_bulk(*ep_, op.c_str(), bytes);
+    else if (op == "moe_combine_psum_scatter") p = plan_moe_combine(*ep_, bytes);
     else throw std::invalid_argument("jax_arx: no plan for op '" + op + "'");
-    return {(int)p.algorithm, p.pieces, p.why_not};
+    return {(int)p.algorithm, p.pieces, p.algorithm == Algorithm::kUnfused ? p.reason : p.why_not};
   }
 
   // Endpoint::stats, as a dict (the keys: the "stats" docstring below).
@@ -265,7 +266,8 @@ NB_MODULE(_core, m) {
                    "Bytes of one bulk lane (the region holds 4 x world of them); 0 where the endpoint holds none.")
       .def("plan", &PyEndpoint::plan, nb::arg("op"), nb::arg("bytes"),
            "What runs a collective of `op` with `bytes` per rank here: (algorithm, pieces, why_not). algorithm 0: "
-           "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk.")
+           "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk; 5 "
+           "unfused (the MoE combine: jax's combine, then the bulk psum_scatter), and why_not is the plan's reason.")
       .def("stats", &PyEndpoint::stats,
            "What this endpoint ran (jax_arx.stats() gathers them): {'ops': {kind: {'calls': n, 'bytes': n, 'failed': "
            "n, 'algorithms': {name: n}}}, 'calls': {kind: n}, 'bytes': {kind: n}, 'algorithms': {name: n} (every "

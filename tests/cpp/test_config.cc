@@ -50,6 +50,10 @@ int main() {
   EXPECT(parsed({{"bulk_bytes", "0"}}).bulk_bytes == 0, "bulk_bytes=0 (JAX_ARX_PREFILL_SLOT_BYTES=0)");
   EXPECT(parsed({{"abort_on_failure", "1"}}).abort_on_failure, "abort_on_failure=1 (JAX_ARX_ON_FAILURE=abort)");
   EXPECT(!parsed({{"abort_on_failure", "0"}}).abort_on_failure, "abort_on_failure=0");
+  EXPECT(d.moe_fused == 0, "default: moe_fused %lld (the plan decides)", (long long)d.moe_fused);
+  EXPECT(parsed({{"moe_fused", "1"}}).moe_fused == 1, "moe_fused=1");
+  EXPECT(parsed({{"moe_fused", "0"}}).moe_fused == 0, "moe_fused=0");
+  refused({{"moe_fused", "2"}}, "moe_fused");
   refused({{"cuda_pipeline", "1"}}, "unknown endpoint option 'cuda_pipeline'");
   printf("config: %s\n", g_failures ? "FAILED" : "ok");
   return g_failures ? 1 : 0;

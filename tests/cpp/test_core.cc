@@ -352,6 +352,7 @@ void test_fingerprint(TransportKind kind) {
       {[](Config& c) { c.slot_bytes = 1 << 16; }, {"slot_bytes", "JAX_ARX_SLOT_BYTES"}},
       {[](Config& c) { c.bulk_lanes = false; }, {"bulk lanes"}},
       {[](Config& c) { c.bulk_piece_bytes = 4096; }, {"bulk pieces", "_tuning"}},
+      {[](Config& c) { c.moe_fused = 1; }, {"MoE fused", "_tuning"}},
   };
   for (const auto& [change, words] : cases) {
     std::vector<std::shared_ptr<Endpoint>> eps(2);

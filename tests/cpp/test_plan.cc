@@ -12,7 +12,11 @@
 //   inboxes -- direct, not in GPU memory -- up to 128 KiB), the two-shot (CUDA only)
 //   up to min(send, world x slot); past that nothing, with a message that
 //   names the setting to raise;
-//   bulk: every rank's lane together within JAX_ARX_PREFILL_SLOT_BYTES.
+//   bulk: every rank's lane together within JAX_ARX_PREFILL_SLOT_BYTES;
+//   the MoE combine: within that envelope its unfused pair on every route,
+//   with a reason that names the route, where it was measured and that the
+//   bits are the same; fused (bulk) with the moe_fused tuning; past the
+//   envelope nothing, as the other bulk ops.
 // No CUDA is needed: an endpoint of the CUDA platform is plain memory until
 // its device side attaches, and the plan reads only its config and route.
 #include <cstdio>
@@ -61,6 +65,7 @@ const char* name(Algorithm a) {
     case Algorithm::kTwoShot: return "two_shot";
     case Algorithm::kLL: return "ll";
     case Algorithm::kBulk: return "bulk";
+    case Algorithm::kUnfused: return "unfused";
   }
   return "?";
 }
@@ -166,6 +171,69 @@ void check_bulk() {
   }
 }
 
+// plan_moe_combine on every route, by default and with moe_fused, inside
+// and past the envelope.
+void check_moe() {
+  struct Route {
+    Platform platform;
+    bool direct, gpu_inboxes;
+    TransportKind transport;
+    const char* says;  // what the reason names the route by
+    const char* measured;  // the docs/performance.md section it cites
+  };
+  const Route routes[] = {
+      {Platform::kHost, true, false, TransportKind::kShm, "over shared memory", "On the CPU backend"},
+      {Platform::kHost, false, false, TransportKind::kTcp, "through the proxy", "On the CPU backend"},
+      {Platform::kCuda, true, true, TransportKind::kShm, "GPU inboxes", "under CUDA MPS"},
+      {Platform::kCuda, true, false, TransportKind::kShm, "host inboxes", "under CUDA MPS"},
+      {Platform::kCuda, false, false, TransportKind::kTcp, "through the proxy", "under CUDA MPS"},
+  };
+  const char* op = "moe_combine_psum_scatter";
+  for (const Route& r : routes) {
+    for (int64_t fused : {0, 1}) {
+      for (int world : {2, 3}) {
+        Case c{r.platform, r.direct, r.gpu_inboxes, Config{}, world, r.transport};
+        c.cfg.bulk_bytes = 256 * kKiB;
+        c.cfg.moe_fused = fused;
+        auto ep = open_endpoint(c);
+        if (!ep) return;
+        const uint64_t at = c.cfg.bulk_bytes / world / 16 * 16;
+        for (uint64_t lane : {(uint64_t)16, at, at + 16, (uint64_t)c.cfg.bulk_bytes}) {
+          const Plan p = plan_moe_combine(*ep, lane);
+          const bool fits = lane * world <= c.cfg.bulk_bytes;
+          const Algorithm want = !fits ? Algorithm::kNone : fused ? Algorithm::kBulk : Algorithm::kUnfused;
+          EXPECT(p.algorithm == want, "%s, %s, moe_fused %lld, world %d: a lane of %llu bytes ran %s, want %s",
+                 r.platform == Platform::kHost ? "host" : "cuda", r.says, (long long)fused, world,
+                 (unsigned long long)lane, name(p.algorithm), name(want));
+          if (want == Algorithm::kNone)
+            EXPECT(p.why_not.find("JAX_ARX_PREFILL_SLOT_BYTES=") != std::string::npos &&
+                       p.why_not.find(op) != std::string::npos && p.reason.empty(),
+                   "%s past the envelope without the op and the setting: '%s'", op, p.why_not.c_str());
+          if (want == Algorithm::kUnfused)
+            EXPECT(p.why_not.empty() && p.reason.find(r.says) != std::string::npos &&
+                       p.reason.find("docs/performance.md") != std::string::npos &&
+                       p.reason.find(r.measured) != std::string::npos &&
+                       p.reason.find("the same bits") != std::string::npos,
+                   "%s: the reason for the unfused pair does not name %s, %s and the same bits: '%s'", r.says,
+                   r.says, r.measured, p.reason.c_str());
+          if (want == Algorithm::kBulk) {
+            const int pieces = plan_bulk(*ep, op, lane).pieces;
+            EXPECT(p.pieces == pieces && p.reason.empty() && p.why_not.empty(),
+                   "%s fused: %d pieces (the bulk plan's %d), reason '%s'", r.says, p.pieces, pieces,
+                   p.reason.c_str());
+          }
+          // The handlers of the fused op, which run only where it was
+          // chosen, still find it inside the envelope.
+          EXPECT(plan_bulk(*ep, op, lane).algorithm == (fits ? Algorithm::kBulk : Algorithm::kNone),
+                 "%s: the handlers' plan_bulk for a lane of %llu bytes ran %s", r.says, (unsigned long long)lane,
+                 name(plan_bulk(*ep, op, lane).algorithm));
+        }
+        ep->close();
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -205,6 +273,7 @@ int main() {
   check_psum("cuda, LL to 16K", {Platform::kCuda, true, false, ll16}, sizes);
   check_pieces();
   check_bulk();
+  check_moe();
   printf("plan: %s\n", g_failures ? "FAILED" : "ok");
   return g_failures ? 1 : 0;
 }

@@ -110,6 +110,12 @@ MUTATIONS = [
     M("the bulk envelope is one lane, not every rank's", "ffi/comm/plan.cc",
       "if (lane_bytes * (uint64_t)L.world <= ep.spec().config.bulk_bytes) {",
       "if (lane_bytes <= ep.spec().config.bulk_bytes) {", ("test_plan",), cpp=True),
+    M("the MoE plan never steps aside for the unfused pair", "ffi/comm/plan.cc",
+      "  if (p.algorithm != Algorithm::kBulk || ep.spec().config.moe_fused) return p;",
+      "  if (true) return p;", ("test_plan",), cpp=True),
+    M("the plan's unfused pair is a fallback", "jax_arx/_policy.py",
+      "        planned(op, why_not)  # why_not holds the plan's reason here\n",
+      "        return fallback(op, (\"unfused\", axis), why_not)\n", (BULK, "-k", "steps_aside")),
 ]
 
 

@@ -112,8 +112,11 @@ def run_phase(phase, mesh, f):
     me, world = jax.process_index(), mesh.shape["x"]
     hca = set_phase_env(phase, me)
     t0 = time.monotonic()
+    # moe_fused: verbs_bulk.py's MoE jobs run the fused combine itself, not
+    # the unfused pair the plan would step aside for.
     jax_arx.initialize(mesh, topology=phase.get("topology"),
-                       _tuning={"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk") else None)
+                       _tuning={"moe_fused": 1, **({"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk")
+                                                   else {})})
     transports = sorted({ep.transport for ep in jax_arx._comm.communicator("x").endpoints})
     if transports != [phase["expect"]]:
         say(f"FAIL {phase['name']}: carrier {transports}, expected {phase['expect']}")
