@@ -1,5 +1,13 @@
 """Shared pytest hooks.
 
+The tiers: ``pytest tests`` runs the fast tier, every test not marked with
+one of ``SLOW_SUITES`` (the unit tests, the multi-process tests of every
+op, carrier and topology at worlds 2 and 3, the docs' checks, the launcher,
+the failure cases that take seconds). The slow suites run where a marker
+expression or a test's node id asks for them (``pytest -m tsan tests``,
+``pytest tests/test_verbs.py::test_psum_soft_roce``); each is a named step
+of ``.ci/run`` (docs/development.md lists them).
+
 ``summary_line`` lets a test put a line into pytest's terminal summary, which
 is printed even under ``-q`` and with output captured: CI logs show there
 what a long test that ran elsewhere (the soft-RoCE VM) actually did.
@@ -51,6 +59,26 @@ pytest_plugins = ["stand_in_core"]
 
 _SUMMARY: list[str] = []
 
+# The slow suites: each marker is one step of .ci/run (pyproject.toml says
+# what each holds). "slow" is the rest: tests of minutes that no other
+# suite holds.
+SLOW_SUITES = ("slow", "tsan", "aarch64", "verbs", "netns", "soak")
+_deselected_slow: list[int] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier: without ``-m`` and without a node id naming a test,
+    the slow suites' tests are deselected (counted in the summary)."""
+    if config.option.markexpr or any("::" in str(a) for a in config.args):
+        return
+    keep, slow = [], []
+    for item in items:
+        (slow if any(item.get_closest_marker(m) for m in SLOW_SUITES) else keep).append(item)
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = keep
+        _deselected_slow.append(len(slow))
+
 
 @pytest.fixture
 def summary_line():
@@ -64,6 +92,11 @@ def core_built(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _deselected_slow:
+        terminalreporter.write_line(
+            f"jax_arx: the fast tier; {_deselected_slow[0]} tests of the slow suites were not run "
+            f"(pytest -m 'slow or tsan or aarch64 or verbs or netns or soak' tests runs them; "
+            f"docs/development.md)")
     if _SUMMARY:
         terminalreporter.section("jax_arx: what the long tests did")
         for line in _SUMMARY:

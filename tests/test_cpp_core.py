@@ -79,6 +79,7 @@ def test_bulk(core_build, carrier):
     assert f"{carrier}: ok" in out
 
 
+@pytest.mark.tsan
 def test_core_under_thread_sanitizer(tsan_build):
     env = dict(os.environ, TSAN_OPTIONS=os.environ.get("TSAN_OPTIONS", "halt_on_error=1 second_deadlock_stack=1"))
     out = _run([str(tsan_build / "test_core"), "--quick", "tcp"], timeout=900, env=env)
@@ -116,6 +117,7 @@ def test_carrier_unit_tests(core_build, name):
     _run([str(core_build / name)], timeout=600)
 
 
+@pytest.mark.aarch64
 def test_core_on_aarch64_under_qemu_user():
     """The core and its tests cross-compiled for aarch64, then run under
     qemu-user: test_layout, test_plan, and test_core and test_bulk (--quick)

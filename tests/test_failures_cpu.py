@@ -13,8 +13,8 @@ each test launches this file as its worker, ``--worker SUITE``):
   exact, and nothing jax_arx published is left in the store.
 - ``stopped_peer:psum`` and ``stopped_peer:all_gather`` (tcp, 2 processes,
   ``JAX_ARX_TIMEOUT_S=5``): both run a 96 MiB psum (or an 80 MiB
-  all_gather) once, then rank 1 stops itself (SIGSTOP; a helper resumes it
-  30 s later). Rank 0's next call must fail within about the timeout (the
+  all_gather) once, then rank 1 stops itself (SIGSTOP; rank 0 resumes it
+  when done, or a helper 30 s later). Rank 0's next call must fail within about the timeout (the
   proxy's send to a peer that takes no data gives up, or the call's wait for
   it does), and ``shutdown()`` must return within about the timeout too.
 - ``killed_in_initialize`` and ``failed_initialize`` (shm, 2 processes): a
@@ -53,7 +53,9 @@ import launched
 THIS = os.path.abspath(__file__)
 RESULT = launched.RESULT
 TIMEOUT_S = 5  # JAX_ARX_TIMEOUT_S of the stopped-peer suite
-STOPPED_S = 30  # how long rank 1 stays stopped: far past every bound below
+# How long rank 1 stays stopped unless rank 0 resumes it sooner (it does,
+# once it has timed the call and shutdown): far past every bound below.
+STOPPED_S = 30
 
 
 # --- the tests (tests/test_gpu_failures.py runs the same on GPUs) ---------------
@@ -359,8 +361,8 @@ def _suite_stopped_peer(op):
         client.key_value_set("test_failures/resumed", "1")
         jax_arx.shutdown()
         return report
-    report["peer_stopped"] = _until_stopped(int(client.blocking_key_value_get("test_failures/stopping", 120_000)),
-                                            within_s=60)
+    stopped_pid = int(client.blocking_key_value_get("test_failures/stopping", 120_000))
+    report["peer_stopped"] = _until_stopped(stopped_pid, within_s=60)
     report[op] = _timed(lambda: np.asarray(f(x).addressable_data(0)))
     try:
         jax_arx.check()
@@ -370,6 +372,7 @@ def _suite_stopped_peer(op):
     start = time.monotonic()
     jax_arx.shutdown()
     report["shutdown"] = {"seconds": round(time.monotonic() - start, 2)}
+    os.kill(stopped_pid, signal.SIGCONT)  # done with it stopped: no need to wait out STOPPED_S
     # Exit together (process 0 hosts jax.distributed's coordinator).
     client.blocking_key_value_get("test_failures/resumed", (STOPPED_S + 120) * 1000)
     return report

@@ -135,6 +135,10 @@ FOUR = pytest.mark.skipif(os.environ.get("MINILM_TEST_4_RANKS") != "1",
 # jax.lax's collectives at 2 ranks, where they must give the same bits; past
 # 2 they are held to the same tolerance as unsharded, which the tp and sp runs
 # already meet, so CI's time goes to jax_arx there.
+# A slow suite: the model's full batches at 2 and 3 ranks take minutes on 2
+# cores; the fast tier runs the program on one short batch
+# (test_program_writes_what_it_prints).
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs,transport,impls", [(2, "shm", IMPLS), (3, "tcp", ("jax_arx",)),
                                                     pytest.param(4, "shm", IMPLS, marks=FOUR)])
 def test_encoder_matches_sentence_transformers(ready, tmp_path, summary_line, nprocs, transport, impls):

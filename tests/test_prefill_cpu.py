@@ -73,7 +73,9 @@ def test_full_suite(core_built, tmp_path, transport, nprocs):
     launched.assert_all_correct(results, expect=FULL_CASES)
 
 
-@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), ("shm", 4), ("tcp", 4)])
+# Four processes on two cores are a slow suite's; the fast tier stops at three.
+@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), pytest.param("shm", 4, marks=pytest.mark.slow),
+                                              pytest.param("tcp", 4, marks=pytest.mark.slow)])
 def test_quick_suite(core_built, tmp_path, transport, nprocs):
     results = _run("quick", nprocs, transport, tmp_path)
     launched.assert_all_correct(results, expect=QUICK_CASES)

@@ -67,6 +67,7 @@ def test_full_suite(core_built, tmp_path, transport, nprocs):
     launched.assert_all_correct(results, expect=FULL_CASES)
 
 
+@pytest.mark.slow  # four processes on two cores: the fast tier stops at three
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_four_processes(core_built, tmp_path, transport):
     results = _run("quick", 4, transport, tmp_path)

@@ -66,7 +66,9 @@ def core_built(tmp_path_factory):
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# World 4 (the relays, through processes) is a slow suite's; the fast tier
+# has the relays through tests/cpp/test_core.cc's ring, ranks as threads.
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_ring_is_the_mesh_bit_for_bit(core_built, tmp_path, transport, world):
     results = launched.run_suite(THIS, "ring", world, transport, tmp_path, timeout=600,

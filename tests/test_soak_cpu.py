@@ -46,6 +46,7 @@ def _calls() -> int:
     return int(value)
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
 def test_mixed_collectives_soak(core_built, tmp_path, transport, nprocs):
     calls = _calls()

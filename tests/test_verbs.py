@@ -186,7 +186,6 @@ def _prepare_vm():
 
 
 @pytest.mark.verbs
-@pytest.mark.slow
 def test_verbs_soft_roce(tmp_path):
     _prepare_vm()
     cxx = _cxx()
@@ -233,7 +232,6 @@ def test_verbs_soft_roce(tmp_path):
 
 
 @pytest.mark.verbs
-@pytest.mark.slow
 def test_psum_soft_roce(summary_line):
     """jax_arx.psum between two processes in the VM over soft-RoCE, every result
     checked bit for bit against numpy's fp32 rank-order sum (bf16, f16, f32,
@@ -304,7 +302,6 @@ RING_OF_FOUR = "/".join(f"rxe{(2 * r - 1) % 8},rxe{2 * r}" for r in range(4))
 
 
 @pytest.mark.verbs
-@pytest.mark.slow
 def test_ring_of_four_soft_roce(summary_line):
     """jax_arx.psum in a ring of four processes over soft-RoCE in the VM
     (RXE_VM_NDEV=8), each rank's device list its prev port, then its next
