@@ -154,6 +154,15 @@ def main(argv=None) -> int:
     address = f"127.0.0.1:{_free_port()}"
     secret = None if "JAX_ARX_SECRET" in os.environ else secrets.token_hex(32)
     die_with_launcher = _parent_death_hook()
+    # Before the first rank starts: a signal that comes while the ranks
+    # start (a rank may be running before the next is spawned) still stops
+    # every rank and is reported, instead of ending the launcher alone.
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     procs = []
     pumps = []
     stderr_pumps = []  # by rank
@@ -186,12 +195,6 @@ def main(argv=None) -> int:
             sys.stderr.buffer.write(f"[launch] {message}\n".encode())
             sys.stderr.buffer.flush()
 
-    interrupted = []
-
-    def on_signal(signum, frame):
-        interrupted.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     status = 0
     stop_at = None  # when to terminate the ranks still running
     killed_at = None

@@ -127,7 +127,6 @@ def test_every_block_says_what_it_is():
 RUN = [b for b in BLOCKS if b.kind == "python"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("block", RUN, ids=_ids(RUN))
 def test_python_block_runs_as_written(core_built, tmp_path, block):
     script = tmp_path / "block.py"

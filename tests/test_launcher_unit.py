@@ -91,7 +91,6 @@ def _launch(args, tmp_path, timeout=240):
     return proc, time.monotonic() - start
 
 
-@pytest.mark.slow
 def _from_keyword(line, keywords):
     """`line` from the first of `keywords` in it (all of it if none is)."""
     at = [line.find(k) for k in keywords if k in line]
@@ -180,7 +179,6 @@ def test_launch_failing_rank_stops_the_others(tmp_path):
     assert "[launch] rank 1 failed first (exited with status 3); stopping the other ranks in 0.5 s" in proc.stderr
 
 
-@pytest.mark.slow
 def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
     # Rank 1 raises after jax_arx.initialize while rank 0 computes without
     # collectives: rank 1 must not wait at jax_arx's or jax's exit barriers
