@@ -73,9 +73,13 @@ def test_core(core_build, carrier):
     assert f"{carrier}: ok" in out
 
 
+# The fast tier runs test_bulk with --quick (fewer and smaller calls, every
+# path: a fifth of the time); the whole of it is the slow suite's.
+@pytest.mark.parametrize("size", [pytest.param(["--quick"], id="quick"),
+                                  pytest.param([], id="whole", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("carrier", ["shm", "tcp"])
-def test_bulk(core_build, carrier):
-    out = _run([str(core_build / "test_bulk"), carrier], timeout=600)
+def test_bulk(core_build, carrier, size):
+    out = _run([str(core_build / "test_bulk"), *size, carrier], timeout=600)
     assert f"{carrier}: ok" in out
 
 

@@ -4,6 +4,7 @@ jax.distributed key-value store rendezvous with the stand-in core
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -141,10 +142,14 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
     out = proc.stdout.splitlines()
     for rank in (0, 1):
         # jax's own C++ log lines ("[Gloo] Rank 0 is connected ...") share the
-        # process's stdout unsynchronised with Python's: a print may land in
-        # the middle of one. Each of the script's lines starts at a keyword.
-        mine = [_from_keyword(line[len(f"[rank {rank}] "):], ("lax psum", "arx psum", "endpoint ", "again ", "args "))
-                for line in out if line.startswith(f"[rank {rank}] ")]
+        # process's stdout unsynchronised with Python's: one may land in the
+        # middle of a print, or a print in the middle of one. Taken out whole
+        # (each ends its line), the script's lines are whole again, each from
+        # its keyword on.
+        text = "".join(line[len(f"[rank {rank}] "):] + "\n" for line in out if line.startswith(f"[rank {rank}] "))
+        text = re.sub(r"\[Gloo\][^\n]*\n", "", text)
+        mine = [_from_keyword(line, ("lax psum", "arx psum", "endpoint ", "again ", "args "))
+                for line in text.splitlines()]
         assert "lax psum 3.0" in mine and "arx psum 3.0 True" in mine, (rank, mine, proc.stderr[-3000:])
         assert "again 4" in mine and "args ['--flag', 'x']" in mine, (rank, mine)
         endpoints = [line.split() for line in mine if line.startswith("endpoint")]

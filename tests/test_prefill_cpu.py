@@ -67,14 +67,17 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bulk_cases.py
 
 # --- the tests ----------------------------------------------------------------
 
-@pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
+# The full suite over tcp at 3 ranks is the slow suite's; the fast tier has
+# tcp at 3 ranks through the quick suite.
+@pytest.mark.parametrize("transport,nprocs", [("shm", 2), pytest.param("tcp", 3, marks=pytest.mark.slow)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
     results = _run("full", nprocs, transport, tmp_path)
     launched.assert_all_correct(results, expect=FULL_CASES)
 
 
 # Four processes on two cores are a slow suite's; the fast tier stops at three.
-@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), pytest.param("shm", 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), ("tcp", 3),
+                                              pytest.param("shm", 4, marks=pytest.mark.slow),
                                               pytest.param("tcp", 4, marks=pytest.mark.slow)])
 def test_quick_suite(core_built, tmp_path, transport, nprocs):
     results = _run("quick", nprocs, transport, tmp_path)

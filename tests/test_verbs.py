@@ -10,14 +10,15 @@ left out (JAX_ARX_VERBS=OFF, as on a machine without rdma-core's headers) into
 a scratch directory, and checks that it imports, runs psum over shm and tcp,
 and says what is missing when verbs is asked for.
 
-test_verbs_soft_roce boots a VM with four soft-RoCE devices on two veth pairs
-(tests/verbs/rxe_vm.sh; about 10 s to boot under TCG) and runs the two-rank
-carrier test inside it: two roots per rank, then one, then a ring of 2 (each
-rank's list: the port facing prev, then the port facing next).
-test_psum_soft_roce boots it again and runs jax_arx.psum between two
-processes over the carrier (tests/workers/verbs_psum.py), a ring of 2 among
-its phases, and in the same processes all_gather, psum_scatter and the fused
-MoE combine (tests/workers/verbs_bulk.py); test_ring_of_four_soft_roce (ARX_TEST_RING4_VM=1: about 18
+test_verbs_soft_roce and test_psum_soft_roce share one boot of a VM with
+four soft-RoCE devices on two veth pairs (tests/verbs/rxe_vm.sh, about 10 s
+to boot under TCG; tests/verbs/vm_suite.sh runs both parts): the two-rank
+carrier test inside it (two roots per rank, then one, then a ring of 2
+(each rank's list: the port facing prev, then the port facing next)), then
+jax_arx.psum between two processes over the carrier
+(tests/workers/verbs_psum.py), a ring of 2 among its phases, and in the
+same processes all_gather, psum_scatter and the fused MoE combine
+(tests/workers/verbs_bulk.py); test_ring_of_four_soft_roce (ARX_TEST_RING4_VM=1: about 18
 minutes) boots it with eight devices on four wires and runs jax_arx.psum in
 a ring of four processes. All are skipped, with the reason, where the VM
 cannot start: not root, or the VM's packages (qemu, a Debian kernel, ...)
@@ -185,26 +186,49 @@ def _prepare_vm():
     assert rc == 0, out
 
 
-@pytest.mark.verbs
-def test_verbs_soft_roce(tmp_path):
+VM_SUITE = ROOT / "tests" / "verbs" / "vm_suite.sh"
+
+
+@pytest.fixture(scope="module")
+def vm_suite(tmp_path_factory):
+    """One VM boot for the verbs tests that need its four devices
+    (tests/verbs/vm_suite.sh): the carrier test, then jax_arx over the
+    carrier; each test checks its part. Uses this interpreter (the VM sees
+    the host's filesystem read-only), so jax_arx must be installed in it,
+    as CI does. Returns {part: (exit status, output)} and the wall time."""
     _prepare_vm()
     cxx = _cxx()
     if not _have_verbs_headers(cxx):
         needs.missing("no rdma-core headers (infiniband/verbs.h) even after rxe_vm.sh --prepare")
-    binary = tmp_path / "test_verbs_transport"
+    probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
+                           cwd="/", timeout=120)
+    if probe.returncode != 0:
+        needs.missing(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
+                      f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
+    binary = tmp_path_factory.mktemp("verbs") / "test_verbs_transport"
     _finish(_build(cxx, "test_verbs_transport", binary, True), "test_verbs_transport")
-
-    ndev = os.environ.get("RXE_VM_NDEV", "4")
     # Hang guards, not speed checks: under TCG on a loaded 2-core host the
     # VM runs many times slower than on an idle one.
-    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="1200")
+    env = dict(os.environ, RXE_VM_NDEV=os.environ.get("RXE_VM_NDEV", "4"), RXE_VM_TIMEOUT="3000")
     t0 = time.monotonic()
-    rc, out = _run([VM, PAYLOAD, binary], timeout=1300, env=env)
+    rc, out = _run([VM, VM_SUITE, VM_SUITE.parent, binary, sys.executable, PSUM_WORKER], timeout=3100, env=env)
     wall = time.monotonic() - t0
     print(out)
-    print(f"soft-RoCE VM test: {wall:.1f} s wall")
     if rc == CANNOT_START:
         needs.missing(out.strip().splitlines()[-1])
+    parts = {}
+    for m in re.finditer(r"^=== part (\w+)\n(.*?)^=== part \1: exit (\d+)$", out, re.S | re.M):
+        parts[m.group(1)] = (int(m.group(3)), m.group(2))
+    assert set(parts) == {"transport", "psum"}, f"the VM ended before its parts did (status {rc}):\n{out[-6000:]}"
+    return parts, wall
+
+
+@pytest.mark.verbs
+def test_verbs_soft_roce(vm_suite):
+    """The carrier test in the VM (tests/verbs/vm_transport_test.sh): two
+    roots per rank, then one, then a ring of 2."""
+    rc, out = vm_suite[0]["transport"]
+    ndev = os.environ.get("RXE_VM_NDEV", "4")
     assert rc == 0, out[-6000:]
     runs = 3 if ndev == "4" else 1  # two roots, one root, a ring of 2
     assert "FAIL" not in out, out
@@ -232,37 +256,20 @@ def test_verbs_soft_roce(tmp_path):
 
 
 @pytest.mark.verbs
-def test_psum_soft_roce(summary_line):
+def test_psum_soft_roce(vm_suite, summary_line):
     """jax_arx.psum between two processes in the VM over soft-RoCE, every result
     checked bit for bit against numpy's fp32 rank-order sum (bf16, f16, f32,
-    sizes 1 to 131071, 288 back-to-back calls per phase): two roots per rank,
+    sizes 1 to 131071, 4 back to back per dtype and size: 72 calls per phase): two roots per rank,
     one root (with small WRs), the automatic choice (verbs when both ranks name
     devices, tcp when one does not), then a rank exiting mid-stream, which the
     other's psum reports, naming it, within seconds. On two roots (one with
-    RXE_VM_NDEV=2), 210 bulk calls too, bit for bit against numpy: all_gather
-    and psum_scatter (70 each, 4 MiB gathered or scattered) and the fused MoE
-    combine (35 with bf16 expert outputs, 35 with e4m3), never a fallback
+    RXE_VM_NDEV=2), 60 bulk calls too, bit for bit against numpy: all_gather
+    and psum_scatter (20 each, 4 MiB gathered or scattered) and the fused MoE
+    combine (10 with bf16 expert outputs, 10 with e4m3), never a fallback
     (JAX_ARX_FALLBACK=error), every call counted by the bulk endpoints over
-    verbs. Uses this interpreter
-    (the VM sees the host's filesystem read-only), so jax_arx must be
-    installed in it, as CI does."""
-    _prepare_vm()
-    probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
-                           cwd="/", timeout=120)
-    if probe.returncode != 0:
-        needs.missing(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
-                    f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
+    verbs."""
+    (rc, out), wall = vm_suite[0]["psum"], vm_suite[1]
     ndev = os.environ.get("RXE_VM_NDEV", "4")
-    # Hang guards, not speed checks (the psum phases took 516 s of the old
-    # 500 s in-VM bound at load 15 on 2 cores; about 2 minutes when idle).
-    env = dict(os.environ, RXE_VM_NDEV=ndev, RXE_VM_TIMEOUT="2400")
-    t0 = time.monotonic()
-    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER], timeout=2500, env=env)
-    wall = time.monotonic() - t0
-    print(out)
-    print(f"soft-RoCE psum test: {wall:.1f} s wall")
-    if rc == CANNOT_START:
-        needs.missing(out.strip().splitlines()[-1])
     assert rc == 0, out[-8000:]
     assert "FAIL" not in out, out[-8000:]
     phases = (["two-roots", "ring"] if ndev == "4" else []) + ["one-root", "auto-verbs", "auto-tcp"]
@@ -282,7 +289,7 @@ def test_psum_soft_roce(summary_line):
     for rank in (0, 1):
         bulk = re.search(rf"verbs_psum: \[rank {rank}\] PASS {bulk_phase}: .*; (\d+) bulk calls over verbs with "
                          rf"(\d) root", out)
-        assert bulk and int(bulk.group(1)) == 210 and int(bulk.group(2)) == roots, (rank, bulk and bulk.group(0))
+        assert bulk and int(bulk.group(1)) == 60 and int(bulk.group(2)) == roots, (rank, bulk and bulk.group(0))
     # The lost peer: rank 0's psum fails, naming rank 1, long before the timeout.
     lost = re.search(r"verbs_psum: \[rank 0\] PASS lose-peer: psum failed ([0-9.]+) s after its first call without "
                      r"rank 1 .*the error names the peer: .*rank 1", out)
