@@ -27,6 +27,9 @@ Public API:
                           all-reduce sum over one mesh axis (jax.lax.psum's contract);
                           on GPUs, prefetch (up to 8 arrays, e.g. the next layer's
                           weights) is fetched into L2 while the call waits
+  psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=1e-6)
+                          (normed, hidden): psum(x) + residual and its RMSNorm / LayerNorm,
+                          one collective with the norm in its epilogue
   all_gather(x, axis_name, *, axis=0, tiled=False)
                           gather over one mesh axis (jax.lax.all_gather's contract)
   psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False)
@@ -50,6 +53,7 @@ from jax_arx._comm import check, initialize, shutdown, transport
 from jax_arx._bulk import all_gather, psum_scatter
 from jax_arx._moe import moe_combine, moe_combine_psum_scatter
 from jax_arx._psum import psum
+from jax_arx._norm import psum_add_norm
 from jax_arx._stats import stats
 from jax_arx import errors
 from jax_arx.errors import (
@@ -85,6 +89,7 @@ __all__ = [
     "moe_combine",
     "moe_combine_psum_scatter",
     "psum",
+    "psum_add_norm",
     "psum_scatter",
     "shutdown",
     "stats",

@@ -96,6 +96,13 @@ def lax_psum_lowering(ctx, xs, *, axes: tuple) -> list:
     return out
 
 
+def lower_fun(fun, ctx, *operands) -> list:
+    """Lowers the jax function ``fun`` (multiple results) in place of a
+    primitive, with the primitive's lowering context ``ctx``: what a fused
+    op falls back to at lowering time."""
+    return _mlir.lower_fun(fun, multiple_results=True)(ctx, *operands)
+
+
 def lax_psum_batcher(axis_data, vals_in, dims_in, *, axes: tuple, invariant: bool):
     """jax's batching rule for its psum, for a vmap over the reduced axis
     itself, where only jax knows what to do."""
@@ -214,13 +221,13 @@ def is_undefined_primal(x) -> bool:
 ir = _mlir.ir
 
 
-def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int], has_side_effect: bool):
+def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int | float], has_side_effect: bool):
     """Emits a typed-FFI (api_version 4) custom call to ``target`` at the
     current insertion point, as ``jax.ffi.ffi_lowering`` does, but with
     operands beyond ``ctx.avals_in`` (of any type, passed as IR values):
     results are typed by ``ctx.avals_out``, every operand and result is laid
-    out row-major, and ``attributes`` become int64 FFI attributes. Returns the
-    op's results."""
+    out row-major, and ``attributes`` become int64 FFI attributes (a float:
+    float32). Returns the op's results."""
     result_types = [_aval_to_ir_type(ctx, a) for a in ctx.avals_out]
 
     def row_major(t):
@@ -229,7 +236,8 @@ def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int], h
 
     op = _mlir.custom_call(
         target, result_types=result_types, operands=list(operands),
-        backend_config={k: _mlir.i64_attr(v) for k, v in attributes.items()},
+        backend_config={k: ir.FloatAttr.get(ir.F32Type.get(), v) if isinstance(v, float) else _mlir.i64_attr(v)
+                        for k, v in attributes.items()},
         has_side_effect=has_side_effect, api_version=4,
         operand_layouts=[row_major(v.type) for v in operands],
         result_layouts=[row_major(t) for t in result_types])

@@ -102,7 +102,7 @@ def call_site_tag(ctx, *attributes) -> int:
     return int.from_bytes(digest, "little") >> 16  # 48 bits: the handler tags leaves as site * 64 + i
 
 
-def emit_ordered_call(ctx, target: str, xs, attributes: dict[str, int], *, trailing=()):
+def emit_ordered_call(ctx, target: str, xs, attributes: dict[str, int | float], *, trailing=()):
     """Emits a side-effecting call of the FFI target ``target`` on operands
     ``xs`` at the end of the current block, reading, as dependency operands
     after them, results of the jax_arx calls before it (see the comment

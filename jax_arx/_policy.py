@@ -41,6 +41,10 @@ logger = logging.getLogger("jax_arx")
 # The reducing ops' element types (psum, psum_scatter, the MoE combine's sums).
 REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
+# What a fallback computes, where it is not jax.lax's op of the same name.
+_LAX_NAMES = {"moe_combine_psum_scatter": "jax.lax.psum_scatter",
+              "psum_add_norm": "jax.lax.psum, then the add and the norm in jax"}
+
 _logged_reasons: set = set()
 _fallbacks: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced that fell back (jax_arx.stats())
 _plans: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced as their unfused pair (jax_arx.stats())
@@ -68,7 +72,7 @@ def fallback(op: str, key: tuple, why: str) -> None:
     first time this ``op`` and ``key`` (a kind of reason and what it
     concerns) come up; or raises JaxArxFallbackError when
     JAX_ARX_FALLBACK=error."""
-    lax_name = f"jax.lax.{'psum_scatter' if op == 'moe_combine_psum_scatter' else op}"
+    lax_name = _LAX_NAMES.get(op, f"jax.lax.{op}")
     note = _note.get()
     if note:
         why, key = f"{why} ({note})", (*key, note)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gpu_common
 import test_gpu_bulk
 import test_gpu_failures
+import test_gpu_norm
 import test_gpu_psum
 
 
@@ -34,6 +35,12 @@ def test_bulk_worker(core_built, summary_line):
     run = _smoke(test_gpu_bulk, ["bulk"], 2, {"JAX_ARX_PREFILL_SLOT_BYTES": "4MiB"})
     for phase in test_gpu_bulk.SMOKE_PHASES:
         test_gpu_bulk.check_phase(run, phase, 2, summary_line)
+
+
+def test_norm_worker(core_built, summary_line):
+    run = _smoke(test_gpu_norm, ["norm"], 2)
+    for phase in test_gpu_norm.SMOKE_PHASES:
+        test_gpu_norm.check_phase(run, phase, 2, summary_line)
 
 
 def test_peer_exit_worker(core_built):

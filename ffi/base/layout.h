@@ -166,6 +166,9 @@ constexpr uint64_t kLLLineBytes = 16;
 constexpr uint64_t kLLLinePayload = 8;
 constexpr uint64_t kLLMaxPayload = 128 << 10;  // the largest LL partial: a slot holds its lines, twice its size
 constexpr uint64_t kLLSlotBytes = kLLMaxPayload / kLLLinePayload * kLLLineBytes;
+// The payload one block of the LL kernel owns at most (cuda/ll.cu): a fused
+// call's rows are normed by the block that holds them (comm/plan.cc).
+constexpr uint64_t kLLBlockPayload = 8 << 10;
 static_assert(kLLSlotBytes % kPage == 0, "LL slots are whole pages");
 
 ARX_HD uint32_t ll_flag(uint64_t seq, uint64_t desc) {

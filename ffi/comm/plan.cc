@@ -47,8 +47,13 @@ uint64_t ll_limit(const Endpoint& ep) {
 // puts land in whole words (layout.h, "The LL one-shot"), no relay forwards
 // them (comm/proxy.cc: a relay would read lines the next rank zeroes) and the
 // lines fit the staging buffer.
-bool ll_runs(const Endpoint& ep, uint64_t bytes) {
+// A fused call (`row_bytes` > 0) norms each row in the block that holds it:
+// a row must fit one LL block and start on a line, unless one block holds
+// the whole partial.
+bool ll_runs(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   if (ep.spec().platform != Platform::kCuda || bytes > ll_limit(ep)) return false;
+  if (row_bytes && bytes > kLLBlockPayload && (row_bytes > kLLBlockPayload || row_bytes % kLLLinePayload))
+    return false;
   if (ep.route().direct) return true;
   const Layout& L = ep.layout();
   const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload * kLLLineBytes;
@@ -104,7 +109,7 @@ std::string moe_route(const Endpoint& ep) {
 
 }  // namespace
 
-Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
+Plan plan_psum(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   const Layout& L = ep.layout();
   const Config& cfg = ep.spec().config;
   const bool cuda = ep.spec().platform == Platform::kCuda;
@@ -117,12 +122,16 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes) {
   // fills at most a slot.
   const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;
   if (bytes <= oneshot_max) {
-    if (ll_runs(ep, bytes)) {
+    if (ll_runs(ep, bytes, row_bytes)) {
       p.algorithm = Algorithm::kLL;
       return p;
     }
     p.algorithm = Algorithm::kOneShot;
     p.pieces = psum_pieces(ep, bytes);
+    // A fused call's pieces are whole rows (the block that sums a row norms
+    // it), starting on a 16-byte vector.
+    if (row_bytes) p.pieces = row_bytes % 16 ? 1 : (int)std::min<uint64_t>((uint64_t)p.pieces, bytes / row_bytes);
+    if (p.pieces < 1) p.pieces = 1;
     return p;
   }
   if (bytes <= twoshot_max) {

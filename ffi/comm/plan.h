@@ -34,8 +34,10 @@ struct Plan {
   std::string reason;   // kUnfused: why the plan chose it, for stats()["plans"]
 };
 
-// A psum of a `bytes`-byte partial.
-Plan plan_psum(const Endpoint& ep, uint64_t bytes);
+// A psum of a `bytes`-byte partial; `row_bytes` > 0: the fused
+// psum_add_norm (base/norm.h) with rows of that many bytes, which the norm
+// needs whole in one piece or LL block.
+Plan plan_psum(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes = 0);
 
 // A bulk collective whose lane (one rank's slice of an all_gather, one
 // destination's part of a psum_scatter or of the MoE combine's output) is

@@ -16,6 +16,7 @@
 #include <memory>
 
 #include "base/layout.h"
+#include "base/norm.h"
 #include "base/status.h"
 #include "comm/channel.h"
 #include "comm/endpoint.h"
@@ -96,9 +97,11 @@ bool attached(const Endpoint& ep);
 // order, rounded once), as `plan` (comm/plan.h, for this size) says. in and
 // out may alias. `tag` (the call site's, the same on every rank) travels in
 // the descriptor. Returns the launch error (which may belong to an earlier
-// kernel).
+// kernel). With `norm` on, the fused call (base/norm.h): out becomes the sum
+// + norm.residual and norm.normed its norm; plan is plan_psum's for rows of
+// norm.width elements.
 cudaError_t launch_psum(const Endpoint& ep, const Plan& plan, DType dtype, const void* in, void* out, uint64_t count,
-                        uint64_t tag, const Prefetch& prefetch, cudaStream_t stream);
+                        uint64_t tag, const Prefetch& prefetch, cudaStream_t stream, const AddNorm& norm = {});
 
 // The bulk collectives (bulk.cu), one kernel each, with the contracts of
 // their host counterparts (host/device_side.h). On failure out is NaN

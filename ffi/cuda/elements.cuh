@@ -53,6 +53,7 @@ struct Elem<DType::kF32> {
   __device__ static float load_cv(const uint8_t* p) { return __uint_as_float(ld_cv_u32(p)); }
   __device__ static float load(const uint8_t* p) { return *reinterpret_cast<const float*>(p); }
   __device__ static void store(uint8_t* p, float f) { *reinterpret_cast<float*>(p) = f; }
+  __device__ static float round(float f) { return f; }  // f as this type holds it
 };
 
 template <DType D>
@@ -70,6 +71,7 @@ struct Elem16 {
   __device__ static float load_cv(const uint8_t* p) { return to_f32(ld_cv_u16(p)); }
   __device__ static float load(const uint8_t* p) { return to_f32(*reinterpret_cast<const uint16_t*>(p)); }
   __device__ static void store(uint8_t* p, float f) { *reinterpret_cast<uint16_t*>(p) = (uint16_t)from_f32(f); }
+  __device__ static float round(float f) { return to_f32(from_f32(f)); }
 };
 template <>
 struct Elem<DType::kBF16> : Elem16<DType::kBF16> {};

@@ -13,9 +13,10 @@
 namespace arx::cuda {
 
 // oneshot.cu: the one-shot psum in `pieces` pieces.
+// oneshot.cu and ll.cu take a fused call's epilogue (`nm`, off for a plain psum).
 template <typename Ch>
 cudaError_t launch_oneshot(const Grid& g, const Ch& ch, DType dtype, const void* in, void* out, uint64_t count,
-                           uint64_t tag, const Prefetch& pf, int pieces, cudaStream_t stream);
+                           uint64_t tag, const Prefetch& pf, int pieces, const AddNorm& nm, cudaStream_t stream);
 
 // twoshot.cu: the two-shot psum (a reduce-scatter kernel, then an all-gather
 // kernel, a seq each).
@@ -26,7 +27,11 @@ cudaError_t launch_twoshot(const Grid& g, const Ch& ch, DType dtype, const void*
 // ll.cu: the LL one-shot.
 template <typename Ch>
 cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out,
-                      uint64_t count, uint64_t tag, const Prefetch& pf, cudaStream_t stream);
+                      uint64_t count, uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream);
+
+// norm.cu: a fused call's epilogue on its own, over `hidden` that holds the
+// sum (after the two-shot, whose rows no one block holds).
+cudaError_t launch_add_norm(DType dtype, void* hidden, uint64_t count, const AddNorm& nm, cudaStream_t stream);
 
 // bulk.cu: one bulk collective.
 enum class BulkKind { kGather, kScatter, kMoe };

@@ -19,20 +19,25 @@ cudaError_t over(const Channels& c, Family f, Fn fn) {
 }  // namespace
 
 cudaError_t launch_psum(const Endpoint& ep, const Plan& plan, DType dtype, const void* in, void* out, uint64_t count,
-                        uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
+                        uint64_t tag, const Prefetch& pf, cudaStream_t stream, const AddNorm& nm) {
   const Channels& c = channels_of(ep);
+  tag = add_norm_tag(tag, nm);
   switch (plan.algorithm) {
     case Algorithm::kLL:
-      if (c.direct) return launch_ll(c.grid, c.ll_direct, dtype, in, out, count, tag, pf, stream);
-      return launch_ll(c.grid, c.ll_proxy, dtype, in, out, count, tag, pf, stream);
+      if (c.direct) return launch_ll(c.grid, c.ll_direct, dtype, in, out, count, tag, pf, nm, stream);
+      return launch_ll(c.grid, c.ll_proxy, dtype, in, out, count, tag, pf, nm, stream);
     case Algorithm::kOneShot:
       return over(c, Family::kPsum, [&](const auto& ch) {
-        return launch_oneshot(c.grid, ch, dtype, in, out, count, tag, pf, plan.pieces, stream);
+        return launch_oneshot(c.grid, ch, dtype, in, out, count, tag, pf, plan.pieces, nm, stream);
       });
-    case Algorithm::kTwoShot:
-      return over(c, Family::kPsum, [&](const auto& ch) {
+    case Algorithm::kTwoShot: {
+      const cudaError_t e = over(c, Family::kPsum, [&](const auto& ch) {
         return launch_twoshot(c.grid, ch, dtype, in, out, count, tag, pf, stream);
       });
+      // A failed two-shot leaves NaN in out, which the norm turns into NaN.
+      if (e != cudaSuccess || !nm.on()) return e;
+      return launch_add_norm(dtype, out, count, nm, stream);
+    }
     case Algorithm::kNone:
     case Algorithm::kBulk:
     case Algorithm::kUnfused:

@@ -29,6 +29,13 @@
 //   5. sums in rank order from rank 0's element, rounded once (the bits of
 //      every other algorithm), and writes its 8 bytes of out (NaN if it gave
 //      up).
+// A fused call (psum_add_norm, base/norm.h) gives each block whole rows
+// instead, contiguous lines (comm/plan.cc: a row fits a block and starts on
+// a line, or one block holds the whole partial): thread t of block b owns the
+// lines lo_b + t, lo_b + t + T, ... of its block's range, and once every
+// thread of the block has written its sums, the block norms its rows
+// (cuda/norm.cuh). Which thread owns which line changes nothing below: each
+// line still has one owner, who stores, polls, zeroes and sums it.
 // The service block announces the seq to every peer over the psum channel
 // (flag_word(seq, desc) into the peer's psum word (this rank, piece 0) --
 // the word the other psum algorithms signal their first piece in -- with
@@ -93,6 +100,7 @@
 #include "cuda/device_side.h"
 #include "cuda/grid.cuh"
 #include "cuda/kernels.h"
+#include "cuda/norm.cuh"
 
 namespace arx::cuda {
 namespace {
@@ -102,6 +110,7 @@ namespace {
 constexpr int kLLLinesPerThread = 2;
 static_assert(kLLMaxPayload / kLLLinePayload / kLLLinesPerThread / kThreads + 1 <= kMaxGridBlocks,
               "settle counts the blocks out in 8 bits");
+static_assert(kLLBlockPayload == kLLLinePayload * kLLLinesPerThread * kThreads, "what comm/plan.cc assumes");
 
 // The LL tag keeps an LL one-shot apart from the other psum algorithms in
 // the descriptor (see "Mismatch").
@@ -165,19 +174,19 @@ __device__ __forceinline__ uint2 ll_sum(int rank, int world, uint2 mine, const u
   return make_uint2(o.x, o.y);
 }
 
-// Step 3 for thread g's lines (g, g + nthr, ... below `lines`): polls them in
+// Step 3 for the thread's lines (first, first + stride, ... below `end`): polls them in
 // every peer's slot of `in` (this rank's ll_recv, lanes of parity seq & 1) until each
 // holds f in both halves, leaving them in lo / hi. false: the thread gave up
 // on the seq (what it found is in DeviceWords::fail_*).
 __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, uint32_t f, const Inbox& in,
-                        uint64_t gt, uint64_t nthr, uint64_t lines, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
+                        uint64_t first, uint64_t stride, uint64_t end, uint64_t (&lo)[kLLLinesPerThread][kMaxWorld],
                         uint64_t (&hi)[kLLLinesPerThread][kMaxWorld]) {
   uint32_t pending = 0;  // bit src * kLLLinesPerThread + k: line k from src not taken yet
 #pragma unroll
   for (int src = 0; src < kMaxWorld; ++src)
 #pragma unroll
     for (int k = 0; k < kLLLinesPerThread; ++k)
-      if (src < world && src != rank && gt + k * nthr < lines) pending |= 1u << (src * kLLLinesPerThread + k);
+      if (src < world && src != rank && first + k * stride < end) pending |= 1u << (src * kLLLinesPerThread + k);
   const DevicePoll poll{g, s.start};
   for (uint32_t turn = 0; pending; ++turn) {
     // Every pending line's load in flight before the first check: each is a
@@ -187,7 +196,7 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
         if (pending >> (src * kLLLinesPerThread + k) & 1)
-          ld_line(in.lane(s.par, src) + kLLLineBytes * (gt + k * nthr), lo[k][src], hi[k][src]);
+          ld_line(in.lane(s.par, src) + kLLLineBytes * (first + k * stride), lo[k][src], hi[k][src]);
 #pragma unroll
     for (int src = 0; src < kMaxWorld; ++src)
 #pragma unroll
@@ -217,7 +226,8 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
 
 template <typename Ch, DType D>
 __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> ch, const uint8_t* in, uint8_t* out,
-                                                         uint64_t count, uint64_t tag, Prefetch pf) {
+                                                         uint64_t count, uint64_t tag, Prefetch pf, AddNorm nm,
+                                                         uint64_t block_rows) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
@@ -227,7 +237,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
   // Piece 1: the announcement is the collective's piece 0 (trigger_index).
   const auto put = ch.lines.open(s.send(), Fan::kEveryPeer);
   const uint64_t entries = announce.entries(1) + put.entries(1);
-  auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
+  const uint64_t rows = nm.on() ? count / nm.width : 0;
+  auto nan = [&](int t, int n) {
+    fill_nan_range<D>(out, 0, bytes, t, n);
+    if (nm.on()) fill_nan_rows<D>(nm, 0, rows, t, n);
+  };
   if ((int)blockIdx.x == blocks) {
     // The announcement: release, so that it orders everything this rank did
     // before it, its earlier kernels' zeroing of their lines included (the
@@ -244,20 +258,30 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
     settle(g, ch.psum, Family::kPsum, s, !ok, entries, nan);
     return;
   }
-  const uint64_t nthr = (uint64_t)blocks * blockDim.x, gt = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  // This thread's lines: first, first + stride, ... below end (see the top).
+  uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (uint64_t)blocks * blockDim.x,
+           end = lines, r0 = 0, r1 = 0;
+  if (nm.on()) {
+    const uint64_t row_bytes = nm.width * E::kSize;
+    r0 = min(rows, blockIdx.x * block_rows);
+    r1 = min(rows, r0 + block_rows);
+    first = blocks == 1 ? threadIdx.x : r0 * row_bytes / kLLLinePayload + threadIdx.x;
+    end = blocks == 1 ? lines : r1 * row_bytes / kLLLinePayload;
+    stride = blockDim.x;
+  }
   const bool aligned = aligned8(in) && aligned8(out);
   uint2 mine[kLLLinesPerThread];
 #pragma unroll
   for (int k = 0; k < kLLLinesPerThread; ++k)
-    mine[k] = gt + k * nthr < lines ? ll_payload(in, gt + k * nthr, bytes, aligned) : make_uint2(0, 0);
+    mine[k] = first + k * stride < end ? ll_payload(in, first + k * stride, bytes, aligned) : make_uint2(0, 0);
   const uint32_t f = ll_flag(s.seq, s.desc);
   if (!s.prior) {
     for (int i = 0; i < put.fanout(kEveryPeer); ++i) {  // send order: rank + 1, rank + 2, ...
       uint8_t* slot = put.put_dst(kEveryPeer, i);
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
-        if (gt + k * nthr < lines)
-          st_line(slot + kLLLineBytes * (gt + k * nthr), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
+        if (first + k * stride < end)
+          st_line(slot + kLLLineBytes * (first + k * stride), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
     }
     // Staged lines reach system scope before the put that reads them: the
     // last block to arrive publishes them all (last_to_arrive).
@@ -269,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
     }
   }
   uint64_t lo[kLLLinesPerThread][kMaxWorld] = {}, hi[kLLLinesPerThread][kMaxWorld] = {};
-  const bool ok = !s.prior && ll_wait(g, s, rank, world, f, ch.lines.in, gt, nthr, lines, lo, hi);
+  const bool ok = !s.prior && ll_wait(g, s, rank, world, f, ch.lines.in, first, stride, end, lo, hi);
   if (ok && threadIdx.x == 0) ARX_STAMP(g.trace, Family::kPsum, s.seq, kArrived, globaltimer());
   if (ok) {
     // Zero the lines consumed (see "Stale lines"). After a give-up the
@@ -278,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
       if (src == rank) continue;
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
-        if (gt + k * nthr < lines) st_line(ch.lines.in.lane(s.par, src) + kLLLineBytes * (gt + k * nthr), 0, 0);
+        if (first + k * stride < end) st_line(ch.lines.in.lane(s.par, src) + kLLLineBytes * (first + k * stride), 0, 0);
     }
   }
   // A thread that gave up writes NaN over its lines: the last block out
@@ -288,8 +312,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
                                    : make_uint2(E::kNan | E::kNan << 16, E::kNan | E::kNan << 16);
 #pragma unroll
   for (int k = 0; k < kLLLinesPerThread; ++k)
-    if (gt + k * nthr < lines)
-      ll_put(out, gt + k * nthr, bytes, aligned, ok ? ll_sum<D>(rank, world, mine[k], lo[k], hi[k]) : nan2);
+    if (first + k * stride < end)
+      ll_put(out, first + k * stride, bytes, aligned, ok ? ll_sum<D>(rank, world, mine[k], lo[k], hi[k]) : nan2);
+  if (nm.on()) {
+    __shared__ float s_lanes[kNormLanes];
+    if (__syncthreads_and(ok)) {
+      for (uint64_t row = r0; row < r1; ++row)
+        add_norm_row<D>(nm, out, row, (int)threadIdx.x, (int)blockDim.x, s_lanes, [] { __syncthreads(); });
+    } else {
+      fill_nan_rows<D>(nm, r0, r1, (int)threadIdx.x, (int)blockDim.x);
+    }
+  }
   settle(g, ch.psum, Family::kPsum, s, !ok && !s.prior, entries, nan);
 }
 
@@ -308,13 +341,27 @@ void ll_grid(uint64_t bytes, int& blocks, int& threads) {
   }
 }
 
+// A fused call's grid: whole rows per block, `block_rows` of them (see the
+// top), each block's lines owned by kLLLinesPerThread or fewer per thread.
+void ll_norm_grid(uint64_t bytes, uint64_t row_bytes, int& blocks, int& threads, uint64_t& block_rows) {
+  const uint64_t rows = bytes / row_bytes;
+  block_rows = std::max<uint64_t>(1, bytes <= kLLBlockPayload ? rows : kLLBlockPayload / row_bytes);
+  blocks = (int)std::max<uint64_t>(1, (rows + block_rows - 1) / block_rows);
+  const uint64_t per_block = blocks == 1 ? bytes : block_rows * row_bytes;
+  const uint64_t need = std::max<uint64_t>(1, (per_block + kLLLinePayload * kLLLinesPerThread - 1) /
+                                                  (kLLLinePayload * kLLLinesPerThread));
+  threads = (int)std::min<uint64_t>((need + 31) / 32 * 32, kThreads);
+}
+
 template <typename Ch, DType D>
 cudaError_t launch_typed(const Grid& g, const LLChannel<Ch>& ch, const void* in, void* out, uint64_t count,
-                         uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
+                         uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream) {
   int blocks = 0, threads = 0;
-  ll_grid(count * Elem<D>::kSize, blocks, threads);
+  uint64_t block_rows = 0;
+  if (nm.on()) ll_norm_grid(count * Elem<D>::kSize, nm.width * Elem<D>::kSize, blocks, threads, block_rows);
+  else ll_grid(count * Elem<D>::kSize, blocks, threads);
   ll_kernel<Ch, D><<<blocks + 1, threads, 0, stream>>>(g, ch, static_cast<const uint8_t*>(in),
-                                                       static_cast<uint8_t*>(out), count, tag, pf);
+                                                       static_cast<uint8_t*>(out), count, tag, pf, nm, block_rows);
   return cudaGetLastError();  // may be an earlier kernel's error
 }
 
@@ -322,18 +369,19 @@ cudaError_t launch_typed(const Grid& g, const LLChannel<Ch>& ch, const void* in,
 
 template <typename Ch>
 cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out,
-                      uint64_t count, uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
+                      uint64_t count, uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, stream);
-    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, stream);
-    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, nm, stream);
+    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, nm, stream);
+    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, nm, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template cudaError_t launch_ll<DirectChannel>(const Grid&, const LLChannel<DirectChannel>&, DType, const void*,
-                                              void*, uint64_t, uint64_t, const Prefetch&, cudaStream_t);
+                                              void*, uint64_t, uint64_t, const Prefetch&, const AddNorm&,
+                                              cudaStream_t);
 template cudaError_t launch_ll<ProxyChannel>(const Grid&, const LLChannel<ProxyChannel>&, DType, const void*, void*,
-                                             uint64_t, uint64_t, const Prefetch&, cudaStream_t);
+                                             uint64_t, uint64_t, const Prefetch&, const AddNorm&, cudaStream_t);
 
 }  // namespace arx::cuda

@@ -21,6 +21,11 @@
 // watchdog and asks L2 for the prefetch ranges; the last block out settles
 // the seq (grid.cuh).
 //
+// A fused call (psum_add_norm, base/norm.h) cuts the partial on row
+// boundaries instead (comm/plan.cc: at most one piece per row, each starting
+// on a vector), so the consumers that summed a piece's rows norm them right
+// after (cuda/norm.cuh), before the next piece.
+//
 // Buffer reuse and agreement: comm/channel.h; the piece count is a function
 // of the size and what the ranks agreed on (comm/plan.cc), and it goes into
 // the descriptor (pieces_tag), so a peer that cut differently is a mismatch,
@@ -31,6 +36,7 @@
 #include "cuda/device_side.h"
 #include "cuda/grid.cuh"
 #include "cuda/kernels.h"
+#include "cuda/norm.cuh"
 
 namespace arx::cuda {
 namespace {
@@ -103,14 +109,27 @@ __device__ void reduce_range(int rank, int world, const uint8_t* lane0, uint64_t
 
 template <typename Ch, DType D>
 __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, const uint8_t* in, uint8_t* out,
-                                                              uint64_t count, uint64_t tag, Prefetch pf, int pieces) {
+                                                              uint64_t count, uint64_t tag, Prefetch pf, int pieces,
+                                                              AddNorm nm) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
+  const uint64_t rows = nm.on() ? count / nm.width : 0, row_bytes = nm.on() ? nm.width * E::kSize : 0;
+  // Piece c: bytes [lo, hi), and for a fused call rows [r0, r1) (see the top).
+  auto piece = [&](int c, uint64_t& lo, uint64_t& hi, uint64_t& r0, uint64_t& r1) {
+    if (!nm.on()) return chunk_range(bytes, pieces, c, lo, hi);
+    r0 = rows * (uint64_t)c / (uint64_t)pieces;
+    r1 = rows * (uint64_t)(c + 1) / (uint64_t)pieces;
+    lo = r0 * row_bytes;
+    hi = r1 * row_bytes;
+  };
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, pieces_tag(tag, pieces)));
   const int blocks = (int)gridDim.x - 1;
   const auto send = ch.open(s.send(), Fan::kEveryPeer);
   const uint64_t entries = send.entries(pieces);
-  auto nan = [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); };
+  auto nan = [&](int t, int n) {
+    fill_nan_range<D>(out, 0, bytes, t, n);
+    if (nm.on()) fill_nan_rows<D>(nm, 0, rows, t, n);
+  };
   if ((int)blockIdx.x == blocks) {
     note_begun(g, Family::kPsum, s);
     prefetch(pf, threadIdx.x, blockDim.x);
@@ -119,6 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
   }
   __shared__ unsigned s_sent;        // pieces of this block whose copy has read `in`
   __shared__ volatile int s_failed;  // this block gave up on the seq
+  __shared__ float s_lanes[kNormLanes];  // a fused call's row sums (the consumers')
   const int b = (int)blockIdx.x, t = (int)threadIdx.x;
   const int mine = (pieces - b + blocks - 1) / blocks;  // pieces b, b + blocks, ...
   const bool split = mine > 1;
@@ -131,8 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
   if (t < nprod) {  // producers (every thread, when the block has one piece)
     for (int k = 0; k < mine; ++k) {
       const int c = b + k * blocks;
-      uint64_t lo, hi;
-      chunk_range(bytes, pieces, c, lo, hi);
+      uint64_t lo, hi, r0 = 0, r1 = 0;
+      piece(c, lo, hi, r0, r1);
       for (int i = 0; i < send.fanout(kEveryPeer) && !s.prior; ++i)  // send order: rank + 1, rank + 2, ...
         copy_piece(send.put_dst(kEveryPeer, i) + lo, in + lo, hi - lo, t, nprod);
       if (split) bar_sync(1, nprod);
@@ -154,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
     const int ct = split ? t - nprod : t, ncons = split ? kThreads - nprod : kThreads;
     for (int k = 0; k < mine; ++k) {
       const int c = b + k * blocks;
-      uint64_t lo, hi;
-      chunk_range(bytes, pieces, c, lo, hi);
+      uint64_t lo, hi, r0 = 0, r1 = 0;
+      piece(c, lo, hi, r0, r1);
       if (ct < ch.world && ct != ch.rank && !s_failed && !wait_for(g, ch, s, ct, c)) s_failed = 1;
       if (ct == 0)
         while (ld_acquire_cta(&s_sent) <= (unsigned)k) __nanosleep(32);
@@ -165,8 +185,19 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
       // loads and the barrier. After a give-up the last block out fills the
       // whole output with NaN anyway; this keeps the piece from a wrong sum
       // meanwhile.
-      if (s_failed) fill_nan_range<D>(out, lo, hi, ct, ncons);
+      // s_failed changes only in the waits of the next piece, after every
+      // consumer passed the bars of this one: they all take one branch.
+      const bool failed = s_failed;
+      if (failed) fill_nan_range<D>(out, lo, hi, ct, ncons);
       else reduce_range<D>(ch.rank, ch.world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in, out, lo, hi, ct, ncons);
+      if (nm.on()) {
+        if (failed) fill_nan_rows<D>(nm, r0, r1, ct, ncons);
+        auto bar = [&] {
+          if (split) bar_sync(2, ncons);
+          else __syncthreads();
+        };
+        for (uint64_t row = r0; row < r1 && !failed; ++row) add_norm_row<D>(nm, out, row, ct, ncons, s_lanes, bar);
+      }
     }
   }
   settle(g, ch, Family::kPsum, s, s_failed && !s.prior, entries, nan);
@@ -174,9 +205,9 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
 
 template <typename Ch, DType D>
 cudaError_t launch_typed(const Grid& g, const Ch& ch, const void* in, void* out, uint64_t count, uint64_t tag,
-                         const Prefetch& pf, int pieces, cudaStream_t stream) {
+                         const Prefetch& pf, int pieces, const AddNorm& nm, cudaStream_t stream) {
   oneshot_kernel<Ch, D><<<std::min(pieces, kPipeBlocks) + 1, kThreads, 0, stream>>>(
-      g, ch, static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out), count, tag, pf, pieces);
+      g, ch, static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out), count, tag, pf, pieces, nm);
   return cudaGetLastError();  // may be an earlier kernel's error
 }
 
@@ -184,18 +215,20 @@ cudaError_t launch_typed(const Grid& g, const Ch& ch, const void* in, void* out,
 
 template <typename Ch>
 cudaError_t launch_oneshot(const Grid& g, const Ch& ch, DType dtype, const void* in, void* out, uint64_t count,
-                           uint64_t tag, const Prefetch& pf, int pieces, cudaStream_t stream) {
+                           uint64_t tag, const Prefetch& pf, int pieces, const AddNorm& nm, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, pieces, stream);
-    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, pieces, stream);
-    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, pieces, stream);
+    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
+    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
+    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template cudaError_t launch_oneshot<DirectChannel>(const Grid&, const DirectChannel&, DType, const void*, void*,
-                                                   uint64_t, uint64_t, const Prefetch&, int, cudaStream_t);
+                                                   uint64_t, uint64_t, const Prefetch&, int, const AddNorm&,
+                                                   cudaStream_t);
 template cudaError_t launch_oneshot<ProxyChannel>(const Grid&, const ProxyChannel&, DType, const void*, void*,
-                                                  uint64_t, uint64_t, const Prefetch&, int, cudaStream_t);
+                                                  uint64_t, uint64_t, const Prefetch&, int, const AddNorm&,
+                                                  cudaStream_t);
 
 }  // namespace arx::cuda

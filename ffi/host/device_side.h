@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "base/layout.h"
+#include "base/norm.h"
 #include "base/status.h"
 #include "comm/endpoint.h"
 
@@ -22,8 +23,14 @@ namespace arx::host {
 
 // out[count] = sum over the communicator's ranks of in[count], fp32 in rank
 // order, rounded once: every rank gets the same bits. in and out may alias.
-// The partial must be within the plan's envelope (comm/plan.h).
-Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag);
+// The partial must be within the plan's envelope (comm/plan.h). With `norm`
+// on, the fused call (base/norm.h): out becomes the sum + norm.residual
+// (hidden) and norm.normed its norm, row by row; on failure both are NaN.
+Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag,
+            const AddNorm& norm = {});
+
+// The epilogue of a fused psum on `hidden`, which holds the sum (base/norm.h).
+void add_norm(DType dtype, void* hidden, uint64_t count, const AddNorm& n);
 
 // The bulk collectives. The gathered / scattered dimension: a rank's part is
 // `outer` rows of `block` bytes (outer: the product of the sizes before the

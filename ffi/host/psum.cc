@@ -1,6 +1,7 @@
 // psum on the host: the one-shot over a channel (comm/channel.h). One piece:
 // a single thread copies and then waits, so cutting the partial would only
-// add flags (comm/plan.cc).
+// add flags (comm/plan.cc). A fused call (AddNorm) runs its epilogue on the
+// sum (host/norm.cc) before the collective finishes.
 #include <cstring>
 
 #include "comm/plan.h"
@@ -10,19 +11,22 @@
 
 namespace arx::host {
 
-Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag) {
+Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag, const AddNorm& norm) {
   const uint64_t bytes = count * dtype_size(dtype);
-  if (ep.failed()) {
+  auto nan = [&] {
     fill_nan(dtype, out, count);
+    if (norm.on()) fill_nan(dtype, norm.normed, count);
+  };
+  if (ep.failed()) {
+    nan();
     return Status::Error(ep.failure());
   }
-  const Plan plan = plan_psum(ep, bytes);
+  const Plan plan = plan_psum(ep, bytes, norm.on() ? norm.width * dtype_size(dtype) : 0);
   if (plan.algorithm != Algorithm::kOneShot)
     return Status::Error(strf("jax_arx.psum on %s: %s", ep.label().c_str(),
                               plan.why_not.empty() ? "the host runs the one-shot only" : plan.why_not.c_str()));
   const int rank = ep.spec().rank, world = ep.spec().world;
-  Collective c(ep, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)dtype, count, tag));
-  auto nan = [&] { fill_nan(dtype, out, count); };
+  Collective c(ep, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)dtype, count, add_norm_tag(tag, norm)));
   return with_channel(ep, Family::kPsum, [&](const auto& ch) {
     const int par = c.parity();
     const auto send = ch.open(c.send(), Fan::kEveryPeer);
@@ -39,6 +43,7 @@ Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count
     for (int src = 0; src < world; ++src)
       parts[src] = src == rank ? static_cast<const uint8_t*>(in) : ch.in.lane(par, src);
     sum_rank_order(dtype, parts, world, count, out);
+    if (norm.on()) add_norm(dtype, out, count, norm);
     return c.finish();
   });
 }

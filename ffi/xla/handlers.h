@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "base/layout.h"
+#include "base/norm.h"
 #include "comm/endpoint.h"
 #include "comm/plan.h"
 #include "xla/ffi/api/ffi.h"
@@ -110,6 +111,82 @@ inline ffi::Error psum_pair(ffi::RemainingArgs& args, ffi::RemainingRets& rets, 
   p.dtype = *dtype;
   return ffi::Error::Success();
 }
+
+// A call of psum_add_norm, the same on both platforms: operands x,
+// residual (x's shape and dtype), weight [W] (x's dtype, W x's last
+// dimension), then bias [W] when the `bias` attribute is 1, then dependency
+// operands; results normed, hidden (x's shape and dtype); attributes those
+// of psum plus kind (0 rms, 1 layer), eps (f32) and bias. The pair's `out`
+// is hidden, where the sum goes (base/norm.h).
+struct AddNormCall {
+  PsumAttributes at;
+  PsumPair p;
+  AddNorm norm;
+};
+
+inline ffi::Error add_norm_call(ffi::RemainingArgs& args, ffi::RemainingRets& rets, const ffi::Dictionary& attrs,
+                                AddNormCall& c) {
+  constexpr const char* kWhat = "jax_arx.psum_add_norm: expected operands x, residual (x's shape and dtype), weight "
+                                "[x.shape[-1]] and, with bias=1, bias [x.shape[-1]], all float32, bfloat16 or "
+                                "float16, and results normed, hidden of x's shape and dtype";
+  if (rets.size() != 2) return ffi::Error::InvalidArgument(kWhat);
+  auto int_attr = [&](const char* name, int64_t& out) -> ffi::Error {
+    auto v = attrs.get<int64_t>(name);
+    if (v.has_error()) return ffi::Error::InvalidArgument(strf("jax_arx.psum_add_norm: no int attribute '%s'", name));
+    out = *v;
+    return ffi::Error::Success();
+  };
+  int64_t kind = 0, bias = 0;
+  if (ffi::Error e = int_attr("kind", kind); e.failure()) return e;
+  if (ffi::Error e = int_attr("bias", bias); e.failure()) return e;
+  auto eps = attrs.get<float>("eps");
+  if (eps.has_error()) return ffi::Error::InvalidArgument("jax_arx.psum_add_norm: no float attribute 'eps'");
+  if ((kind != 0 && kind != 1) || (bias != 0 && bias != 1) || !(*eps >= 0.f))
+    return ffi::Error::InvalidArgument("jax_arx.psum_add_norm: kind must be 0 (rms) or 1 (layer), bias 0 or 1, eps "
+                                       ">= 0");
+  const size_t n = bias ? 4 : 3;
+  if (args.size() < n) return ffi::Error::InvalidArgument(kWhat);
+  if (ffi::Error e = psum_attributes(attrs, args.size() - (n - 1), 1, c.at); e.failure()) return e;
+  std::vector<ffi::AnyBuffer> b;
+  for (size_t i = 0; i < n; ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    b.push_back(*a);
+  }
+  auto normed = rets.get<ffi::AnyBuffer>(0);
+  auto hidden = rets.get<ffi::AnyBuffer>(1);
+  if (normed.has_error()) return normed.error();
+  if (hidden.has_error()) return hidden.error();
+  const ffi::AnyBuffer& x = b[0];
+  const auto dims = x.dimensions();
+  const std::optional<DType> dtype = dtype_of(x.element_type());
+  if (!dtype || dims.size() == 0 || dims.back() <= 0) return ffi::Error::InvalidArgument(kWhat);
+  const uint64_t width = (uint64_t)dims.back();
+  auto like_x = [&](const ffi::AnyBuffer& y) {
+    return y.element_type() == x.element_type() && y.element_count() == x.element_count();
+  };
+  auto row = [&](const ffi::AnyBuffer& y) {
+    return y.element_type() == x.element_type() && y.dimensions().size() == 1 && (uint64_t)y.dimensions()[0] == width;
+  };
+  if (!like_x(b[1]) || !row(b[2]) || (bias && !row(b[3])) || !like_x(**normed) || !like_x(**hidden))
+    return ffi::Error::InvalidArgument(kWhat);
+  c.p.in = x.untyped_data();
+  c.p.out = (*hidden)->untyped_data();
+  c.p.count = x.element_count();
+  c.p.bytes = x.size_bytes();
+  c.p.dtype = *dtype;
+  c.norm.residual = b[1].untyped_data();
+  c.norm.weight = b[2].untyped_data();
+  c.norm.bias = bias ? b[3].untyped_data() : nullptr;
+  c.norm.normed = (*normed)->untyped_data();
+  c.norm.width = width;
+  c.norm.eps = *eps;
+  c.norm.kind = kind ? NormKind::kLayer : NormKind::kRms;
+  return ffi::Error::Success();
+}
+
+// The bytes of one row of a fused call, for the plan.
+inline uint64_t row_bytes(const AddNormCall& c) { return c.norm.width * dtype_size(c.p.dtype); }
 
 // The binding of all_gather and psum_scatter, which take the same operands
 // and attributes on both platforms; `bind` is Ffi::Bind() with the
@@ -257,6 +334,7 @@ inline ffi::Error moe_operands(ffi::RemainingArgs& args, const ffi::AnyBuffer& o
 }  // namespace arx::xla
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_host);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_add_norm_host);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_all_gather_host);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_scatter_host);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_host);

@@ -85,6 +85,22 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
   return ffi::Error::Success();
 }
 
+// (normed, hidden) = the fused psum + residual + norm of x (add_norm_call),
+// one psum collective, the norm in the kernels' epilogue (cuda/norm.cuh).
+ffi::Error psum_add_norm_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  AddNormCall c;
+  if (ffi::Error e = add_norm_call(args, rets, attrs, c); e.failure()) return e;
+  std::shared_ptr<Endpoint> ep;
+  if (ffi::Error e = cuda_endpoint("psum_add_norm", c.at.comm_id, device_ordinal, ep); e.failure()) return e;
+  const Plan plan = plan_psum(*ep, c.p.bytes, row_bytes(c));
+  if (plan.algorithm == Algorithm::kNone) return refused("psum_add_norm", plan);
+  count_call(*ep, Stats::kPsum, c.p.bytes, plan);
+  const cudaError_t e = cuda::launch_psum(*ep, plan, c.p.dtype, c.p.in, c.p.out, c.p.count, (uint64_t)c.at.site * 64,
+                                          cuda::Prefetch{}, stream, c.norm);
+  return launched("psum_add_norm", device_ordinal, e);
+}
+
 // The bulk collectives (ffi/cuda/bulk.cu), with the CPU handlers' operands,
 // results and attributes (handlers_host.cc): x[0..n) -> y[0..n), one
 // collective per pair in operand order, then dependency operands.
@@ -149,6 +165,7 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
 
 void add_cuda_registrations(nanobind::dict& d) {
   d["jax_arx_psum"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_cuda));
+  d["jax_arx_psum_add_norm"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_add_norm_cuda));
   d["jax_arx_all_gather"] = nanobind::capsule(reinterpret_cast<void*>(arx_all_gather_cuda));
   d["jax_arx_psum_scatter"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_scatter_cuda));
   d["jax_arx_moe_combine_psum_scatter"] = nanobind::capsule(reinterpret_cast<void*>(arx_moe_combine_psum_scatter_cuda));
@@ -166,6 +183,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_cuda, arx::xla::psum_cuda,
                                   .RemainingArgs()  // x[0..n), dependency operands, prefetch operands
                                   .RemainingRets()  // y[0..n)
                                   .Attrs<xla::ffi::Dictionary>(),  // comm_id, site, prefetch
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_add_norm_cuda, arx::xla::psum_add_norm_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
+                                  .RemainingArgs()  // x, residual, weight, [bias], dependency operands
+                                  .RemainingRets()  // normed, hidden
+                                  .Attrs<xla::ffi::Dictionary>(),  // comm_id, site, kind, eps, bias
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // The bulk collectives: command-buffer compatible for the same reason (they

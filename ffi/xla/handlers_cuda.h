@@ -16,6 +16,7 @@ void add_cuda_registrations(nanobind::dict& d);
 }  // namespace arx::xla
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_add_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_all_gather_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_scatter_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_cuda);

@@ -86,6 +86,25 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
   return ffi::Error::Success();
 }
 
+// (normed, hidden) = the fused psum + residual + norm of x (add_norm_call),
+// one psum collective. Attributes and dependency operands as psum's.
+ffi::Error psum_add_norm_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                              ffi::Dictionary attrs) {
+  AddNormCall c;
+  if (ffi::Error e = add_norm_call(args, rets, attrs, c); e.failure()) return e;
+  std::shared_ptr<Endpoint> ep;
+  if (ffi::Error e = endpoint_for(c.at.comm_id, device_ordinal, ep); e.failure()) return e;
+  const CallGuard guard(*ep);
+  if (guard.busy()) {
+    fill_failed_results(rets, 0);
+    return overlapping(*ep, Stats::kPsum, "psum_add_norm");
+  }
+  count_call(*ep, Stats::kPsum, c.p.bytes, plan_psum(*ep, c.p.bytes, row_bytes(c)));
+  const Status s = host::psum(*ep, c.p.dtype, c.p.in, c.p.out, c.p.count, (uint64_t)c.at.site * 64, c.norm);
+  if (!s.ok()) return failed_call(*ep, Stats::kPsum, ffi::Error::Internal(s.message()));
+  return ffi::Error::Success();
+}
+
 // x[0..n) -> y[0..n): y_i = every rank's x_i, gathered along `dimension`
 // (bytes, any element type). One bulk collective per pair, in operand order;
 // operands past the n-th are dependency operands, as for psum.
@@ -187,6 +206,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_host, arx::xla::psum_host,
                                   .RemainingArgs()  // x[0..n), dependency operands, prefetch operands
                                   .RemainingRets()  // y[0..n)
                                   .Attrs<xla::ffi::Dictionary>());  // comm_id, site, prefetch
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_add_norm_host, arx::xla::psum_add_norm_host,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()   // device_ordinal
+                                  .RemainingArgs()                  // x, residual, weight, [bias], dependencies
+                                  .RemainingRets()                  // normed, hidden
+                                  .Attrs<xla::ffi::Dictionary>());  // comm_id, site, kind, eps, bias
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_host, arx::xla::all_gather_host,
                               arx::xla::bulk_collective_binding(xla::ffi::Ffi::Bind()));

@@ -119,14 +119,14 @@ class PyEndpoint {
     return nb::str(f.c_str());
   }
 
-  // What runs a collective of `op` ("psum", "all_gather", "psum_scatter",
-  // "moe_combine_psum_scatter") on this endpoint: (algorithm, pieces, why
-  // not, or for kUnfused the plan's reason), comm/plan.h. `bytes`: a psum's
-  // partial; for the bulk ops one rank's lane (an all_gather's input, a
-  // psum_scatter's or the combine's output).
+  // What runs a collective of `op` ("psum", "psum_add_norm", "all_gather",
+  // "psum_scatter", "moe_combine_psum_scatter") on this endpoint:
+  // (algorithm, pieces, why not, or for kUnfused the plan's reason),
+  // comm/plan.h. `bytes`: a psum's partial; for the bulk ops one rank's lane
+  // (an all_gather's input, a psum_scatter's or the combine's output).
   std::tuple<int, int, std::string> plan(const std::string& op, uint64_t bytes) const {
     Plan p;
-    if (op == "psum") p = plan_psum(*ep_, bytes);
+    if (op == "psum" || op == "psum_add_norm") p = plan_psum(*ep_, bytes);  // the same envelope
     else if (op == "all_gather" || op == "psum_scatter") p = plan_bulk(*ep_, op.c_str(), bytes);
     else if (op == "moe_combine_psum_scatter") p = plan_moe_combine(*ep_, bytes);
     else throw std::invalid_argument("jax_arx: no plan for op '" + op + "'");
@@ -201,6 +201,7 @@ NB_MODULE(_core, m) {
   m.def("registrations", [] {
     nb::dict platforms, cpu;
     cpu["jax_arx_psum"] = arx::capsule(arx_psum_host);
+    cpu["jax_arx_psum_add_norm"] = arx::capsule(arx_psum_add_norm_host);
     cpu["jax_arx_all_gather"] = arx::capsule(arx_all_gather_host);
     cpu["jax_arx_psum_scatter"] = arx::capsule(arx_psum_scatter_host);
     cpu["jax_arx_moe_combine_psum_scatter"] = arx::capsule(arx_moe_combine_psum_scatter_host);

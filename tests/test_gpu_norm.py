@@ -1,0 +1,199 @@
+"""GPU tests of jax_arx.psum_add_norm: the norm in the epilogue of the LL
+one-shot (ffi/cuda/ll.cu), of the one-shot (oneshot.cu) and after the
+two-shot (norm.cu), over every route to the peers.
+
+Marked ``gpu``; tests/gpu_common.py says when they run and where the ranks
+go (all on one GPU here). One launch per world size (2, 3 and 4) runs the
+phases below, each with jax_arx initialized anew; a test asserts on one
+phase of one launch. In each phase:
+
+- ``norms``: one program of fused calls, every dtype, both kinds, with and
+  without bias, rows of 1, odd widths and leading shapes, sizes that run
+  LL, the one-shot and the two-shot. Checked bit for bit against numpy:
+  hidden against the fp32 rank-order sum rounded once plus the residual
+  rounded once; normed against the formula of ffi/base/norm.h computed in
+  numpy float32 in the order it documents (lane j of 256 adds elements j,
+  j + 256, ... in order, then the lanes pairwise, halving). Every phase
+  runs the same inputs, so the digest of its results is the same in every
+  phase (every route and algorithm gives the same bits); the test compares
+  them.
+- ``graph``: the program run again 5 times, each run checked (CUDA graphs
+  replay it at worlds 2 and 4).
+
+``--cpu-smoke`` runs the worker on the CPU backend (the host device side,
+tests/test_gpu_workers_cpu.py), where the same numpy reference holds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+import gpu_common
+from gpu_common import AXIS
+
+pytestmark = pytest.mark.gpu
+
+THIS = os.path.abspath(__file__)
+LANES = 256  # ffi/base/norm.h, kNormLanes
+EPS = 1e-5
+
+PHASES = {
+    "gpu_inboxes": ({}, {}),
+    "host_inboxes": ({"JAX_ARX_CUDA_PEER_MEMORY": "0"}, {}),
+    "proxy": ({"JAX_ARX_CUDA_DIRECT": "0"}, {}),
+    "tcp": ({"JAX_ARX_TRANSPORT": "tcp"}, {}),
+    "ring": ({"JAX_ARX_TOPOLOGY": "ring"}, {}),
+    "ring_tcp": ({"JAX_ARX_TOPOLOGY": "ring", "JAX_ARX_TRANSPORT": "tcp"}, {}),
+}
+SMOKE_PHASES = ("gpu_inboxes", "tcp")
+CASES = ["norms", "graph"]
+
+# (shape, dtypes): 8 KB and 128 KB of bf16 rows of 4096 (LL where it runs),
+# 512 KB (past the default slot: the two-shot), odd widths, leading shapes.
+SHAPES = [((1, 4096), ("bfloat16", "float32")), ((16, 4096), ("bfloat16",)), ((64, 4096), ("bfloat16",)),
+          ((33, 1000), ("float32",)), ((1, 7), ("float16", "bfloat16")), ((3, 257), ("float16", "float32")),
+          ((2, 3, 40), ("bfloat16",)), ((5, 1), ("float32",)), ((2, 2048), ("float16",))]
+
+
+# --- the tests -------------------------------------------------------------------
+
+test_norm, test_norm_ring = gpu_common.phase_tests(THIS, "norm", PHASES, lambda *a: check_phase(*a))
+
+
+def check_phase(run, phase, world, summary_line):
+    """What phase ``phase`` of ``run`` must show; returns its reports."""
+    env, _ = PHASES[phase]
+    reports = run.phase(phase)
+    assert sorted(reports) == list(range(world)), sorted(reports)
+    gpu_common.assert_route(run, reports, env, summary_line)
+    gpu_common.assert_correct(reports, CASES)
+    # The same inputs in every phase of a launch: the same bits on every route.
+    digests = {name: r["digest"] for name, r in run.reports[0].items()}
+    assert len(set(digests.values())) == 1, digests
+    return reports
+
+
+# --- the reference ---------------------------------------------------------------
+
+def _dtype(name):
+    import bulk_cases
+
+    return bulk_cases._dtypes()[name]
+
+
+def lane_sum(t):
+    """Each row's sum of t [rows, W] (float32) in ffi/base/norm.h's order."""
+    f32 = np.float32
+    rows, width = t.shape
+    k = -(-width // LANES)
+    pad = np.zeros((rows, k * LANES), f32)  # + 0 leaves a lane's sum as it is (it is never -0)
+    pad[:, :width] = t
+    m = pad.reshape(rows, k, LANES)
+    acc = np.zeros((rows, LANES), f32)
+    for i in range(k):
+        acc = acc + m[:, i]
+    s = LANES // 2
+    while s:
+        acc[:, :s] = acc[:, :s] + acc[:, s:2 * s]
+        s //= 2
+    return acc[:, 0]
+
+
+def reference(parts, residual, weight, bias, kind, dtype):
+    """(normed, hidden) as the fused call must give them, bit for bit."""
+    f32 = np.float32
+    acc = np.zeros(parts[0].shape, f32)
+    for p in parts:
+        acc = acc + p.astype(f32)
+    hidden = (acc.astype(dtype).astype(f32) + residual.astype(f32)).astype(dtype)
+    width = hidden.shape[-1]
+    h = hidden.astype(f32).reshape(-1, width)
+    if kind == "layer":
+        mean = (lane_sum(h) / f32(width)).astype(f32)
+        d = h - mean[:, None]
+    else:
+        d = h
+    r = (f32(1) / np.sqrt(lane_sum(d * d) / f32(width) + f32(EPS))).astype(f32)
+    y = (d * r[:, None]) * weight.astype(f32)
+    if bias is not None:
+        y = y + bias.astype(f32)
+    return y.astype(dtype).reshape(hidden.shape), hidden
+
+
+def specs():
+    out = []
+    for i, (shape, names) in enumerate(SHAPES):
+        for name in names:
+            for kind in ("rms", "layer"):
+                out.append((shape, name, kind, (i + len(out)) % 2 == 1))
+    return out
+
+
+def inputs(world, spec):
+    shape, name, kind, has_bias = spec
+    dt = _dtype(name)
+    rng = np.random.default_rng(zlib.crc32(repr(spec).encode()))
+    parts = [(rng.standard_normal(shape) * 2).astype(dt) for _ in range(world)]
+    residual = rng.standard_normal(shape).astype(dt)
+    weight = (1 + 0.5 * rng.standard_normal(shape[-1])).astype(dt)
+    bias = rng.standard_normal(shape[-1]).astype(dt) if has_bias else None
+    return parts, residual, weight, bias
+
+
+# --- the worker --------------------------------------------------------------------
+
+def case_norms(w, runs):
+    P = w.P
+    cases = specs()
+    data = [inputs(w.world, s) for s in cases]
+    wants = [reference(p, r, wt, b, s[2], _dtype(s[1])) for s, (p, r, wt, b) in zip(cases, data)]
+
+    def body(*ops):
+        out, i = [], 0
+        for (_, _, kind, has_bias) in cases:
+            x, r, wt = ops[i][0], ops[i + 1], ops[i + 2]
+            b = ops[i + 3] if has_bias else None
+            i += 4 if has_bias else 3
+            n, h = w.jax_arx.psum_add_norm(x, r, wt, AXIS, kind=kind, bias=b, eps=EPS)
+            out += [n[None], h[None]]
+        return tuple(out)
+
+    args, specs_in = [], []
+    for (p, r, wt, b) in data:
+        args += [w.put(p), r, wt] + ([b] if b is not None else [])
+        specs_in += [P(AXIS), P(), P()] + ([P()] if b is not None else [])
+    f = w.smap(body, tuple(specs_in), (P(AXIS),) * (2 * len(cases)))
+    lowered = w.calls(f, *args, target="jax_arx_psum_add_norm")
+    if len(lowered) != len(cases):
+        w.fail("norms", f"{len(lowered)} fused calls lowered for {len(cases)} cases")
+    for k in range(1 + runs):
+        outs = f(*args)
+        for j, (spec, (want_n, want_h)) in enumerate(zip(cases, wants)):
+            for rank, got in w.mine(outs[2 * j]).items():
+                w.check("norms" if k == 0 else "graph", got, want_n, f"normed {spec} rank {rank}")
+            for rank, got in w.mine(outs[2 * j + 1]).items():
+                w.check("norms" if k == 0 else "graph", got, want_h, f"hidden {spec} rank {rank}")
+
+
+def worker(argv):
+    smoke = "--cpu-smoke" in argv
+    names = gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else gpu_common.mesh_phases(PHASES))
+    w = gpu_common.GpuWorker(smoke)
+    for name in names:
+        error = w.phase(name, *PHASES[name])
+        if error:
+            w.report(init_error=error)
+            continue
+        ran = w.counted(case_norms, w, 5)
+        w.report(ran=ran)
+    w.jax_arx.check()
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    gpu_common.place_rank()
+    worker(sys.argv)
