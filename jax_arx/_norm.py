@@ -50,9 +50,11 @@ def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=
     - ``normed`` is computed in float32 from ``hidden`` as stored, each
       operation rounded once (no fused multiply-add), the row's sums in a
       fixed order: lane ``j`` of 256 adds elements ``j, j + 256, ...`` in
-      order, then the lanes are added pairwise, halving; so it is within a
-      rounding or two of the float64 value of the formula, and the same on
-      the CPU and the GPU.
+      order, then the lanes are added pairwise, halving (the same bits on
+      the CPU and the GPU). It is within half a unit in the last place of
+      the dtype (its one rounding) plus 4 float32 units in the last place
+      of the row's largest ``|normed|`` (the float32 sums; for ``layer``
+      the cancellation in ``hidden - mean``) of the formula in float64.
 
     Inside ``jax.jit`` + ``jax.shard_map``, where ``jax_arx.psum`` runs
     with jax_arx (same axes, dtypes and size envelope), the call runs with
@@ -110,7 +112,8 @@ def _check_operands(x, residual, weight, bias):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"jax_arx.psum_add_norm: {name} must be an array, got {type(a).__name__}")
     if np.dtype(x.dtype) not in _policy.REDUCING_DTYPES:
-        raise TypeError(f"jax_arx.psum_add_norm: x has dtype {x.dtype}; it takes float32, bfloat16 or float16")
+        raise TypeError(f"jax_arx.psum_add_norm: x has dtype {x.dtype}; it takes float32, bfloat16 or float16: "
+                        f"cast x, residual, weight and bias to one of them")
     for name, a in named[1:]:
         if a.dtype != x.dtype:
             raise TypeError(f"jax_arx.psum_add_norm: {name} has dtype {a.dtype}, x has {x.dtype}: pass {name} "

@@ -3,25 +3,19 @@ processes (laid out as tests/test_psum_cpu.py: this file is its own worker,
 launched under ``python -m jax_arx.launch``; each rank prints one
 ``RESULT {json}`` line, the tests assert on what every rank reports).
 
-The reference is numpy (ml_dtypes for bfloat16), independent of jax:
+The reference is tests/norm_reference.py (numpy, independent of jax). Per
+fused call, on every rank:
 
-    acc = float32 zeros; for r in ranks (mesh order): acc += x_r.astype(float32)
-    hidden_ref = (acc.astype(dtype).astype(float32) + residual.astype(float32)).astype(dtype)
+- ``hidden`` equals the numpy rank-order sum plus the residual bit for bit,
+  and equals ``jax_arx.psum(x) + residual`` computed in the same program
+  bit for bit;
+- ``normed`` is within half an ulp of the dtype plus 4 float32 ulps of the
+  row's largest value of the float64 formula, and equals the float32 model
+  of ffi/base/norm.h's order bit for bit;
+- a CRC of every result is the same on every rank (bit-identical results).
 
-``hidden`` must equal it bit for bit. ``normed`` is compared with the
-formula in float64 from ``hidden_ref`` as stored (eps taken as float32):
-
-    rms:   h / sqrt(mean(h^2) + eps) * w (+ b)
-    layer: (h - mean) / sqrt(mean((h - mean)^2) + eps) * w (+ b)
-
-Tolerances (fused calls): bfloat16 / float16, |got - ref| <= 1 ulp of the
-dtype at ref (np.spacing of |ref| rounded to the dtype; the fp32 result is
-within ~1e-6 of ref, rounding it adds half an ulp) plus 1e-6 * max|ref| of
-the row (layer's h - mean loses ~1e-7 * |mean| absolutely, which shows for
-elements near the mean); float32, |got - ref| <= 1e-5 * |ref| + 1e-6 *
-max|ref| of the row. (Measured at world 3: at most 0.50 of the tolerance
-for bfloat16 / float16, 0.05 for float32.) A CRC of every fused result must
-be the same on every rank (bit-identical results).
+One launch per world and carrier runs every case (one program per dtype in
+``norms``), so the suite costs three launches.
 
 - ``norms`` (worlds 2 and 3 over shm, 2 over tcp): every dtype, both kinds,
   with and without bias, shapes (1, W), (5, W), (2, 3, W) for W in 1, 7,
@@ -37,12 +31,14 @@ be the same on every rank (bit-identical results).
   jax.lax.psum (no ``jax_arx_psum_add_norm`` in the lowering, counted in
   ``jax_arx.stats()["fallbacks"]``), whose sum (gloo's) has an order and
   roundings of its own: hidden within 1e-5 relative + 1e-6 (float32), or
-  world ulps of sum |x_r| + 1 ulp of hidden (bfloat16); normed, from its
-  own hidden, within 1e-4 * |ref| + 1e-4 * max|ref| of the row (float32),
-  or 1 ulp + 2e-2 * max|ref| of the row (bfloat16).
+  world ulps of sum |x_r| + 1 ulp of hidden (bfloat16); normed within the
+  float64 formula of the hidden it returned: 1 ulp of the dtype plus 16
+  float32 ulps of the row's largest value (jax's own reduction order), or
+  for bfloat16 2^-8 of it (XLA norms the unrounded float32 hidden).
 
-``test_bad_input`` runs in this process: bad arguments are errors naming
-them, before any collective.
+``test_bad_input`` runs in this process: bad arguments (shapes that do not
+fit, a weight of the wrong width, an integer or mixed dtype, a bad kind or
+eps) are errors naming the argument, before any collective.
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ import sys
 import zlib
 
 import launched
+import norm_reference as ref
 import numpy as np
 import pytest
 
@@ -80,16 +77,26 @@ def test_bad_input():
 
     f = jax_arx.psum_add_norm
     x, r, w = jnp.ones((2, 8), jnp.float32), jnp.ones((2, 8), jnp.float32), jnp.ones((8,), jnp.float32)
-    with pytest.raises(ValueError, match="residual"):
+    with pytest.raises(ValueError, match=r"residual has shape \(2, 7\), x has \(2, 8\)"):
         f(x, jnp.ones((2, 7), jnp.float32), w, ())
-    with pytest.raises(ValueError, match="weight"):
+    with pytest.raises(ValueError, match=r"residual has shape \(16,\)"):
+        f(x, jnp.ones((16,), jnp.float32), w, ())
+    with pytest.raises(ValueError, match=r"weight has shape \(7,\); it must be \(8,\)"):
         f(x, r, jnp.ones((7,), jnp.float32), ())
-    with pytest.raises(ValueError, match="bias"):
+    with pytest.raises(ValueError, match=r"weight has shape \(2, 8\)"):
+        f(x, r, jnp.ones((2, 8), jnp.float32), ())
+    with pytest.raises(ValueError, match=r"bias has shape \(2, 8\)"):
         f(x, r, w, (), bias=jnp.ones((2, 8), jnp.float32))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="x has dtype int32"):
         f(jnp.ones((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32), jnp.ones((8,), jnp.int32), ())
-    with pytest.raises(TypeError, match="residual"):
+    with pytest.raises(TypeError, match="residual has dtype bfloat16"):
         f(x, jnp.ones((2, 8), jnp.bfloat16), w, ())
+    with pytest.raises(TypeError, match="weight has dtype int32"):
+        f(x, r, jnp.ones((8,), jnp.int32), ())
+    with pytest.raises(TypeError, match="bias must be an array"):
+        f(x, r, w, (), bias=[1.0] * 8)
+    with pytest.raises(ValueError, match="x of shape"):
+        f(jnp.ones((), jnp.float32), jnp.ones((), jnp.float32), w, ())
     with pytest.raises(ValueError, match="kind"):
         f(x, r, w, (), kind="foo")
     for eps in (-1, float("nan")):
@@ -97,77 +104,17 @@ def test_bad_input():
             f(x, r, w, (), eps=eps)
     # axis_name=(): no sum, the formula on x itself.
     rng = np.random.default_rng(0)
-    for dt in _dtypes().values():
+    for dt in ref.dtypes().values():
         xs, rs = (rng.standard_normal((3, 40)).astype(dt) for _ in range(2))
         ws, bs = (1 + 0.5 * rng.standard_normal(40)).astype(dt), rng.standard_normal(40).astype(dt)
         for kind in ("rms", "layer"):
             normed, hidden = f(jnp.asarray(xs), jnp.asarray(rs), jnp.asarray(ws), (), kind=kind,
                                bias=jnp.asarray(bs), eps=1e-5)
-            want = reference_hidden([xs], rs, dt)
+            want = ref.hidden([xs], rs, dt)
             assert np.asarray(hidden).tobytes() == want.tobytes(), (dt, kind)
-            bad = close_report(np.asarray(normed), reference_normed(want, ws, bs, kind, 1e-5), dt, ulps=2)
+            bad = ref.close_report(np.asarray(normed), ref.normed_f64(want, ws, bs, kind, 1e-5), dt, ulps=1,
+                                   row_ulps=16)
             assert bad is None, (dt, kind, bad)
-
-
-# --- the reference ----------------------------------------------------------------
-
-def _dtypes():
-    import ml_dtypes
-
-    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-            "float16": np.dtype(np.float16)}
-
-
-def reference_hidden(parts, residual, dtype):
-    acc = np.zeros(residual.shape, np.float32)
-    for p in parts:
-        acc += p.astype(np.float32)
-    return (acc.astype(dtype).astype(np.float32) + residual.astype(np.float32)).astype(dtype)
-
-
-def reference_normed(hidden, weight, bias, kind, eps):
-    """The formula in float64 from hidden as stored (not rounded)."""
-    h = hidden.astype(np.float64)
-    d = h - h.mean(-1, keepdims=True) if kind == "layer" else h
-    y = d / np.sqrt((d * d).mean(-1, keepdims=True) + float(np.float32(eps))) * weight.astype(np.float64)
-    return y + bias.astype(np.float64) if bias is not None else y
-
-
-def _ulp(v, dt):
-    """The spacing of dtype ``dt`` at |v| (rounded to it), as float64. Of
-    |v|: numpy's float16 spacing of a negative power of two is the ulp
-    below it, not that of the values that round to it."""
-    return np.spacing(np.abs(v).astype(dt)).astype(np.float64)
-
-
-def close_report(got, ref, dtype, *, ulps=1.0, rel=1e-5, floor=1e-6):
-    """None when every element of ``got`` is within the module's tolerance
-    of the float64 ``ref``, else what is wrong."""
-    got64 = got.astype(np.float64)
-    row_max = np.abs(ref).max(-1, keepdims=True)
-    if dtype == np.float32:
-        tol = rel * np.abs(ref) + floor * row_max
-    else:
-        tol = ulps * _ulp(ref, dtype) + floor * row_max
-    err = np.abs(got64 - ref)
-    bad = ~(err <= tol)
-    if not bad.any():
-        return None
-    i = np.unravel_index(np.argmax(np.where(bad, err / np.maximum(tol, 1e-300), 0)), bad.shape)
-    return (f"{int(bad.sum())} of {got.size} beyond tolerance; worst at {tuple(int(k) for k in i)}: "
-            f"got {got64[i]!r}, ref {ref[i]!r}, tol {tol[i]:.3g}")
-
-
-def inputs(world, spec):
-    """Every process draws the same values; each rank's partial differs."""
-    shape, name, kind, has_bias = spec
-    dt = _dtypes()[name]
-    rng = np.random.default_rng(zlib.crc32(repr(spec).encode()))
-    parts = np.stack([(rng.standard_normal(shape) * 2).astype(dt) for _ in range(world)])
-    residual = rng.standard_normal(shape).astype(dt)
-    weight = (1 + 0.5 * rng.standard_normal(shape[-1])).astype(dt)
-    bias = rng.standard_normal(shape[-1]).astype(dt) if has_bias else None
-    return parts, residual, weight, bias
 
 
 # --- the worker -------------------------------------------------------------------
@@ -187,6 +134,9 @@ class _Worker(launched.MeshWorker):
         return self.jax.make_array_from_callback(g.shape, self.replicated, lambda idx: g[idx])
 
     def shards(self, x):
+        """This process's copies of ``x`` (a numpy array: itself)."""
+        if isinstance(x, np.ndarray):
+            return [x]
         return [np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
 
     def bits(self, case, got, want, what):
@@ -198,11 +148,29 @@ class _Worker(launched.MeshWorker):
         self.record(case, bad)
         self.crc = zlib.crc32(got.tobytes(), self.crc)
 
-    def close(self, case, got, ref, dtype, what, **tol):
+    def close(self, case, got, want, dtype, what, **tol):
         got = np.asarray(got)
-        bad = close_report(got, ref, dtype, **tol)
+        bad = ref.close_report(got, want, dtype, **tol)
         self.record(case, bad and f"{what}: {bad}")
         self.crc = zlib.crc32(got.tobytes(), self.crc)
+
+    def fused(self, case, spec, data, normed, hidden, psum_hidden=None):
+        """Every check of one fused call (see the module docstring) on the
+        shards this process holds; ``psum_hidden``: jax_arx.psum(x) +
+        residual from the same program, or None."""
+        p, r, wt, b = data
+        dt = ref.dtypes()[spec[1]]
+        want_h = ref.hidden(p, r, dt)
+        for got in self.shards(hidden):
+            self.bits(case, got, want_h, f"hidden {spec} vs numpy")
+        if psum_hidden is not None:
+            for got, other in zip(self.shards(hidden), self.shards(psum_hidden), strict=True):
+                self.bits(case, got, other, f"hidden {spec} vs jax_arx.psum(x) + residual")
+        ref_n = ref.normed_f64(want_h, wt, b, spec[2], EPS[spec[2]])
+        lanes = ref.normed_lanes(want_h, wt, b, spec[2], EPS[spec[2]])
+        for got in self.shards(normed):
+            self.close(case, got, ref_n, dt, f"normed {spec} vs float64")
+            self.bits(case, got, lanes, f"normed {spec} vs the lane-order model")
 
 
 def _fits(shape, dt):
@@ -210,7 +178,7 @@ def _fits(shape, dt):
 
 
 def norm_specs(name):
-    dt = _dtypes()[name]
+    dt = ref.dtypes()[name]
     return [(lead + (W,), name, kind, b) for lead in LEADS for W in WIDTHS for kind in ("rms", "layer")
             for b in (False, True) if _fits(lead + (W,), dt)]
 
@@ -220,10 +188,12 @@ def _call(jax_arx, x, r, wt, b, kind):
     return jax_arx.psum_add_norm(x, r, wt, "tp", kind=kind, bias=b, **kw)
 
 
-def _program(w, specs, data, smap=None):
+def _program(w, specs, data, with_psum=False):
     """One program of one call per spec: x's rows split over the ranks,
-    the rest replicated. Returns (f, args)."""
+    the rest replicated; ``with_psum``: each call's jax_arx.psum(x) +
+    residual too, a third result per spec. Returns (f, args)."""
     P = w.P
+    per = 3 if with_psum else 2
 
     def body(*ops):
         out, i = [], 0
@@ -232,6 +202,8 @@ def _program(w, specs, data, smap=None):
             b = ops[i + 3] if has_bias else None
             i += 4 if has_bias else 3
             out += list(_call(w.jax_arx, x, r, wt, b, kind))
+            if with_psum:
+                out.append(w.jax_arx.psum(x, "tp") + r)
         return tuple(out)
 
     args, in_specs = [], []
@@ -239,31 +211,22 @@ def _program(w, specs, data, smap=None):
         extra = [] if b is None else [b]
         args += [w.put(p)] + [w.rep(a) for a in [r, wt] + extra]
         in_specs += [P("tp")] + [P()] * (2 + len(extra))
-    return w.smap(body, tuple(in_specs), (P(),) * (2 * len(specs))), args
-
-
-def _check_outputs(w, case, specs, data, outs, **tol):
-    for j, (spec, (p, r, wt, b)) in enumerate(zip(specs, data, strict=True)):
-        dt = _dtypes()[spec[1]]
-        want_h = reference_hidden(p, r, dt)
-        ref_n = reference_normed(want_h, wt, b, spec[2], EPS[spec[2]])
-        for got in w.shards(outs[2 * j + 1]):
-            w.bits(case, got, want_h, f"hidden {spec}")
-        for got in w.shards(outs[2 * j]):
-            w.close(case, got, ref_n, dt, f"normed {spec}", **tol)
+    return w.smap(body, tuple(in_specs), (P(),) * (per * len(specs))), args
 
 
 def case_norms(w):
-    for name in _dtypes():
+    for name in ref.dtypes():
         specs = norm_specs(name)
-        data = [inputs(w.world, s) for s in specs]
-        f, args = _program(w, specs, data)
+        data = [ref.inputs(w.world, s) for s in specs]
+        f, args = _program(w, specs, data, with_psum=True)
         before = sum(w.jax_arx.stats()["fallbacks"].get("psum_add_norm", {}).values())
         calls = w.calls(f, *args, target=TARGET)
         after = sum(w.jax_arx.stats()["fallbacks"].get("psum_add_norm", {}).values())
         if len(calls) != len(specs) or after != before:
             w.fail("norms", f"{name}: {len(calls)} fused calls lowered for {len(specs)}, {after - before} fallbacks")
-        _check_outputs(w, "norms", specs, data, f(*args))
+        outs = f(*args)
+        for j, (spec, d) in enumerate(zip(specs, data, strict=True)):
+            w.fused("norms", spec, d, outs[3 * j], outs[3 * j + 1], outs[3 * j + 2])
 
 
 VMAP_SPECS = [((2, 40), "float32", "rms", True), ((1, 257), "bfloat16", "layer", False),
@@ -283,9 +246,8 @@ def case_vmap(w, batch=3):
 def _vmap_one(w, spec, B):
     jax, jnp, P = w.jax, w.jax.numpy, w.P
     shape, name, kind, has_bias = spec
-    dt = _dtypes()[name]
-    parts, res, wt, b = inputs(w.world, ((B, *shape), name, kind, has_bias))
-    bb = b if has_bias else np.zeros(shape[-1], dt)
+    parts, res, wt, b = ref.inputs(w.world, ((B, *shape), name, kind, has_bias))
+    bb = b if has_bias else np.zeros(shape[-1], ref.dtypes()[name])
 
     def stack(outs, k):
         return jnp.stack([o[k] for o in outs])
@@ -312,9 +274,7 @@ def _vmap_one(w, spec, B):
                               "shared-residual hidden")):
         w.bits("vmap", outs[k], outs[4 + k], f"{spec} {what} vs row by row")
     for k, r in ((0, res), (2, np.broadcast_to(res[0], res.shape))):
-        want_h = reference_hidden(parts, r, dt)
-        w.bits("vmap", outs[k + 1], want_h, f"{spec} hidden vs numpy")
-        w.close("vmap", outs[k], reference_normed(want_h, wt, b, kind, EPS[kind]), dt, f"{spec} normed")
+        w.fused("vmap", spec, (parts, r, wt, b), outs[k], outs[k + 1])
 
 
 def _norm_jnp(jnp, h, wt, b, kind, eps):
@@ -336,7 +296,7 @@ def _grad_one(w, spec, check_vma):
     jax, jnp, P = w.jax, w.jax.numpy, w.P
     n = w.world
     shape, _, kind, _ = spec
-    parts, res, wt, b = inputs(n, spec)
+    parts, res, wt, b = ref.inputs(n, spec)
     rng = np.random.default_rng(zlib.crc32(repr(spec).encode()) + 1)
     c, c2 = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
 
@@ -359,9 +319,9 @@ def _grad_one(w, spec, check_vma):
     if TARGET not in grad.lower(w.put(parts), w.rep(res)).as_text():
         w.fail("grad", f"{spec}: the gradient's primal is not the fused call")
     got = grad(w.put(parts), w.rep(res))
-    for a, ref, what in ((got[0], want[0], "d/dx"), (got[1], want[1], "d/dresidual")):
+    for a, whole_g, what in ((got[0], want[0], "d/dx"), (got[1], want[1], "d/dresidual")):
         for shard in a.addressable_shards:
-            g, ref_s = np.asarray(shard.data), ref[shard.index]
+            g, ref_s = np.asarray(shard.data), whole_g[shard.index]
             ok = np.allclose(g, ref_s, rtol=1e-4, atol=1e-5 * np.abs(ref_s).max())
             w.record("grad", None if ok else f"{spec} check_vma={check_vma} {what}: max |diff| "
                      f"{np.abs(g - ref_s).max():.3g}, max |ref| {np.abs(ref_s).max():.3g}")
@@ -374,7 +334,7 @@ def case_fallback(w):
 
 
 def _fallback_one(w, spec):
-    p, r, wt, b = d = inputs(w.world, spec)
+    p, r, wt, b = d = ref.inputs(w.world, spec)
     f, args = _program(w, [spec], [d])
     before = sum(w.jax_arx.stats()["fallbacks"].get("psum_add_norm", {}).values())
     text = f.lower(*args).as_text()
@@ -382,19 +342,21 @@ def _fallback_one(w, spec):
     if TARGET in text or after <= before:
         w.fail("fallback", f"{spec}: fused call in the lowering: {TARGET in text}; fallbacks {before}->{after}")
     outs = w.together(f, *args)  # gloo: compiled first, started together
-    dt = _dtypes()[spec[1]]
-    want_h = reference_hidden(p, r, dt)
-    ref_n = reference_normed(want_h, wt, b, spec[2], EPS[spec[2]])
+    dt = ref.dtypes()[spec[1]]
+    want_h = ref.hidden(p, r, dt)
     for got in w.shards(outs[1]):
         if dt == np.float32:
             ok = np.allclose(got, want_h, rtol=1e-5, atol=1e-6)
         else:  # gloo's bf16 sum may round after each rank: world ulps of sum |x_r|, one of hidden
-            tol = w.world * _ulp(np.abs(p.astype(np.float64)).sum(0), dt) + _ulp(want_h.astype(np.float64), dt)
+            tol = w.world * ref.ulp(np.abs(p.astype(np.float64)).sum(0), dt) + ref.ulp(want_h.astype(np.float64), dt)
             ok = bool((np.abs(got.astype(np.float64) - want_h.astype(np.float64)) <= tol).all())
         w.record("fallback", None if ok else f"{spec}: hidden far from the numpy sum")
-    for got in w.shards(outs[0]):
-        loose = 1e-4 if dt == np.float32 else 2e-2
-        bad = close_report(got, ref_n, dt, ulps=1, rel=loose, floor=loose)
+    # XLA keeps the float32 sum + residual where the formula rounds it to a
+    # 16-bit hidden (excess precision), so a 16-bit normed may be off by
+    # that rounding carried through the norm: 2^-8 of the row's largest.
+    row_ulps = 16 if dt == np.float32 else 2 ** 15
+    for got, h in zip(w.shards(outs[0]), w.shards(outs[1]), strict=True):
+        bad = ref.close_report(got, ref.normed_f64(h, wt, b, spec[2], EPS[spec[2]]), dt, ulps=1, row_ulps=row_ulps)
         w.record("fallback", bad and f"{spec} normed: {bad}")
 
 
