@@ -1,17 +1,21 @@
-"""Tensor-parallel transformer decode step, all-reduced through jax_arx.psum.
+"""Tensor-parallel transformer decode step, all-reduced through jax_arx.
 
 Run it over N local processes (CPU by default):
 
     python -m jax_arx.launch -n 2 examples/tp_decode.py
+    python -m jax_arx.launch -n 2 examples/tp_decode.py --unfused   # to compare
 
 A small decoder (attention with a KV cache and an MLP per layer) is sharded
 Megatron-style over the mesh axis "tp": column-parallel QKV and up projections,
 row-parallel attention-output and down projections, each followed by an
-all-reduce of the [tokens, hidden] partial. The program
+all-reduce of the [tokens, hidden] partial, the residual add and the RMSNorm
+of the next block's input: one jax_arx.psum_add_norm each (``--unfused``:
+jax_arx.psum, then the add and the norm in jax). The program
 
-1. runs one decode step with jax_arx.psum and checks every all-reduce bit for
+1. runs one decode step with jax_arx and checks every all-reduce bit for
    bit against the fp32 rank-order reference, computed here with numpy from
-   every rank's partial (gathered separately);
+   every rank's partial (gathered separately), plus the residual (rounded
+   once) where the call is fused;
 2. runs the same step with jax.lax.psum and compares the logits;
 3. times jax_arx.psum and jax.lax.psum per call at 8 KB to 512 KB, the same
    way for both in this run (K dependent calls in one jitted program, minus
@@ -19,7 +23,7 @@ all-reduce of the [tokens, hidden] partial. The program
    times the whole decode step with each.
 
 Exit status 0 means every check passed. Options: --layers, --hidden, --tokens,
---calls (K), --repeats, --sizes-kb.
+--calls (K), --repeats, --sizes-kb, --unfused, --json.
 """
 
 import argparse
@@ -55,6 +59,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median)")
     p.add_argument("--sizes-kb", default="8,64,256,512")
     p.add_argument("--json", help="write the measurements to this file (rank 0)")
+    p.add_argument("--unfused", action="store_true",
+                   help="jax_arx.psum, then the residual add and the norm in jax, instead of jax_arx.psum_add_norm")
     return p.parse_args()
 
 
@@ -87,21 +93,32 @@ def rms_norm(x):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
-def decode_step(params, x, kv, psum, heads_local, record):
+def decode_step(params, x, kv, psum, heads_local, record, fused):
     """One decode step on one tp shard. x: [tokens, hidden] (replicated), kv:
-    [layers, 2, context, hidden / tp] (this shard's heads). Returns the new x
-    and, when record is set, each all-reduce's partial and result."""
-    partials, reduced = [], []
+    [layers, 2, context, hidden / tp] (this shard's heads). ``fused``: each
+    all-reduce, its residual add and the norm after it are one
+    jax_arx.psum_add_norm (``psum`` is then unused). Returns the new x and,
+    when record is set, each all-reduce's partial, result (the sum, or the
+    sum + residual where fused) and residual."""
+    partials, reduced, residuals = [], [], []
+    ones = jnp.ones((x.shape[-1],), x.dtype)  # rms_norm has no weight
 
-    def allreduce(partial):
-        out = psum(partial, AXIS)
+    def add_norm(partial, residual):
+        """(residual + the sum of partial, its rms_norm)."""
+        if fused:
+            h, out = jax_arx.psum_add_norm(partial, residual, ones, AXIS, eps=1e-6)
+        else:
+            summed = psum(partial, AXIS)
+            out = residual + summed
+            h = rms_norm(out)
         if record:
             partials.append(partial)
-            reduced.append(out)
-        return out
+            reduced.append(out if fused else summed)
+            residuals.append(residual)
+        return out, h
 
+    h = rms_norm(x)
     for layer, p in enumerate(params):
-        h = rms_norm(x)
         qkv = jnp.einsum("th,hcd->tcd", h, p["qkv"], preferred_element_type=jnp.float32).astype(x.dtype)
         q, k_new, v_new = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         t, d = q.shape
@@ -113,23 +130,23 @@ def decode_step(params, x, kv, psum, heads_local, record):
         a = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(x.dtype), v,
                        preferred_element_type=jnp.float32).astype(x.dtype).reshape(t, d)
         attn = jnp.dot(a, p["out"], preferred_element_type=jnp.float32).astype(x.dtype)
-        x = x + allreduce(attn)
-        h = rms_norm(x)
+        x, h = add_norm(attn, x)
         up = jax.nn.gelu(jnp.dot(h, p["up"], preferred_element_type=jnp.float32)).astype(x.dtype)
         down = jnp.dot(up, p["down"], preferred_element_type=jnp.float32).astype(x.dtype)
-        x = x + allreduce(down)
-    return x, partials, reduced
+        x, h = add_norm(down, x)  # h: the next layer's input (after the last layer, unused)
+    return x, partials, reduced, residuals
 
 
-def make_step(mesh, layers, heads, psum, record):
+def make_step(mesh, layers, heads, psum, record, fused=False):
     tp = mesh.shape[AXIS]
 
     def shard_fn(params, x, kv):
-        y, partials, reduced = decode_step(params, x, kv, psum, heads // tp, record)
+        y, partials, reduced, residuals = decode_step(params, x, kv, psum, heads // tp, record, fused)
         # Partials vary over tp: stack them with a leading axis the out_spec splits.
-        return y, [pp[None] for pp in partials], reduced
+        return y, [pp[None] for pp in partials], reduced, residuals
 
-    out_specs = (P(), [P(AXIS)] * (2 * layers if record else 0), [P()] * (2 * layers if record else 0))
+    n = 2 * layers if record else 0
+    out_specs = (P(), [P(AXIS)] * n, [P()] * n, [P()] * n)
     f = jax.shard_map(shard_fn, mesh=mesh, in_specs=(param_specs(layers), P(), P(None, None, None, AXIS)),
                       out_specs=out_specs)
     return jax.jit(f)
@@ -137,12 +154,16 @@ def make_step(mesh, layers, heads, psum, record):
 
 # ---- the reference -------------------------------------------------------------
 
-def check_allreduces(partials, reduced):
+def check_allreduces(partials, reduced, residuals, fused):
     """Every all-reduce result, on every local device of every process, equals
-    the reference bit for bit. Returns how many all-reduces were checked."""
-    for i, (part, out) in enumerate(zip(partials, reduced)):
+    the reference bit for bit (``fused``: the sum plus the residual, each
+    rounded once). Returns how many all-reduces were checked."""
+    for i, (part, out, res) in enumerate(zip(partials, reduced, residuals, strict=True)):
         every = np.asarray(multihost_utils.process_allgather(part, tiled=True))  # [ranks, tokens, hidden]
-        ref = rank_order_sum(every).view(np.uint16)
+        ref = rank_order_sum(every)
+        if fused:
+            ref = (ref.astype(np.float32) + np.asarray(res.addressable_data(0)).astype(np.float32)).astype(ref.dtype)
+        ref = ref.view(np.uint16)
         for shard in out.addressable_shards:
             got = np.asarray(shard.data).view(np.uint16)
             if got.tobytes() != ref.tobytes():
@@ -191,22 +212,25 @@ def main():
     kv = jax.device_put(kv, shard(P(None, None, None, AXIS)))
 
     # 1. Every all-reduce of a decode step, bit for bit.
-    step_checked = make_step(mesh, args.layers, args.heads, jax_arx.psum, record=True)
-    y_arx, partials, reduced = step_checked(params, x, kv)
-    n_checked = check_allreduces(partials, reduced)
+    fused = not args.unfused
+    how = "jax_arx.psum_add_norm" if fused else "jax_arx.psum + add + norm"
+    step_checked = make_step(mesh, args.layers, args.heads, jax_arx.psum, record=True, fused=fused)
+    y_arx, partials, reduced, residuals = step_checked(params, x, kv)
+    n_checked = check_allreduces(partials, reduced, residuals, fused)
     jax_arx.check()
 
     # 2. The same step through jax.lax.psum: NCCL/gloo may sum in another order,
     # so compare within bf16 rounding.
-    y_lax, _, _ = make_step(mesh, args.layers, args.heads, jax.lax.psum, record=True)(params, x, kv)
+    y_lax = make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False)(params, x, kv)[0]
     a = np.asarray(jax.device_get(y_arx), np.float32)
     b = np.asarray(jax.device_get(y_lax), np.float32)
     rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
     if not rel < 2e-2:
-        raise SystemExit(f"decode step through jax_arx.psum differs from jax.lax.psum: relative error {rel:.3g}")
+        raise SystemExit(f"decode step through {how} differs from jax.lax.psum: relative error {rel:.3g}")
     if rank0:
-        print(f"checked {count(n_checked, 'all-reduce')} of a {args.layers}-layer decode step bit for bit against "
-              f"the fp32 rank-order reference on every rank; logits vs jax.lax.psum: relative difference {rel:.2e}")
+        print(f"checked {count(n_checked, 'all-reduce')} ({how}) of a {args.layers}-layer decode step bit for bit "
+              f"against the fp32 rank-order reference on every rank; logits vs jax.lax.psum: relative difference "
+              f"{rel:.2e}")
 
     # 3. Timing: per-call latency by size, then the whole decode step.
     rows = []
@@ -224,8 +248,8 @@ def main():
         rows.append(dict(kb=kb, jax_arx_us=us_arx, lax_us=us_lax))
     if rank0:
         print("timing the decode step", flush=True)
-    step_arx = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False), params,
-                                     x, kv, repeats=args.repeats)
+    step_arx = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False,
+                                               fused=fused), params, x, kv, repeats=args.repeats)
     step_lax = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False), params,
                                      x, kv, repeats=args.repeats)
     jax_arx.check()
@@ -239,11 +263,11 @@ def main():
             print(f"{str(r['kb']) + ' KB':>8} {r['jax_arx_us']:>11.1f} us {r['lax_us']:>11.1f} us {ratio:>7.3f}")
         print(RATIO_NOTE)
         print(f"\ndecode step ({count(args.layers, 'layer')}, {count(2 * args.layers, 'all-reduce')} of "
-              f"{args.tokens * args.hidden * 2 // 1024} KB): jax_arx {step_arx * 1e6:.0f} us, "
+              f"{args.tokens * args.hidden * 2 // 1024} KB): jax_arx ({how}) {step_arx * 1e6:.0f} us, "
               f"jax.lax {step_lax * 1e6:.0f} us")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(rows=rows, step_us=dict(jax_arx=step_arx * 1e6, lax=step_lax * 1e6),
+                json.dump(dict(rows=rows, fused=fused, step_us=dict(jax_arx=step_arx * 1e6, lax=step_lax * 1e6),
                                ranks=tp, processes=jax.process_count(), backend=backend), f, indent=1)
     jax_arx.shutdown()
     return 0

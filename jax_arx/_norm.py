@@ -36,9 +36,11 @@ def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=
 
     Returns ``(normed, hidden)`` with ``hidden = psum(x) + residual`` and
     ``normed = norm(hidden) * weight (+ bias)``, both of ``x``'s shape and
-    dtype, where per row (the last axis, of width W)::
+    dtype, where per row (the last axis, of width W):
 
-        rms:   normed = hidden / sqrt(mean(hidden^2) + eps) * weight
+    .. code-block:: text
+
+        rms:   normed = hidden / sqrt(mean(hidden^2) + eps) * weight (+ bias)
         layer: normed = (hidden - mean) / sqrt(var + eps) * weight (+ bias)
 
     (``var`` the mean of ``(hidden - mean)^2``.) The contract:
