@@ -8,8 +8,9 @@ The model (examples/minilm_model.py) runs under jax.jit + jax.shard_map over
 every device of the job, on the mesh axis "tp" or "sp":
 
 - ``--mode tp``: attention heads and MLP columns split over the ranks,
-  jax_arx.psum after the attention output projection and after the MLP
-  down projection;
+  the sum after the attention output projection and after the MLP down
+  projection, the residual add and the LayerNorm after each, one
+  jax_arx.psum_add_norm (with jax.lax: psum, then the add and the norm);
 - ``--mode sp``: the tokens split over the ranks, jax_arx.all_gather before
   attention and before the MLP, jax_arx.psum_scatter after each (the blocks
   in between tensor-parallel, as in examples/seq_parallel_prefill.py). The
@@ -376,7 +377,7 @@ def main(argv=None):
     encoders = {impl: Encoder(model, impl) for impl in impls}
     # The layers are one scanned body: its collectives appear once in the program.
     calls = set(encoders["jax_arx"].jax_arx_calls)
-    per_layer = {"tp": "2 psum", "sp": "2 all_gather + 2 psum_scatter"}[args.mode]
+    per_layer = {"tp": "2 psum_add_norm", "sp": "2 all_gather + 2 psum_scatter"}[args.mode]
     expected = {"tp": 2, "sp": 5}[args.mode]  # sp: one more all_gather, for the pooling
     say(f"{args.mode} over {model.world} ranks, jax_arx over {carrier(model.axis)}: {per_layer} per layer"
         + (", 1 all_gather before pooling" if args.mode == "sp" else "")

@@ -19,7 +19,9 @@ Sharding (Megatron style), over the mesh axis ``axis``:
   (the Q, K, V columns of its heads, the rows of the output projection that
   read them) and of the MLP (up-projection columns, down-projection rows).
   Each block ends with an all-reduce (``psum``) of its [T, B, 384] partial;
-  bias, residual and LayerNorm follow on the full sum.
+  bias, residual and LayerNorm follow on the full sum. With jax_arx the
+  three are one ``psum_add_norm`` (the bias added to the residual first,
+  the norm in the call's own reduction order, so not the bits of jax's).
 - ``sp``: every rank holds T / n consecutive tokens of the residual stream.
   Each block all-gathers the tokens (``all_gather``), runs tensor-parallel
   as above over all T tokens, and reduce-scatters the partial back to the
@@ -213,6 +215,9 @@ class Collectives:
         self.mode, self.axis = mode, axis
         lib = jax_arx if impl == "jax_arx" else jax.lax
         self._psum, self._gather, self._scatter = lib.psum, lib.all_gather, lib.psum_scatter
+        # tp with jax_arx: the sum, the residual add and the LayerNorm after it are one call.
+        self.fuses = mode == "tp" and impl == "jax_arx"
+        self._add_norm = jax_arx.psum_add_norm
 
     def gather(self, x):
         """This rank's tokens [T / n, B, H] -> all tokens [T, B, H] (sp)."""
@@ -226,6 +231,14 @@ class Collectives:
         if self.mode == "sp":
             return self._scatter(partial, self.axis, scatter_dimension=0, tiled=True)
         return partial
+
+    def reduce_add_norm(self, partial, residual, g, b, eps):
+        """LayerNorm(the sum of ``partial`` + ``residual``) * g + b, one
+        jax_arx.psum_add_norm, in the partial's dtype (only where ``fuses``)."""
+        dtype = partial.dtype
+        normed, _ = self._add_norm(partial, residual.astype(dtype), g.astype(dtype), self.axis, kind="layer",
+                                   bias=b.astype(dtype), eps=eps)
+        return normed
 
 
 def encode(params, ids, positions, mask, cfg, coll, heads, dtype):
@@ -250,6 +263,8 @@ def encode(params, ids, positions, mask, cfg, coll, heads, dtype):
         return (x - mean) * jax.lax.rsqrt(var + cfg.eps) * g + b
 
     def sum_add_norm(partial, bias, residual, g, b):  # post-LN: LayerNorm(sum + bias + residual)
+        if coll.fuses:  # the bias joins the residual, so that the rest is one fused call
+            return coll.reduce_add_norm(partial, residual.astype(f32) + bias, g, b, cfg.eps)
         return layer_norm(coll.reduce(partial).astype(f32) + bias + residual.astype(f32), g, b).astype(dtype)
 
     e = params["emb"]

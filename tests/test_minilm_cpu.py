@@ -21,12 +21,13 @@ here):
   normalization);
 - the same bits on every rank;
 - bit-identical where the summation order is the same by construction:
-  tp and sp with jax_arx at the same rank count (the blocks' partials are
-  the same products of the same gathered tokens, both collectives sum them
-  in float32 in rank order and round once, and everything else runs per
-  token), and jax_arx against jax.lax at 2 ranks (there each sum is one
+  sp with jax_arx against jax.lax at 2 ranks (there each sum is one
   float32 addition of two partials, which is commutative, so jax.lax's
-  order cannot change it; at 3 and more ranks its order is its own);
+  order cannot change it; at 3 and more ranks its order is its own). tp
+  with jax_arx runs each sum, residual add and LayerNorm as one
+  jax_arx.psum_add_norm, whose norm sums each row in its own order (and
+  adds the bias to the residual first), so tp against jax.lax, and tp
+  against sp, are held to F32_VS_UNSHARDED instead;
 - that the compiled programs call jax_arx's collectives (no fallback).
 
 A second test runs the program itself (``--out``) and checks what it wrote
@@ -116,13 +117,11 @@ def check_encodings(out_dir, world, *, vs_fixture, vs_unsharded, exact, impls=IM
             continue
         arx, lax = (np.load(os.path.join(out_dir, f"{mode}-{i}-rank0.npy")) for i in IMPLS)
         figures[f"{mode} jax_arx vs lax"] = max_abs(arx, lax)
-        if exact and world == 2:
+        if exact and world == 2 and mode == "sp":  # tp: psum_add_norm's own order (see the module docstring)
             assert arx.tobytes() == lax.tobytes(), f"{mode}: jax_arx and jax.lax differ at 2 ranks"
         assert worst_rows(arx, lax, vs_unsharded) == {}, f"{mode}: jax_arx vs jax.lax"
     tp, sp = (np.load(os.path.join(out_dir, f"{m}-jax_arx-rank0.npy")) for m in MODES)
     figures["tp vs sp, jax_arx"] = max_abs(tp, sp)
-    if exact:
-        assert tp.tobytes() == sp.tobytes(), f"tp and sp with jax_arx differ at {world} ranks: {max_abs(tp, sp):.3g}"
     assert worst_rows(tp, sp, vs_unsharded) == {}, "tp vs sp with jax_arx"
     return figures
 
