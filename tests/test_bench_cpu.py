@@ -1,6 +1,6 @@
 """The benchmarks on the CPU backend, so that the scripts cannot rot:
-examples/bench_psum.py and examples/bench_prefill.py in their --check mode
-at world 2, each as a user runs it, and their driver's decisions (where
+examples/bench_psum.py, examples/bench_prefill.py and examples/bench_norm.py
+in their --check mode at world 2, each as a user runs it, and their driver's decisions (where
 ranks go, which configurations run, what the tables say, when the exit
 status is 1) without jax processes.
 
@@ -93,6 +93,22 @@ def test_bench_prefill_check(tmp_path):
     assert doc["results"] == {}
     assert "GPU series" in doc["runs"]["floor"]["skipped"]
     assert any(line.split() == ["psum_scatter", "|", "arx-shm", "bulk"] for line in stdout.splitlines())
+    assert "every one as it should be" in stdout
+
+
+def test_bench_norm_check(tmp_path):
+    stdout = run_ok("bench_norm.py", ["--cpu", "--check", "--configs", "arx-shm,arx-shm-proxy,floor", "--sizes",
+                                      "8KB,24KB", "--kind", "layer", "--out", str(tmp_path)], tmp_path)
+    with open(tmp_path / "bench_norm_check.json") as f:
+        doc = json.load(f)
+    assert doc["meta"]["kind"] == "layer" and doc["runs"]["arx-shm"]["errors"] == []
+    for size in ("8192", "24576"):
+        for series in ("psum_add_norm", "psum + add + norm"):
+            check = doc["checks"]["arx-shm"][size][series]
+            assert check["close"] and check["as_intended"] and set(check["ran"]) == {"one_shot"}, (size, series, check)
+    assert doc["results"] == {}
+    assert "GPU series" in doc["runs"]["arx-shm-proxy"]["skipped"] and "GPU series" in doc["runs"]["floor"]["skipped"]
+    assert any(line.split() == ["arx-shm", "psum_add_norm", "1-shot", "1-shot"] for line in stdout.splitlines())
     assert "every one as it should be" in stdout
 
 
