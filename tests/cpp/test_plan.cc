@@ -142,6 +142,51 @@ void check_pieces() {
   }
 }
 
+// A fused psum_add_norm (row_bytes > 0): the envelope and algorithm of a
+// psum, except that its rows are never cut (the block that sums a row
+// norms it): an LL block holds whole rows that start on a line, or one
+// block the whole partial; one-shot pieces are whole rows starting on a
+// 16-byte vector, so never more pieces than rows, and one piece for rows
+// of another width.
+void check_fused() {
+  Case c{Platform::kCuda, true, true, Config{}};
+  c.cfg.cuda_chunk_bytes = 4096;
+  auto ep = open_endpoint(c);
+  if (!ep) return;
+  struct Want {
+    uint64_t bytes, row_bytes;
+    Algorithm algorithm;
+  };
+  for (const Want& w : {Want{8 * kKiB, 8 * kKiB, Algorithm::kLL}, Want{64 * kKiB, 8 * kKiB, Algorithm::kLL},
+                        Want{6, 6, Algorithm::kLL},                // one block holds it all
+                        Want{8 * kKiB - 6, 8 * kKiB - 6, Algorithm::kLL},
+                        Want{64 * kKiB, 16 * kKiB, Algorithm::kOneShot},  // a row past an LL block
+                        Want{3 * 4100, 4100, Algorithm::kOneShot},        // rows that start mid-line
+                        Want{2 * c.cfg.slot_bytes, c.cfg.slot_bytes / 2, Algorithm::kTwoShot}}) {
+    const Plan plain = plan_psum(*ep, w.bytes), p = plan_psum(*ep, w.bytes, w.row_bytes);
+    EXPECT(p.algorithm == w.algorithm, "fused, %llu bytes in rows of %llu: %s, want %s",
+           (unsigned long long)w.bytes, (unsigned long long)w.row_bytes, name(p.algorithm), name(w.algorithm));
+    EXPECT((plain.algorithm == Algorithm::kNone) == (p.algorithm == Algorithm::kNone),
+           "fused, %llu bytes: not psum's envelope", (unsigned long long)w.bytes);
+  }
+  c.cfg.cuda_ll_max_bytes = 0;
+  auto one = open_endpoint(c);
+  if (!one) return;
+  struct Pieces {
+    uint64_t bytes, row_bytes;
+    int pieces;
+  };
+  for (const Pieces& w : {Pieces{40 * 1024, 1024, 10}, Pieces{3 * 8192, 8192, 3}, Pieces{40 * 1000, 1000, 1},
+                          Pieces{5 * 4096, 5 * 4096, 1}}) {
+    const Plan p = plan_psum(*one, w.bytes, w.row_bytes);
+    EXPECT(p.algorithm == Algorithm::kOneShot && p.pieces == w.pieces,
+           "fused one-shot, %llu bytes in rows of %llu: %s in %d pieces, want %d", (unsigned long long)w.bytes,
+           (unsigned long long)w.row_bytes, name(p.algorithm), p.pieces, w.pieces);
+  }
+  one->close();
+  ep->close();
+}
+
 void check_bulk() {
   for (uint64_t bulk : std::initializer_list<uint64_t>{256 * kKiB, 32 << 20, 0}) {
     for (int world : {2, 3, 8}) {
@@ -272,6 +317,7 @@ int main() {
   check_psum("cuda, no LL", {Platform::kCuda, true, true, no_ll}, sizes);
   check_psum("cuda, LL to 16K", {Platform::kCuda, true, false, ll16}, sizes);
   check_pieces();
+  check_fused();
   check_bulk();
   check_moe();
   printf("plan: %s\n", g_failures ? "FAILED" : "ok");
