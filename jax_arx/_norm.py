@@ -121,7 +121,8 @@ def _check_operands(x, residual, weight, bias):
             raise TypeError(f"jax_arx.psum_add_norm: {name} has dtype {a.dtype}, x has {x.dtype}: pass {name} "
                             f"as {x.dtype} (.astype)")
     if len(x.shape) < 1 or x.shape[-1] == 0:
-        raise ValueError(f"jax_arx.psum_add_norm: x of shape {tuple(x.shape)} has no last axis to norm over")
+        raise ValueError(f"jax_arx.psum_add_norm: x of shape {tuple(x.shape)} has no last axis to norm over: give "
+                         f"x and residual at least one axis, of at least one element")
     if tuple(residual.shape) != tuple(x.shape):
         raise ValueError(f"jax_arx.psum_add_norm: residual has shape {tuple(residual.shape)}, x has "
                          f"{tuple(x.shape)}: they must be equal")
