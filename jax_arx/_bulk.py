@@ -213,8 +213,8 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> _Dec
         return total // world
 
     comm = _policy.decide(op, aval, axes, axis_index_groups, dtype_refusal=dtype_refusal, lane_bytes=lane_bytes)
-    if comm is None:
-        return None
+    if comm is None or comm is _policy.UNFUSED:
+        return None  # jax.lax, or the plan's unfused pair (_moe: jax_arx.psum_scatter either way)
     # The first bulk collective of the axis makes its endpoints (collective:
     # every process traces it; see _bulk_endpoints.py).
     bulk = _bulk_endpoints.communicator_for(comm, op)

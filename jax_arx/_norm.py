@@ -21,6 +21,7 @@ import numpy as np
 from jax_arx import _compat
 from jax_arx import _ordering
 from jax_arx import _policy
+from jax_arx import _psum
 
 FFI_TARGET = "jax_arx_psum_add_norm"
 
@@ -104,6 +105,8 @@ def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=
                 if axes and isinstance(x, _compat.Tracer) else None)
     if decision is None:
         return tuple(_unfused(*operands, axes=axes, kind=kind, eps=eps, psum=_lax_psum))
+    if decision is _policy.UNFUSED:
+        return tuple(_unfused(*operands, axes=axes, kind=kind, eps=eps, psum=_arx_psum))
     params = dict(axes=axes, comm_id=decision.comm_id, kind=kind, eps=eps, bias=bias is not None)
     return tuple(_bind(operands, params))
 
@@ -164,12 +167,18 @@ class _Decision(NamedTuple):
     comm_id: int
 
 
-def _decide(aval, axes) -> _Decision | None:
-    """jax_arx.psum's decision for this partial (the same envelope)."""
+def _decide(aval, axes) -> _Decision | str | None:
+    """The plan's decision for this partial (jax_arx.psum's envelope): run
+    fused, ``_policy.UNFUSED`` (jax_arx.psum, then the add and the norm in
+    jax), or None (jax.lax)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
     comm = _policy.decide("psum_add_norm", aval, axes, None, dtype_refusal=_policy.reducing_dtype_refusal,
                           lane_bytes=lambda world: partial_bytes)
-    return None if comm is None else _Decision(comm.comm_id)
+    return comm if comm is None or comm is _policy.UNFUSED else _Decision(comm.comm_id)
+
+
+def _arx_psum(x, axes):
+    return _psum.psum(x, axes)
 
 
 def _bind(operands, params):
@@ -237,6 +246,8 @@ def _psum_add_norm_batcher(axis_data, vals_in, dims_in, *, axes, comm_id, kind, 
         residual = (jnp.moveaxis(residual, dr, 0) if dr is not None
                     else jnp.broadcast_to(residual, (size, *residual.shape)))
         decision = _decide(jax.typeof(x), axes)
+        if decision is _policy.UNFUSED:
+            return list(_unfused(x, residual, *rest, axes=axes, kind=kind, eps=eps, psum=_arx_psum)), [0, 0]
         if decision is not None:
             outs = psum_add_norm_p.bind(x, residual, *rest, axes=axes, comm_id=decision.comm_id, kind=kind,
                                         eps=eps, bias=bias, invariant=invariant)

@@ -13,9 +13,11 @@ place for sizes and algorithms). Anything else goes to ``jax.lax``:
 - otherwise with one log line per distinct reason on the ``"jax_arx"``
   logger, or ``JaxArxFallbackError`` when ``JAX_ARX_FALLBACK=error``.
 
-A fused op whose plan is its unfused pair (``ALGORITHM_UNFUSED``: the MoE
-combine, run as ``jax_arx.moe_combine`` then ``jax_arx.psum_scatter``) is
-no fallback: the plan chose the pair that defines its result, so it is
+A fused op whose plan is its unfused form (``ALGORITHM_UNFUSED``: the MoE
+combine, run as ``jax_arx.moe_combine`` then ``jax_arx.psum_scatter``;
+``psum_add_norm``, run as ``jax_arx.psum`` then the add and the norm in
+jax) is no fallback: the plan chose it, and ``decide`` says so
+(``UNFUSED``) so that the caller runs it with jax_arx's collective; it is
 counted by reason (``planned``, ``stats()["plans"]``), never logged as a
 fallback nor refused by ``JAX_ARX_FALLBACK=error``.
 """
@@ -51,6 +53,8 @@ _plans: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced as their 
 # Endpoint.plan's algorithm for a fused op run as its unfused pair
 # (ffi/comm/plan.h, Algorithm::kUnfused).
 ALGORITHM_UNFUSED = 5
+# What ``decide`` returns for it: run the op's unfused form.
+UNFUSED = "unfused"
 _logged_lock = threading.Lock()
 # What the calls being decided are, when not the user's own (jax_arx/_grad.py):
 # said in their fallback messages.
@@ -128,11 +132,11 @@ def check_axes_bound(op: str, axes: tuple) -> None:
 
 
 def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Callable[[object], str | None],
-           lane_bytes: Callable[[int], int]) -> _comm.Communicator | None:
+           lane_bytes: Callable[[int], int]) -> _comm.Communicator | str | None:
     """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
     None for jax.lax (after ``fallback`` for a reason the user should know
-    about), or None, after ``planned``, where the plan runs a fused op as
-    its unfused pair (which its caller traces, as it does for a fallback).
+    about), or ``UNFUSED``, after ``planned``, where the plan runs a fused
+    op as its unfused form (which its caller traces with jax_arx's ops).
     ``dtype_refusal(aval)``: why the op does not take this dtype, or
     None. ``lane_bytes(world)``: the bytes one rank moves, what the plan's
     envelope is about (a psum's partial, a bulk collective's slice)."""
@@ -166,7 +170,7 @@ def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Call
         return fallback(op, ("size", axis), f"{aval.str_short()}: {why_not}")
     if algorithm == ALGORITHM_UNFUSED:
         planned(op, why_not)  # why_not holds the plan's reason here
-        return None
+        return UNFUSED
     return comm
 
 

@@ -105,8 +105,10 @@ MAX_RING_WORLD = 4
 # jax_arx.initialize(_tuning=...): the endpoint options a test or a benchmark
 # may set (ffi/base/config.h, "tuning").
 # moe_fused=1: the fused MoE combine runs wherever it fits (the plan would
-# otherwise run its unfused pair: ffi/comm/plan.cc, plan_moe_combine).
-TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "moe_fused")
+# otherwise run its unfused pair: ffi/comm/plan.cc, plan_moe_combine);
+# norm_fused=1: psum_add_norm's fused kernels, likewise (plan_add_norm).
+TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "moe_fused",
+               "norm_fused")
 # Variables of earlier releases whose settings benchmarks have decided.
 RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
 FALLBACKS = ("lax", "error")

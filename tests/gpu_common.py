@@ -394,6 +394,12 @@ def signed_inputs(dtype, count: int, world: int, seed: int) -> list[np.ndarray]:
     return parts
 
 
+# The GPU suites test the fused kernels themselves (the MoE combine, the
+# norm), where the plan would step aside for their unfused forms
+# (ffi/comm/plan.cc); a phase's tuning may say otherwise.
+FUSED_KERNELS = {**suites.MOE_FUSED, "norm_fused": 1}
+
+
 class GpuWorker(suites._Worker):
     """One process of a GPU worker: bulk_cases' worker (a 1-D mesh
     ``sp`` of every device, numpy-checked cases) run in phases, with a digest
@@ -404,18 +410,18 @@ class GpuWorker(suites._Worker):
         super().__init__()
         self.smoke = cpu_smoke
         self.platform = "cpu" if self.jax.devices()[0].platform == "cpu" else "cuda"
-        self.phase_name, self.crc, self._env, self._tuning = "main", 0, {}, dict(suites.MOE_FUSED)
+        self.phase_name, self.crc, self._env, self._tuning = "main", 0, {}, dict(FUSED_KERNELS)
         self.lowered: dict[str, int] = {}
 
     def phase(self, name: str, env: dict | None = None, tuning: dict | None = None, fresh: bool = False) -> str:
         """Starts phase ``name``: fresh records, and jax_arx initialized again
         with ``env`` on top of the worker's environment and ``tuning`` (on
-        top of suites.MOE_FUSED: the MoE cases run the fused kernel) where
+        top of FUSED_KERNELS: the fused cases run the fused kernels) where
         they differ from the last phase's (or where ``fresh``: new endpoints).
         Every process must run the same phases in order. Returns
         initialize's error, or ''."""
         self.phase_name, self.crc, self.cases, self.lowered = name, 0, {}, {}
-        tuning = dict(suites.MOE_FUSED, **(tuning or {}))
+        tuning = dict(FUSED_KERNELS, **(tuning or {}))
         if not fresh and (env or {}) == self._env and tuning == self._tuning:
             return ""
         self.jax_arx.shutdown()

@@ -99,6 +99,7 @@ def test_cuda_settings_reach_the_core_as_it_reads_them(env, options):
     ({"cuda_chunk_bytes": 100}, r"cuda_chunk_bytes \(100\) must be a multiple of 16"),
     ({"cuda_ll_max_bytes": -2}, r"cuda_ll_max_bytes \(-2\) must be -1 \(built in\), 0 \(off\) or a size"),
     ({"moe_fused": 2}, r"option moe_fused=2 is outside \[0, 1\]"),
+    ({"norm_fused": 2}, r"option norm_fused=2 is outside \[0, 1\]"),
 ])
 def test_cuda_tuning_the_core_refuses(tuning, error):
     options = config.load({}).endpoint_options(None, tuning)

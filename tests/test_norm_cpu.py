@@ -370,3 +370,57 @@ def _worker_main(argv):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker_main(sys.argv)
+
+
+@pytest.mark.usefixtures("four_devices")
+def test_steps_aside_where_the_plan_says_unfused(fake_core, lax_lowering, monkeypatch, caplog):
+    """Where the plan says the fused kernels lose (on GPUs, ffi/comm/plan.cc
+    plan_add_norm; here the communicator's plan says so for the CPU), the
+    call is jax_arx.psum, then the add and the norm in jax: no fused
+    primitive, no fallback (nothing logged, JAX_ARX_FALLBACK=error allows
+    it), the plan's reason counted for stats()["plans"], hidden the psum
+    plus the residual bit for bit, normed the unfused formula's."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    # Here, not at the top: this file is also the workers' program, whose
+    # processes take their devices from the launcher, not from stand_in_core.
+    from stand_in_core import auto_mesh, inner_jaxpr, prim_names
+
+    import jax_arx
+    from jax_arx import _comm, _policy
+
+    real_plan = _comm.Communicator.plan
+    reason = "the fused norm measured slower (a test's plan)"
+
+    def plan(self, op, nbytes):
+        return (_policy.ALGORITHM_UNFUSED, reason) if op == "psum_add_norm" else real_plan(self, op, nbytes)
+
+    monkeypatch.setattr(_comm.Communicator, "plan", plan)
+    monkeypatch.setenv("JAX_ARX_FALLBACK", "error")
+    mesh = auto_mesh((4,), ("tp",))
+    jax_arx.initialize(mesh)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3, 40)).astype(np.float32)
+    r, w, b = rng.standard_normal((3, 40)).astype(np.float32), rng.standard_normal(40).astype(np.float32), None
+
+    def body(xs, rs, ws):
+        n, h = jax_arx.psum_add_norm(xs[0], rs, ws, "tp", kind="layer", eps=1e-5)
+        return n[None], h[None], (jax_arx.psum(xs[0], "tp") + rs)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P("tp"),) * 3))
+    before = _policy.plan_counts().get("psum_add_norm", {}).get(reason, 0)
+    with caplog.at_level(logging.WARNING, logger="jax_arx"):
+        prims = prim_names(inner_jaxpr(jax.make_jaxpr(f)(x, r, w)))
+        normed, hidden, plain = (np.asarray(o) for o in f(x, r, w))
+    assert "jax_arx_psum_add_norm" not in prims and {"jax_arx_psum", "jax_arx_psum_invariant"} & set(prims), prims
+    assert not caplog.records, caplog.text
+    assert _policy.plan_counts()["psum_add_norm"][reason] == before + 1
+    for k in range(4):
+        assert hidden[k].tobytes() == plain[0].tobytes(), k  # psum + residual, bit for bit
+        assert normed[k].tobytes() == normed[0].tobytes(), k  # the same bits on every device
+    bad = ref.close_report(normed[0], ref.normed_f64(hidden[0], w, b, "layer", 1e-5), np.float32)
+    assert not bad, bad

@@ -80,6 +80,7 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
     else if (k == "cuda_chunk_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.cuda_chunk_bytes));
     else if (k == "bulk_piece_bytes") ARX_RETURN_IF_ERROR(parse_u64(k, v, c.bulk_piece_bytes));
     else if (k == "moe_fused") ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 1, c.moe_fused));
+    else if (k == "norm_fused") ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 1, c.norm_fused));
     else if (k == "cuda_ll_max_bytes") ARX_RETURN_IF_ERROR(parse_i64(k, v, c.cuda_ll_max_bytes));
     else if (k == "cuda_peer_memory") ARX_RETURN_IF_ERROR(parse_range(k, v, -1, 1, c.cuda_peer_memory));
     else if (k == "verbose") c.verbose = v == "1" || v == "true";

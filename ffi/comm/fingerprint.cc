@@ -27,12 +27,13 @@ struct Fingerprint {
   uint64_t cuda_chunk_bytes, bulk_piece_bytes;
   int64_t cuda_ll_max_bytes;
   uint32_t moe_fused;  // whether the MoE combine runs fused: a rank that differs would issue other collectives
+  uint32_t norm_fused;  // the same for psum_add_norm
   uint32_t cuda_direct;
   uint32_t bulk_lanes;  // whether the region holds the bulk lanes (base/config.h)
   uint32_t transport, platform, topology;
   uint32_t layout_bytes;  // the shared blocks' sizes, so builds that disagree on them do not talk
 };
-constexpr char kMagic[8] = {'J', 'A', 'X', 'A', 'R', 'X', 0, 3};
+constexpr char kMagic[8] = {'J', 'A', 'X', 'A', 'R', 'X', 0, 4};
 
 Fingerprint fingerprint_of(const EndpointSpec& s) {
   Fingerprint f{};
@@ -51,6 +52,7 @@ Fingerprint fingerprint_of(const EndpointSpec& s) {
   f.bulk_piece_bytes = s.config.bulk_piece_bytes;
   f.cuda_ll_max_bytes = s.config.cuda_ll_max_bytes;
   f.moe_fused = (uint32_t)s.config.moe_fused;
+  f.norm_fused = (uint32_t)s.config.norm_fused;
   f.cuda_direct = s.config.cuda_direct;
   f.bulk_lanes = s.config.bulk_lanes;
   f.transport = (uint32_t)s.transport;
@@ -108,12 +110,15 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
   if (mine.cuda_direct != theirs.cuda_direct)
     return num("cuda_direct", mine.cuda_direct, theirs.cuda_direct, "set JAX_ARX_CUDA_DIRECT the same everywhere");
   if (mine.cuda_chunk_bytes != theirs.cuda_chunk_bytes || mine.cuda_ll_max_bytes != theirs.cuda_ll_max_bytes ||
-      mine.bulk_piece_bytes != theirs.bulk_piece_bytes || mine.moe_fused != theirs.moe_fused)
+      mine.bulk_piece_bytes != theirs.bulk_piece_bytes || mine.moe_fused != theirs.moe_fused ||
+      mine.norm_fused != theirs.norm_fused)
     return strf("rank %d was set up with other tuning (chunk %llu, LL up to %lld bytes, bulk pieces of %llu, MoE "
-                "fused %u; this rank %llu, %lld, %llu, %u): pass the same _tuning to jax_arx.initialize everywhere",
+                "fused %u, norm fused %u; this rank %llu, %lld, %llu, %u, %u): pass the same _tuning to "
+                "jax_arx.initialize everywhere",
                 j, (unsigned long long)theirs.cuda_chunk_bytes, (long long)theirs.cuda_ll_max_bytes,
-                (unsigned long long)theirs.bulk_piece_bytes, theirs.moe_fused, (unsigned long long)mine.cuda_chunk_bytes,
-                (long long)mine.cuda_ll_max_bytes, (unsigned long long)mine.bulk_piece_bytes, mine.moe_fused);
+                (unsigned long long)theirs.bulk_piece_bytes, theirs.moe_fused, theirs.norm_fused,
+                (unsigned long long)mine.cuda_chunk_bytes,
+                (long long)mine.cuda_ll_max_bytes, (unsigned long long)mine.bulk_piece_bytes, mine.moe_fused, mine.norm_fused);
   if (mine.transport != theirs.transport)
     return strf("rank %d uses the %s carrier, this rank %s; set JAX_ARX_TRANSPORT the same everywhere", j,
                 transport_name((TransportKind)theirs.transport), transport_name((TransportKind)mine.transport));

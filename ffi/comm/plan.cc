@@ -96,15 +96,20 @@ std::string size_setting(uint64_t n) {
   return strf("%llu", (unsigned long long)n);
 }
 
+// The route in words, for the plan's reasons.
+std::string route_words(const Endpoint& ep) {
+  const Endpoint::Route& r = ep.route();
+  if (ep.spec().platform == Platform::kHost)
+    return strf("the CPU backend %s", r.direct ? "over shared memory" : "through the proxy");
+  return strf("CUDA, %s", !r.direct ? "through the proxy" : r.gpu_inboxes ? "GPU inboxes" : "host inboxes");
+}
+
 // Where the fused MoE combine's measurements are (docs/performance.md, by
 // section), and the route they were taken on, for the plan's reason.
 std::string moe_route(const Endpoint& ep) {
-  const Endpoint::Route& r = ep.route();
-  if (ep.spec().platform == Platform::kHost)
-    return strf("the CPU backend %s; docs/performance.md, \"On the CPU backend\"",
-                r.direct ? "over shared memory" : "through the proxy");
-  return strf("CUDA, %s; docs/performance.md, \"The GB10 route on one H200 under CUDA MPS\"",
-              !r.direct ? "through the proxy" : r.gpu_inboxes ? "GPU inboxes" : "host inboxes");
+  return route_words(ep) + (ep.spec().platform == Platform::kHost
+                                ? "; docs/performance.md, \"On the CPU backend\""
+                                : "; docs/performance.md, \"The GB10 route on one H200 under CUDA MPS\"");
 }
 
 }  // namespace
@@ -178,6 +183,25 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
                    op, (unsigned long long)lane_bytes, (unsigned long long)(lane_bytes * L.world), L.world,
                    (unsigned long long)ep.spec().config.bulk_bytes, size_setting(lane_bytes * L.world).c_str());
   return p;
+}
+
+Plan plan_add_norm(const Endpoint& ep, uint64_t bytes) {
+  Plan p = plan_psum(ep, bytes);
+  if (p.algorithm == Algorithm::kNone || ep.spec().platform != Platform::kCuda || ep.spec().config.norm_fused)
+    return p;
+  // On GPUs the norm in the psum kernels' epilogue runs on the blocks that
+  // summed each row, a row at a time, where XLA's separate add and norm
+  // kernel takes the whole GPU: measured, the fused call lost to the
+  // unfused three on every route (docs/performance.md, "The fused norm").
+  // So it steps aside: hidden keeps its bits (psum + residual either way);
+  // normed is the formula in XLA's reduction order, the same on every rank.
+  // Every rank decides alike: the route and the config are the
+  // communicator's.
+  Plan unfused;
+  unfused.algorithm = Algorithm::kUnfused;
+  unfused.reason = "the fused norm measured slower than jax_arx.psum, then the add and the norm in jax, on this route (" +
+                   route_words(ep) + "; docs/performance.md, \"The fused norm\")";
+  return unfused;
 }
 
 Plan plan_moe_combine(const Endpoint& ep, uint64_t lane_bytes) {

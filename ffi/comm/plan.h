@@ -52,4 +52,12 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes);
 // plan_bulk for its pieces.
 Plan plan_moe_combine(const Endpoint& ep, uint64_t lane_bytes);
 
+// jax_arx.psum_add_norm of a `bytes`-byte partial: plan_psum's envelope
+// first (kNone past it); within it kUnfused, jax_arx.psum then the add and
+// the norm in jax, wherever the fused kernels are not known to win (on
+// GPUs); else what plan_psum gives the fused call (Config::norm_fused
+// forces that). The handlers of the fused op run only where this did not
+// choose kUnfused, and ask plan_psum with the row's bytes.
+Plan plan_add_norm(const Endpoint& ep, uint64_t bytes);
+
 }  // namespace arx

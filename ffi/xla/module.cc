@@ -126,7 +126,8 @@ class PyEndpoint {
   // (an all_gather's input, a psum_scatter's or the combine's output).
   std::tuple<int, int, std::string> plan(const std::string& op, uint64_t bytes) const {
     Plan p;
-    if (op == "psum" || op == "psum_add_norm") p = plan_psum(*ep_, bytes);  // the same envelope
+    if (op == "psum") p = plan_psum(*ep_, bytes);
+    else if (op == "psum_add_norm") p = plan_add_norm(*ep_, bytes);
     else if (op == "all_gather" || op == "psum_scatter") p = plan_bulk(*ep_, op.c_str(), bytes);
     else if (op == "moe_combine_psum_scatter") p = plan_moe_combine(*ep_, bytes);
     else throw std::invalid_argument("jax_arx: no plan for op '" + op + "'");

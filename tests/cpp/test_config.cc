@@ -54,6 +54,9 @@ int main() {
   EXPECT(parsed({{"moe_fused", "1"}}).moe_fused == 1, "moe_fused=1");
   EXPECT(parsed({{"moe_fused", "0"}}).moe_fused == 0, "moe_fused=0");
   refused({{"moe_fused", "2"}}, "moe_fused");
+  EXPECT(d.norm_fused == 0, "default: norm_fused %lld (the plan decides)", (long long)d.norm_fused);
+  EXPECT(parsed({{"norm_fused", "1"}}).norm_fused == 1, "norm_fused=1");
+  refused({{"norm_fused", "2"}}, "norm_fused");
   refused({{"cuda_pipeline", "1"}}, "unknown endpoint option 'cuda_pipeline'");
   printf("config: %s\n", g_failures ? "FAILED" : "ok");
   return g_failures ? 1 : 0;

@@ -279,6 +279,48 @@ void check_moe() {
   }
 }
 
+// plan_add_norm on every route, by default and with norm_fused, inside and
+// past psum's envelope: on GPUs the fused kernels step aside unless asked
+// for; the CPU backend runs them.
+void check_add_norm() {
+  struct Route {
+    Platform platform;
+    bool direct, gpu_inboxes;
+    TransportKind transport;
+    const char* says;
+  };
+  const Route routes[] = {
+      {Platform::kHost, true, false, TransportKind::kShm, "over shared memory"},
+      {Platform::kHost, false, false, TransportKind::kTcp, "through the proxy"},
+      {Platform::kCuda, true, true, TransportKind::kShm, "GPU inboxes"},
+      {Platform::kCuda, true, false, TransportKind::kShm, "host inboxes"},
+      {Platform::kCuda, false, false, TransportKind::kTcp, "through the proxy"},
+  };
+  for (const Route& r : routes) {
+    for (int64_t fused : {0, 1}) {
+      Case c{r.platform, r.direct, r.gpu_inboxes, Config{}, 2, r.transport};
+      c.cfg.norm_fused = fused;
+      auto ep = open_endpoint(c);
+      if (!ep) return;
+      for (uint64_t bytes : {(uint64_t)16, (uint64_t)8 * kKiB, (uint64_t)c.cfg.slot_bytes, 64 * c.cfg.send_bytes}) {
+        const Plan psum = plan_psum(*ep, bytes), p = plan_add_norm(*ep, bytes);
+        const bool steps_aside = psum.algorithm != Algorithm::kNone && r.platform == Platform::kCuda && !fused;
+        const Algorithm want = steps_aside ? Algorithm::kUnfused : psum.algorithm;
+        EXPECT(p.algorithm == want, "%s, %s, norm_fused %lld: %llu bytes ran %s, want %s",
+               r.platform == Platform::kHost ? "host" : "cuda", r.says, (long long)fused, (unsigned long long)bytes,
+               name(p.algorithm), name(want));
+        if (steps_aside)
+          EXPECT(p.reason.find(r.says) != std::string::npos &&
+                     p.reason.find("docs/performance.md, \"The fused norm\"") != std::string::npos,
+                 "%s: the reason does not name the route and the measurement: '%s'", r.says, p.reason.c_str());
+        else
+          EXPECT(p.why_not == psum.why_not && p.pieces == psum.pieces, "%s: not psum's plan", r.says);
+      }
+      ep->close();
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -320,6 +362,7 @@ int main() {
   check_fused();
   check_bulk();
   check_moe();
+  check_add_norm();
   printf("plan: %s\n", g_failures ? "FAILED" : "ok");
   return g_failures ? 1 : 0;
 }
