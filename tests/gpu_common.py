@@ -410,7 +410,9 @@ class GpuWorker(suites._Worker):
         super().__init__()
         self.smoke = cpu_smoke
         self.platform = "cpu" if self.jax.devices()[0].platform == "cpu" else "cuda"
-        self.phase_name, self.crc, self._env, self._tuning = "main", 0, {}, dict(FUSED_KERNELS)
+        # What suites._Worker initialized jax_arx with: a phase that asks for
+        # other tuning (FUSED_KERNELS, the first) initializes it again.
+        self.phase_name, self.crc, self._env, self._tuning = "main", 0, {}, dict(suites.MOE_FUSED)
         self.lowered: dict[str, int] = {}
 
     def phase(self, name: str, env: dict | None = None, tuning: dict | None = None, fresh: bool = False) -> str:

@@ -20,6 +20,13 @@ phase of one launch. In each phase:
 - ``graph``: the program run again 5 times, each run checked (CUDA graphs
   replay it at worlds 2 and 4).
 
+Every phase but ``steps_aside`` runs the fused kernels (the ``norm_fused``
+tuning, tests/gpu_common.py). ``steps_aside`` runs the defaults, where the
+plan steps aside for jax_arx.psum then the add and the norm in jax
+(ffi/comm/plan.cc, plan_add_norm): no fused call lowered, the plan's
+reason counted in ``jax_arx.stats()["plans"]``, hidden bit for bit as
+above, normed within the contract's tolerance of the float64 formula.
+
 ``--cpu-smoke`` runs the worker on the CPU backend (the host device side,
 tests/test_gpu_workers_cpu.py), where the same numpy reference holds.
 """
@@ -47,6 +54,7 @@ PHASES = {
     "tcp": ({"JAX_ARX_TRANSPORT": "tcp"}, {}),
     "ring": ({"JAX_ARX_TOPOLOGY": "ring"}, {}),
     "ring_tcp": ({"JAX_ARX_TOPOLOGY": "ring", "JAX_ARX_TRANSPORT": "tcp"}, {}),
+    "steps_aside": ({}, {"norm_fused": 0}),
 }
 SMOKE_PHASES = ("gpu_inboxes", "tcp")
 CASES = ["norms", "graph"]
@@ -69,9 +77,12 @@ def check_phase(run, phase, world, summary_line):
     reports = run.phase(phase)
     assert sorted(reports) == list(range(world)), sorted(reports)
     gpu_common.assert_route(run, reports, env, summary_line)
+    if phase == "steps_aside":
+        gpu_common.assert_correct(reports, ["unfused"])
+        return reports
     gpu_common.assert_correct(reports, CASES)
     # The same inputs in every phase of a launch: the same bits on every route.
-    digests = {name: r["digest"] for name, r in run.reports[0].items()}
+    digests = {name: r["digest"] for name, r in run.reports[0].items() if name != "steps_aside"}
     assert len(set(digests.values())) == 1, digests
     return reports
 
@@ -128,6 +139,42 @@ def case_norms(w, runs):
                 w.check("norms" if k == 0 else "graph", got, want_h, f"hidden {spec} rank {rank}")
 
 
+def case_unfused(w):
+    """The defaults on a GPU: the plan's unfused form (see the top)."""
+    P = w.P
+    cases = specs()
+    data = [ref.inputs(w.world, s) for s in cases]
+
+    def body(*ops):
+        out, i = [], 0
+        for (_, _, kind, has_bias) in cases:
+            b = ops[i + 3] if has_bias else None
+            n, h = w.jax_arx.psum_add_norm(ops[i][0], ops[i + 1], ops[i + 2], AXIS, kind=kind, bias=b, eps=EPS)
+            i += 4 if has_bias else 3
+            out += [n[None], h[None]]
+        return tuple(out)
+
+    args, specs_in = [], []
+    for (p, r, wt, b) in data:
+        args += [w.put(p), r, wt] + ([b] if b is not None else [])
+        specs_in += [P(AXIS), P(), P()] + ([P()] if b is not None else [])
+    f = w.smap(body, tuple(specs_in), (P(AXIS),) * (2 * len(cases)))
+    before = sum(w.jax_arx.stats()["plans"].get("psum_add_norm", {}).values())
+    if w.calls(f, *args, target="jax_arx_psum_add_norm"):
+        w.fail("unfused", "a fused call was lowered where the plan steps aside")
+    planned = sum(w.jax_arx.stats()["plans"].get("psum_add_norm", {}).values()) - before
+    w.record("unfused", None if planned >= len(cases) else f"{planned} calls counted in plans, {len(cases)} made")
+    outs = f(*args)
+    for j, (spec, (p, r, wt, b)) in enumerate(zip(cases, data, strict=True)):
+        h = ref.hidden(p, r, ref.dtypes()[spec[1]])
+        f64 = ref.normed_f64(h, wt, b, spec[2], EPS)
+        for rank, got in w.mine(outs[2 * j + 1]).items():
+            w.check("unfused", got, h, f"hidden {spec} rank {rank}")
+        for rank, got in w.mine(outs[2 * j]).items():
+            w.record("unfused", ref.close_report(got, f64, ref.dtypes()[spec[1]]) and
+                     f"normed {spec} rank {rank} vs float64: {ref.close_report(got, f64, ref.dtypes()[spec[1]])}")
+
+
 def worker(argv):
     smoke = "--cpu-smoke" in argv
     names = gpu_common.worker_phases(argv, SMOKE_PHASES if smoke else gpu_common.mesh_phases(PHASES))
@@ -137,7 +184,7 @@ def worker(argv):
         if error:
             w.report(init_error=error)
             continue
-        ran = w.counted(case_norms, w, 5)
+        ran = w.counted(case_unfused, w) if name == "steps_aside" else w.counted(case_norms, w, 5)
         w.report(ran=ran)
     w.jax_arx.check()
 
