@@ -100,22 +100,18 @@ def specs():
 
 # --- the worker --------------------------------------------------------------------
 
-def case_norms(w, runs):
+def program(w, cases, data):
+    """One program of one psum_add_norm per case: x's rows split over the
+    ranks, the rest replicated; returns (f, args), f's results (normed,
+    hidden) per case."""
     P = w.P
-    cases = specs()
-    data = [ref.inputs(w.world, s) for s in cases]
-    wants = []
-    for s, (p, r, wt, b) in zip(cases, data, strict=True):
-        h = ref.hidden(p, r, ref.dtypes()[s[1]])
-        wants.append((ref.normed_lanes(h, wt, b, s[2], EPS), h, ref.normed_f64(h, wt, b, s[2], EPS)))
 
     def body(*ops):
         out, i = [], 0
         for (_, _, kind, has_bias) in cases:
-            x, r, wt = ops[i][0], ops[i + 1], ops[i + 2]
             b = ops[i + 3] if has_bias else None
+            n, h = w.jax_arx.psum_add_norm(ops[i][0], ops[i + 1], ops[i + 2], AXIS, kind=kind, bias=b, eps=EPS)
             i += 4 if has_bias else 3
-            n, h = w.jax_arx.psum_add_norm(x, r, wt, AXIS, kind=kind, bias=b, eps=EPS)
             out += [n[None], h[None]]
         return tuple(out)
 
@@ -123,7 +119,17 @@ def case_norms(w, runs):
     for (p, r, wt, b) in data:
         args += [w.put(p), r, wt] + ([b] if b is not None else [])
         specs_in += [P(AXIS), P(), P()] + ([P()] if b is not None else [])
-    f = w.smap(body, tuple(specs_in), (P(AXIS),) * (2 * len(cases)))
+    return w.smap(body, tuple(specs_in), (P(AXIS),) * (2 * len(cases))), args
+
+
+def case_norms(w, runs):
+    cases = specs()
+    data = [ref.inputs(w.world, s) for s in cases]
+    wants = []
+    for s, (p, r, wt, b) in zip(cases, data, strict=True):
+        h = ref.hidden(p, r, ref.dtypes()[s[1]])
+        wants.append((ref.normed_lanes(h, wt, b, s[2], EPS), h, ref.normed_f64(h, wt, b, s[2], EPS)))
+    f, args = program(w, cases, data)
     lowered = w.calls(f, *args, target="jax_arx_psum_add_norm")
     if len(lowered) != len(cases):
         w.fail("norms", f"{len(lowered)} fused calls lowered for {len(cases)} cases")
@@ -141,24 +147,9 @@ def case_norms(w, runs):
 
 def case_unfused(w):
     """The defaults on a GPU: the plan's unfused form (see the top)."""
-    P = w.P
     cases = specs()
     data = [ref.inputs(w.world, s) for s in cases]
-
-    def body(*ops):
-        out, i = [], 0
-        for (_, _, kind, has_bias) in cases:
-            b = ops[i + 3] if has_bias else None
-            n, h = w.jax_arx.psum_add_norm(ops[i][0], ops[i + 1], ops[i + 2], AXIS, kind=kind, bias=b, eps=EPS)
-            i += 4 if has_bias else 3
-            out += [n[None], h[None]]
-        return tuple(out)
-
-    args, specs_in = [], []
-    for (p, r, wt, b) in data:
-        args += [w.put(p), r, wt] + ([b] if b is not None else [])
-        specs_in += [P(AXIS), P(), P()] + ([P()] if b is not None else [])
-    f = w.smap(body, tuple(specs_in), (P(AXIS),) * (2 * len(cases)))
+    f, args = program(w, cases, data)
     before = sum(w.jax_arx.stats()["plans"].get("psum_add_norm", {}).values())
     if w.calls(f, *args, target="jax_arx_psum_add_norm"):
         w.fail("unfused", "a fused call was lowered where the plan steps aside")
@@ -171,8 +162,8 @@ def case_unfused(w):
         for rank, got in w.mine(outs[2 * j + 1]).items():
             w.check("unfused", got, h, f"hidden {spec} rank {rank}")
         for rank, got in w.mine(outs[2 * j]).items():
-            w.record("unfused", ref.close_report(got, f64, ref.dtypes()[spec[1]]) and
-                     f"normed {spec} rank {rank} vs float64: {ref.close_report(got, f64, ref.dtypes()[spec[1]])}")
+            bad = ref.close_report(got, f64, ref.dtypes()[spec[1]])
+            w.record("unfused", bad and f"normed {spec} rank {rank} vs float64: {bad}")
 
 
 def worker(argv):
