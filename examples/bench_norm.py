@@ -171,7 +171,8 @@ class Worker(bw.BenchWorker):
                     return jnp.concatenate(step(x, r, w[0]))
                 tol = case.tolerance(name)
                 self.cell(config, name, nbytes, call, args, case.want, comm=comm, plan_op="psum",
-                          tolerance=lambda rank, t=tol: t, chain=lambda c, step=step: self.chain(None if c is None else step),
+                          tolerance=lambda rank, t=tol: t,
+                          chain=lambda c, step=step: self.chain(None if c is None else step),
                           baseline=f"chain {nbytes}",
                           intended=lambda planned, ran: bool(ran) and set(ran) <= {"ll", "one_shot", "two_shot"})
 

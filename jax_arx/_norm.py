@@ -225,7 +225,7 @@ def _psum_add_norm_jvp(primals, tangents, *, axes, comm_id, kind, eps, bias, inv
     normed, hidden = outs
     x, residual, weight, *b = primals
     dx, dres, dw, *db = [jnp.zeros(jax.typeof(p).shape, jax.typeof(p).dtype) if type(t) is _compat.Zero else t
-                         for p, t in zip(primals, tangents)]
+                         for p, t in zip(primals, tangents, strict=True)]
     dhidden = psum(dx, axes) + dres
     if bias:
         f = lambda h, w, bb: _norm(h, w, bb, kind=kind, eps=eps)  # noqa: E731

@@ -385,7 +385,6 @@ def test_steps_aside_where_the_plan_says_unfused(fake_core, lax_lowering, monkey
     import logging
 
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     # Here, not at the top: this file is also the workers' program, whose
