@@ -247,3 +247,24 @@ def alone_call_report(call, jax_arx, key: str, *, on_error=None) -> dict:
         report["check"], report["check_type"] = str(e), type(e).__name__
     client.key_value_set(key, "1")
     return report
+
+
+def leave_after_a_lost_peer(tag: str, survivors, code: int = 0):
+    """Ends a surviving rank of a suite whose peer is gone, without the exit
+    barriers of jax.distributed and jax_arx (they would wait for the dead).
+    Rank 0's process holds jax's coordination service: when it leaves, jax's
+    client aborts every other rank (status 134), so each survivor says it is
+    done and rank 0 leaves after all of ``survivors`` have."""
+    import jax
+
+    from jax_arx import _compat
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    client, me = _compat.distributed_client(), jax.process_index()
+    client.key_value_set(f"{tag}/left{me}", "1")
+    if me == 0:
+        for r in survivors:
+            if r != 0:
+                client.blocking_key_value_get(f"{tag}/left{r}", 120_000)
+    os._exit(code)

@@ -135,6 +135,7 @@ def _alive(pid: int) -> bool:
 
 def worker_peer_exit(smoke):
     import jax
+    import launched
 
     # jax.distributed ends every process soon after one stops sending
     # heartbeats; the survivors outlive their peer on purpose.
@@ -183,9 +184,7 @@ def worker_peer_exit(smoke):
     # A program not run before: its handler runs, and raises the failure.
     report["next_error"] = _timed_call(w, g, x)[2]
     w.report(**{k: v[:3000] if isinstance(v, str) else v for k, v in report.items()})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the peer is gone: skip the shutdown barriers
+    launched.leave_after_a_lost_peer("peer_exit", range(last))
 
 
 def worker_mismatch(smoke):

@@ -302,13 +302,7 @@ def suite_relay_lost(w):
         report["check"] = str(e)
     report["error"] = report["error"] or report["check"]
     print(RESULT + json.dumps(report), flush=True)
-    # Rank 0's process holds jax's coordination service: it leaves last, or
-    # a rank still failing its call is aborted by jax's client first.
-    client.key_value_set(f"test_ring_cpu/reported{me}", "1")
-    if me == 0:
-        for r in range(2, w.world):
-            client.blocking_key_value_get(f"test_ring_cpu/reported{r}", 120_000)
-    os._exit(0)  # rank 1 is gone: skip the exit-time barriers
+    launched.leave_after_a_lost_peer("test_ring_cpu", [0, *range(2, w.world)])
 
 
 def _worker_main(argv):
