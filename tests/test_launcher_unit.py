@@ -4,7 +4,6 @@ jax.distributed key-value store rendezvous with the stand-in core
 
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -92,12 +91,6 @@ def _launch(args, tmp_path, timeout=240):
     return proc, time.monotonic() - start
 
 
-def _from_keyword(line, keywords):
-    """`line` from the first of `keywords` in it (all of it if none is)."""
-    at = [line.find(k) for k in keywords if k in line]
-    return line[min(at):] if at else line
-
-
 def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
     (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
     script = tmp_path / "prog.py"
@@ -110,16 +103,21 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
         import fake_core
         jax_arx._comm._core_module = fake_core
 
+        def say(*words):  # a file per rank: jax's C++ logs share stdout
+            with open(f"said{jax.process_index()}.txt", "a") as f:
+                f.write(" ".join(map(str, words)) + "\\n")
+            print(*words)
+
         mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
         f = jax.jit(jax.shard_map(lambda: jax.lax.psum(jax.lax.axis_index("dp") + 1.0, "dp"),
                                   mesh=mesh, in_specs=(), out_specs=P()))
-        print("lax psum", float(f().addressable_data(0)))
+        say("lax psum", float(f().addressable_data(0)))
 
         jax_arx.initialize(mesh)
         jax_arx.initialize(mesh)
         me = jax.process_index()
         for e in sorted(fake_core.endpoints, key=lambda e: (e.name, e.rank)):
-            print("endpoint", e.name, e.rank, e.world, e.transport, e.device_ordinal, e.connected, e.secret.hex()[:8])
+            say("endpoint", e.name, e.rank, e.world, e.transport, e.device_ordinal, e.connected, e.secret.hex()[:8])
 
         # jax_arx's primitive across processes, lowered as jax's all-reduce.
         from jax_arx import _compat, _psum
@@ -130,26 +128,22 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
             _compat.register_lowering(prim, lax_lowering)
         g = jax.jit(jax.shard_map(lambda: jax_arx.psum(jax.lax.axis_index("dp") + 1.0, "dp"),
                                   mesh=mesh, in_specs=(), out_specs=P()))
-        print("arx psum", float(g().addressable_data(0)), "jax_arx_psum_invariant" in str(jax.make_jaxpr(g)()))
+        say("arx psum", float(g().addressable_data(0)), "jax_arx_psum_invariant" in str(jax.make_jaxpr(g)()))
         jax_arx.shutdown()
         jax_arx.initialize(mesh)  # a new generation of keys
-        print("again", len(fake_core.registered))
-        print("args", sys.argv[1:])
+        say("again", len(fake_core.registered))
+        say("args", sys.argv[1:])
         jax_arx.shutdown()
         """))
     proc, _ = _launch(["-n", "2", "--cpu-devices", "2", str(script), "--flag", "x"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout.splitlines()
+    said = {rank: (tmp_path / f"said{rank}.txt").read_text().splitlines() for rank in (0, 1)}
     for rank in (0, 1):
-        # jax's own C++ log lines ("[Gloo] Rank 0 is connected ...") share the
-        # process's stdout unsynchronised with Python's: one may land in the
-        # middle of a print, or a print in the middle of one. Taken out whole
-        # (each ends its line), the script's lines are whole again, each from
-        # its keyword on.
-        text = "".join(line[len(f"[rank {rank}] "):] + "\n" for line in out if line.startswith(f"[rank {rank}] "))
-        text = re.sub(r"\[Gloo\][^\n]*\n", "", text)
-        mine = [_from_keyword(line, ("lax psum", "arx psum", "endpoint ", "again ", "args "))
-                for line in text.splitlines()]
+        # What each rank printed, the launcher shows after its rank's prefix
+        # (whole lines: jax's own C++ logs may land inside one).
+        assert any(line.startswith(f"[rank {rank}] ") for line in out), proc.stdout
+        mine = said[rank]
         assert "lax psum 3.0" in mine and "arx psum 3.0 True" in mine, (rank, mine, proc.stderr[-3000:])
         assert "again 4" in mine and "args ['--flag', 'x']" in mine, (rank, mine)
         endpoints = [line.split() for line in mine if line.startswith("endpoint")]
@@ -159,9 +153,9 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
         assert all(e[3:5] == ["2", "shm"] and e[6] == "True" for e in endpoints)
     # Both processes hold the same secret for each group of dp.
     secrets = {}
-    for line in out:
-        if " endpoint dp" in line:
-            secrets.setdefault(line.split()[3], set()).add(line.split()[-1])
+    for line in said[0] + said[1]:
+        if line.startswith("endpoint dp"):
+            secrets.setdefault(line.split()[1], set()).add(line.split()[-1])
     assert len(secrets) == 2 and all(len(s) == 1 for s in secrets.values())
 
 
