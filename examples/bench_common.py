@@ -167,7 +167,7 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 
 RATIO_NOTE = ("ratio: jax_arx's time over jax.lax's, so lower is better (below 1: jax_arx is faster). On the CPU "
               "backend jax.lax's collectives are gloo's and the times mostly measure the host's scheduling; the "
-              "figures that matter are on GPUs (README, Benchmarks).")
+              "figures that matter are on GPUs (docs/performance.md).")
 
 
 def describe_run(jax, jax_arx, axis: str) -> str:

@@ -231,7 +231,7 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
         group's rank r reaches only ranks r - 1 and r + 1, in mesh order;
         at world 4 what goes to the rank two away is relayed by the rank
         in between). Default: ``JAX_ARX_TOPOLOGY``, else ``"mesh"``. See
-        the README's "Ring topology".
+        docs/topology.md.
 
     Idempotent: calling again with the same mesh (and topology) does
     nothing, and a mesh whose axis names are all new adds communicators

@@ -25,7 +25,7 @@ traced before keeps what it was traced with for as long as jax caches it.
 ``jax_arx.psum`` (jax_arx/_psum.py), which covers the sums between layers,
 but ``shard_map``'s own transpose sums the cotangents of its inputs that do
 not vary over an axis (in_specs that do not name it) with ``jax.lax.psum``,
-out of jax_arx's reach. README, "Usage", says what to do about them.
+out of jax_arx's reach. docs/usage.md says what to do about them.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ JAX_ARX_TRANSPORT          shm | tcp | verbs                        automatic
 JAX_ARX_TOPOLOGY           mesh (every rank reaches every other:    mesh
                            a switch) | ring (2-4 boxes cabled in
                            a ring, no switch: a rank reaches only
-                           its two neighbours; README, "Ring
-                           topology"); jax_arx.initialize's
+                           its two neighbours;
+                           docs/topology.md); jax_arx.initialize's
                            ``topology`` argument overrides it
 JAX_ARX_FALLBACK           lax (use jax.lax, log once per reason)   lax
                            | error (raise JaxArxFallbackError)

@@ -14,7 +14,7 @@ Each rank gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``,
 ``jax_arx.distributed_initialize()`` first. Unless ``JAX_ARX_SECRET`` is in
 the environment already (set it empty to go without), the ranks also share a
 fresh random one, so that nobody who reaches jax.distributed's coordinator
-can pose as a rank (the README's "Failures and security"). Every line a rank prints comes
+can pose as a rank (docs/failures.md). Every line a rank prints comes
 out prefixed with ``[rank k] `` (stdout to stdout, stderr to stderr).
 
 ``--cpu-devices K`` runs every rank on the CPU backend with K devices

@@ -94,7 +94,7 @@ def test_backward_sums_are_jax_arx_with_check_vma(fake_core, monkeypatch):
 
 @needs_4_devices
 def test_without_check_vma_shard_maps_input_sums_stay_jax(fake_core):
-    # Documented (README, "Usage"): jax_arx.psum transposes to jax_arx.psum,
+    # Documented (docs/usage.md): jax_arx.psum transposes to jax_arx.psum,
     # but shard_map's transpose sums its replicated inputs' cotangents (x, g)
     # with jax.lax.psum.
     import jax

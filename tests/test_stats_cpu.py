@@ -13,7 +13,7 @@ this file as its worker, ``--worker SUITE``).
 - ``threads``: two threads of each rank call the same jitted psum at once,
   many times. Collectives from several threads have no order every rank
   agrees on: calls that overlap on one endpoint fail (all of them, on every
-  rank: the endpoint fails and tells its peers), and the README says that
+  rank: the endpoint fails and tells its peers), and docs/failures.md says that
   calls that merely follow each other in different orders can be summed
   into each other. The test asserts what holds whatever the scheduling:
   a call that returns a sum and is not followed by a failure of its

@@ -161,14 +161,14 @@ std::string TcpTransport::rejection_text(int peer, int root, const sockaddr_in& 
         case Reject::kView:
           return who + " refused this rank: the two read different connection details from the rendezvous. The "
                        "ranks belong to different runs, or jax.distributed's key-value store was altered during "
-                       "set-up and someone may be posing as a rank (see the README's \"Failures and security\")";
+                       "set-up and someone may be posing as a rank (see docs/failures.md)";
         case Reject::kProof:
           return who + " refused this rank's proof of identity although both read the same connection details: "
                        "JAX_ARX_SECRET differs between the two processes (set it to one value everywhere, or nowhere)";
         case Reject::kTaken:
           return who + " already has an authenticated stream from this rank: another process proved it holds this "
                        "rank's key first. Two processes run as this rank, or someone took its place by altering "
-                       "the rendezvous (see the README's \"Failures and security\"); stop the job";
+                       "the rendezvous (see docs/failures.md); stop the job";
         case Reject::kVersion:
         case Reject::kHello:
         case Reject::kNone:
@@ -180,7 +180,7 @@ std::string TcpTransport::rejection_text(int peer, int root, const sockaddr_in& 
       return strf("the listener at %s that answered as rank %d (root %d) did not prove it holds the key rank %d "
                   "shares with this one: JAX_ARX_SECRET differs between the two processes (or is set on one only), "
                   "or whoever listens there is not rank %d (the rendezvous store was altered, or another program "
-                  "took the port); see the README's \"Failures and security\"",
+                  "took the port); see docs/failures.md",
                   sockaddr_text(to).c_str(), peer, root, peer, peer);
     case tcp_auth::Outcome::kBadReply:
       return who + " answered with something that is not jax_arx's tcp handshake (" + r.detail +

@@ -19,7 +19,7 @@
 // it sends anything that depends on K, and the labels differ by direction,
 // so neither side's answers help forge the other's.
 //
-// What this keeps out (the README's "Failures and security" says it for users):
+// What this keeps out (docs/failures.md says it for users):
 //  - Anyone who can read the store (any local user, anyone who reaches the
 //    coordinator's port) learns public keys and addresses only: without a
 //    rank's private key no stream of theirs is accepted, and no byte of

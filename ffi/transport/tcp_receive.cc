@@ -263,7 +263,7 @@ bool TcpTransport::on_proof(InLink& c) {
     if (authenticated_[idx]) {
       duplicate = strf("a second stream from %s proved it holds rank %d's key (root %d) while the one from %s was "
                        "already authenticated: two processes run as rank %d, or someone took a rank's place by "
-                       "altering the rendezvous (see the README's \"Failures and security\")",
+                       "altering the rendezvous (see docs/failures.md)",
                        c.from.c_str(), rank, root, from_[idx].c_str(), rank);
       // Before connect() returns, it fails with this; after, the endpoint fails.
       lost = connected_.load();

@@ -33,7 +33,7 @@ void fill_failed_results(ffi::RemainingRets& rets, size_t from) {
 // fails, and fails the endpoint, whose proxy tells the peers (comm/proxy.cc,
 // notices), so that the collective in flight fails on every rank too. Runs
 // that only follow each other in different orders on different ranks, never
-// overlapping, are not seen here (README, "Failures and security").
+// overlapping, are not seen here (docs/failures.md).
 class CallGuard {
  public:
   explicit CallGuard(Endpoint& ep) : lock_(ep.host_call_mu, std::try_to_lock) {}
