@@ -100,10 +100,10 @@ __all__ = [
 # registering does not start a jax backend, so this import may come before
 # jax.distributed.initialize. Without the C++ module nothing is registered
 # and jax_arx.psum falls back to jax.lax.psum.
-from jax_arx import _comm as _comm_module
 from jax_arx import _grad as _grad_module
+from jax_arx import _native as _native_module
 
-_comm_module.register_ffi_targets()
+_native_module.register_ffi_targets()
 # jax.grad's sums under shard_map(check_vma=True) go to jax_arx too (_grad.py).
 _grad_module.install()
-del _comm_module, _grad_module
+del _grad_module, _native_module

@@ -37,8 +37,7 @@ from collections.abc import Iterable
 
 import jax
 
-from jax_arx import _comm
-from jax_arx import _compat, _endpoints, _store
+from jax_arx import _compat, _endpoints, _native, _registry, _store
 from jax_arx.errors import InitializationError
 
 # The psum parts of a bulk endpoint's region (no psum runs on it): the
@@ -69,7 +68,7 @@ def bulk_options(options: dict) -> dict:
     return dict(options, bulk_lanes="1", slot_bytes=_PSUM_BYTES, send_bytes=_PSUM_BYTES)
 
 
-def communicator_for(comm: _comm.Communicator, op: str) -> _comm.Communicator:
+def communicator_for(comm: _registry.Communicator, op: str) -> _registry.Communicator:
     """The communicator the bulk collectives of ``comm``'s axis run on,
     made now if this is the first (see the module's contract; ``op`` names
     the collective in messages).
@@ -79,30 +78,30 @@ def communicator_for(comm: _comm.Communicator, op: str) -> _comm.Communicator:
         on this axis within JAX_ARX_TIMEOUT_S, or the endpoints could not
         be created or connected; the message says which and why.
     """
-    with _comm._lock:
-        bulk = _comm._bulk_communicators.get(comm.axis_name)
+    with _registry.lock:
+        bulk = _registry.bulk_communicator(comm.axis_name)
         if bulk is not None and bulk.comm_id == bulk_id(comm.comm_id):
             return bulk
-        if _comm._communicators.get(comm.axis_name) is not comm:
+        if _registry.communicator(comm.axis_name) is not comm:
             raise InitializationError(
                 f"jax_arx.{op}: mesh axis {comm.axis_name!r} was shut down (jax_arx.shutdown()) while this "
                 "collective was traced; call jax_arx.initialize(mesh) again, then trace it again")
         return _make(comm, f"jax_arx.{op}")
 
 
-def restore(comms: Iterable[_comm.Communicator]) -> None:
+def restore(comms: Iterable[_registry.Communicator]) -> None:
     """Makes the bulk endpoints of those of ``comms`` that had them before
     a ``shutdown()`` (called by ``initialize()``)."""
     for comm in comms:
         if comm.comm_id in _made:
-            with _comm._lock:
+            with _registry.lock:
                 _make(comm, "jax_arx.initialize")
 
 
-def _make(comm: _comm.Communicator, what: str) -> _comm.Communicator:
-    setup: _comm.Setup = comm.setup
+def _make(comm: _registry.Communicator, what: str) -> _registry.Communicator:
+    setup: _registry.Setup = comm.setup
     key = bulk_id(comm.comm_id)
-    counter = (_comm._generation, comm.comm_id)
+    counter = (_registry.generation(), comm.comm_id)
     attempt = _attempts[counter] = _attempts.get(counter, 0) + 1
     plans = [dataclasses.replace(p, comm_id=key, name=f"{p.name}/bulk", secret=_bulk_secret(p.secret))
              for p in setup.plans]
@@ -112,15 +111,15 @@ def _make(comm: _comm.Communicator, what: str) -> _comm.Communicator:
             "something else fails within JAX_ARX_TIMEOUT_S too. Restart the job (or call jax_arx.shutdown() and "
             "jax_arx.initialize() on every process); if a process only got there late (a slow compile), raise "
             "JAX_ARX_TIMEOUT_S.")
-    prefix = f"jax_arx/{_comm._generation}/bulk/{comm.comm_id}/{attempt}/"
+    prefix = f"jax_arx/{_registry.generation()}/bulk/{comm.comm_id}/{attempt}/"
     store = _store.Store(_compat.distributed_client(), prefix, setup.cfg.timeout_s, what=what, hint=hint)
-    made = _endpoints.connect_endpoints(_comm._core(), store, plans, bulk_options(setup.options), what)
+    made = _endpoints.connect_endpoints(_native.core(), store, plans, bulk_options(setup.options), what)
     store.remove_published()  # after success only: see its docstring
     bulk = dataclasses.replace(comm, comm_id=key, endpoints=tuple(le for _, le in made), setup=None)
-    _comm._bulk_communicators[comm.axis_name] = bulk
+    _registry.add_bulk(comm.axis_name, bulk)
     _made.add(comm.comm_id)
-    _comm._debug(setup.cfg, "process %d: the bulk collectives' endpoints of axis %r are set up (%d endpoint(s))",
-                 jax.process_index(), comm.axis_name, len(bulk.endpoints))
+    _endpoints.debug(setup.cfg, "process %d: the bulk collectives' endpoints of axis %r are set up (%d "
+                     "endpoint(s))", jax.process_index(), comm.axis_name, len(bulk.endpoints))
     return bulk
 
 

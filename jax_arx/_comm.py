@@ -26,22 +26,16 @@ process removes what it published once set-up is over.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import hashlib
-import importlib.machinery
 import logging
 import os
-import pathlib
-import sys
-import threading
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 import numpy as np
 
-from jax_arx import _carriers, _compat, _endpoints, _store
-from jax_arx import _distributed
+from jax_arx import _bulk_endpoints, _carriers, _compat, _distributed, _endpoints, _native, _registry, _store
 from jax_arx import config as _config
 from jax_arx import errors
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
@@ -49,139 +43,12 @@ from jax_arx.errors import CollectiveError, ConfigError, InitializationError
 logger = logging.getLogger("jax_arx")
 
 
-@dataclasses.dataclass(frozen=True)
-class Communicator:
-    """What jax_arx set up for one mesh axis, in this process."""
-
-    axis_name: Hashable
-    comm_id: int
-    mesh_axis_names: tuple
-    mesh_shape: tuple[int, ...]
-    device_ids: tuple[int, ...]  # the mesh's devices, flat, row-major
-    endpoints: tuple[_endpoints.LocalEndpoint, ...]
-    topology: str = "mesh"  # "ring": each group's ranks reach only their neighbours
-    # What its endpoints were made from (this process's groups, the options):
-    # the bulk collectives' endpoints are made from it at their first call
-    # (jax_arx/_bulk_endpoints.py).
-    setup: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    def plan(self, op: str, nbytes: int) -> tuple[int, str]:
-        """What runs a collective ``op`` with ``nbytes`` per rank on this
-        communicator, as the C++ core decides it (ffi/comm/plan.h, the one
-        place): (algorithm, why_not); algorithm 0 means jax_arx does not
-        take it, and why_not says why and what to set. Every endpoint of a
-        communicator decides alike."""
-        if not self.endpoints:
-            return 0, "this process has no device on the axis"
-        algorithm, _pieces, why_not = self.endpoints[0].endpoint.plan(op, int(nbytes))
-        return algorithm, why_not
-
-
-_lock = threading.RLock()
-_communicators: dict[Hashable, Communicator] = {}
-# The bulk collectives' communicators, by axis, made at their first call
-# (jax_arx/_bulk_endpoints.py); closed by shutdown() with the others.
-_bulk_communicators: dict[Hashable, Communicator] = {}
-_generation = 0
-
-# The C++ module, imported on first use so that jax_arx imports (and falls
-# back to jax.lax) where it is not built. Tests put a stand-in here.
-_core_module: Any = None
-_core_import_error: ImportError | None = None
-_ffi_targets_registered = False
-
-
-def _core(required: bool = True):
-    global _core_module, _core_import_error
-    if _core_module is None and _core_import_error is None:
-        try:
-            from jax_arx import _core as module
-        except ImportError as e:
-            _core_import_error = e
-        else:
-            _core_module = module
-    if _core_module is None and required:
-        raise InitializationError(
-            f"jax_arx's C++ module jax_arx._core could not be imported ({_core_import_error}). "
-            + core_missing_hint(list(sys.modules[__package__].__path__), sys.path)
-            + " Until then jax_arx.psum falls back to jax.lax.psum."
-        ) from _core_import_error
-    return _core_module
-
-
-def core_missing_hint(package_path: list[str], search_path: list[str]) -> str:
-    """What to do about a missing ``_core``, given the folders jax_arx's
-    modules are looked up in (its ``__path__``) and ``sys.path``. The common
-    cause is not a missing build: a script saved in the checkout's top
-    folder (or ``python -m``/``-c`` run there) puts that folder first on
-    ``sys.path``, so Python imports the source folder ``jax_arx/``, which
-    holds no built module, ahead of the installed package."""
-    build = ("Build and install it from the jax_arx source tree with `pip install .` (needs CMake >= 3.24, a "
-             "C++20 compiler, and nvcc for GPUs).")
-    package = pathlib.Path(package_path[0])
-    root = package.parent
-    checkout = (root / "pyproject.toml").is_file() and (root / "ffi").is_dir()
-    if not checkout or any(any(pathlib.Path(p).glob("_core*")) for p in package_path):
-        return build  # not shadowed: the module is not built, or does not load
-    elsewhere = [p for p in search_path if pathlib.Path(p or os.getcwd()).resolve() != root.resolve()]
-    spec = importlib.machinery.PathFinder.find_spec("jax_arx", elsewhere)
-    installed = (f", not the installed one ({pathlib.Path(spec.origin).parent})"
-                 if spec is not None and spec.origin else "")
-    return (f"Python imported jax_arx from its source tree ({package}){installed}, because {root} comes first "
-            "on sys.path: it is the folder of the script, or the current folder under `python -m` or "
-            "`python -c`. Save scripts outside that folder (a subfolder such as examples/ is fine), and run "
-            "`python -m` and `python -c` from another folder" + ("." if installed else "; and install "
-                                                                 "jax_arx: " + build))
-
-
-def register_ffi_targets() -> bool:
-    """Registers the C++ handlers with XLA (``jax.ffi.register_ffi_target``)
-    for every platform the module was built for. Called when jax_arx is
-    imported; returns False, registering nothing, when ``_core`` is not
-    built. Registration does not start a jax backend, so importing jax_arx
-    before ``jax.distributed.initialize`` is fine."""
-    global _ffi_targets_registered
-    core = _core(required=False)
-    if core is None:
-        return False
-    if not _ffi_targets_registered:
-        for platform, targets in core.registrations().items():
-            for name, capsule in targets.items():
-                jax.ffi.register_ffi_target(name, capsule, platform=platform)
-        _ffi_targets_registered = True
-    return True
-
-
-# --- the registry, as the primitives see it ---------------------------------
-
-def communicator(axis_name: Hashable) -> Communicator | None:
-    """The communicator set up for ``axis_name``, or None."""
-    return _communicators.get(axis_name)
-
-
-def communicators() -> dict[Hashable, Communicator]:
-    """Every communicator set up in this process, by mesh axis (a copy)."""
-    with _lock:
-        return dict(_communicators)
-
-
-def transport(axis_name: Hashable) -> str | None:
-    """The carrier jax_arx.initialize chose for mesh axis ``axis_name`` in
-    this process: ``"shm"``, ``"tcp"`` or ``"verbs"`` (several, joined by
-    ", ", where this process's groups of the axis differ), or None when the
-    axis is not set up."""
-    comm = _communicators.get(axis_name)
-    if comm is None or not comm.endpoints:
-        return None
-    return ", ".join(sorted({le.transport for le in comm.endpoints}))
-
-
-def communicator_by_id(comm_id: int) -> Communicator | None:
-    """The communicator (a bulk collectives' one too) of id ``comm_id``."""
-    for comm in list(_communicators.values()) + list(_bulk_communicators.values()):
-        if comm.comm_id == comm_id:
-            return comm
-    return None
+# The registry's read side, for the rules, the handlers and the tests.
+communicator = _registry.communicator
+communicators = _registry.communicators
+communicator_by_id = _registry.communicator_by_id
+transport = _registry.transport
+Communicator = _registry.Communicator
 
 
 def communicator_id(mesh, axis_name: Hashable) -> int:
@@ -251,17 +118,16 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
       ConfigError: a ``JAX_ARX_*`` variable, or ``topology``, has a bad
         value.
     """
-    global _generation
     mesh = _resolve_mesh(mesh)
     _distributed.warn_if_alone(mesh)
     cfg = _config.with_topology(_config.load(), topology)
-    with _lock:
+    with _registry.lock:
         wanted: dict[Hashable, int] = {}
         for axis, size in mesh.shape.items():
             if size <= 1:
                 continue  # nothing to communicate; jax_arx.psum leaves such axes to jax.lax
             comm_id = communicator_id(mesh, axis)
-            known = _communicators.get(axis)
+            known = _registry.communicator(axis)
             if known is not None and known.comm_id == comm_id and known.topology != cfg.topology:
                 raise InitializationError(
                     f"jax_arx.initialize: mesh axis {axis!r} is already set up as a {known.topology}; this call "
@@ -280,14 +146,13 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
                     "on every process first, or name this mesh's axes differently.")
         if not wanted:
             return
-        core = _core(required=True)
-        _generation += 1
-        store = _store.Store(_compat.distributed_client(), f"jax_arx/{_generation}/", cfg.timeout_s)
+        core = _native.core(required=True)
+        generation = _registry.next_generation()
+        store = _store.Store(_compat.distributed_client(), f"jax_arx/{generation}/", cfg.timeout_s)
         _check_same_mesh_everywhere(store, mesh, wanted)
         made = _set_up(core, cfg, store, mesh, wanted, _tuning)
-        _communicators.update(made)
+        _registry.add(made)
         store.remove_published()  # after success only: see its docstring
-        from jax_arx import _bulk_endpoints  # it builds on this module
         _bulk_endpoints.restore(made.values())
 
 
@@ -347,23 +212,12 @@ def _abbrev(ids, limit=16):
     return str(ids) if len(ids) <= limit else str(ids[:limit])[:-1] + ", ...)"
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What one communicator's endpoints in this process were made from: the
-    plans of this process's groups (secrets included) and the endpoint
-    options, from which jax_arx/_bulk_endpoints.py makes the bulk ones."""
-
-    plans: tuple
-    options: dict
-    cfg: Any  # the config.Config they were made with
-
-
-def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Communicator]:
+def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, _registry.Communicator]:
     me = jax.process_index()
     rdma = False
     if cfg.transport is None:
         rdma, why = _carriers.rdma_available(cfg, core)
-        _debug(cfg, "process %d: RDMA %s: %s", me, "usable" if rdma else "not used", why)
+        _endpoints.debug(cfg, "process %d: RDMA %s: %s", me, "usable" if rdma else "not used", why)
     hosts, rdma_of = _carriers.exchange_hosts(store, {d.process_index for d in mesh.devices.flat}, rdma)
     plans: list[_endpoints.Plan] = []
     for axis, comm_id in wanted.items():
@@ -374,7 +228,7 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
                                              [rdma_of[d.process_index] for d in members])
                 name = str(axis) if len(axis_groups) == 1 else f"{axis}[{g}]"
                 plans.append(_endpoints.Plan(axis, comm_id, g, members, transport, name))
-    _debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
+    _endpoints.debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
            ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
 
     # Every process publishes all it owns before waiting for anything, so no
@@ -393,19 +247,19 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, Commu
     tcp_addr = None
     if any(p.transport == "tcp" for p in plans):
         tcp_addr = cfg.tcp_addr or _carriers.default_tcp_addr(_compat.coordinator_address())
-        _debug(cfg, "process %d: tcp address %s", me, tcp_addr)
+        _endpoints.debug(cfg, "process %d: tcp address %s", me, tcp_addr)
     # No bulk lanes: the bulk collectives get endpoints of their own at
     # their first call (jax_arx/_bulk_endpoints.py, bulk_options).
     options = dict(cfg.endpoint_options(tcp_addr, tuning), bulk_lanes="0")
     made = _endpoints.connect_endpoints(core, store, plans, options, "jax_arx.initialize")
     comms = {}
     for axis, comm_id in wanted.items():
-        comms[axis] = Communicator(
+        comms[axis] = _registry.Communicator(
             axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
             mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
             endpoints=tuple(le for p, le in made if p.axis == axis), topology=cfg.topology,
-            setup=Setup(tuple(p for p in plans if p.axis == axis), options, cfg))
-    _debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
+            setup=_registry.Setup(tuple(p for p in plans if p.axis == axis), options, cfg))
+    _endpoints.debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
     return comms
 
 
@@ -426,12 +280,10 @@ def shutdown() -> None:
     process is ending on an uncaught exception, it closes at once without
     waiting for the others. Idempotent.
     """
-    with _lock:
-        if not _communicators:
+    with _registry.lock:
+        comms = _registry.take_all()
+        if not comms:
             return
-        comms = list(_communicators.values()) + list(_bulk_communicators.values())
-        _communicators.clear()
-        _bulk_communicators.clear()
         client = _compat.distributed_client()
         if client is not None and jax.process_count() > 1 and not _distributed.uncaught_exception():
             try:
@@ -439,7 +291,7 @@ def shutdown() -> None:
             except ConfigError:
                 timeout_s = _config.Config().timeout_s
             try:
-                client.wait_at_barrier(f"jax_arx/{_generation}/shutdown", max(1, int(timeout_s * 1000)))
+                client.wait_at_barrier(f"jax_arx/{_registry.generation()}/shutdown", max(1, int(timeout_s * 1000)))
             except Exception as e:
                 logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s; closing this "
                                "process's endpoints anyway (a peer still in a collective with this process will "
@@ -453,6 +305,7 @@ def shutdown() -> None:
 # it was imported, before this one; hooks run last-registered first, so
 # this shutdown, and its barrier, run while the client still works.
 atexit.register(shutdown)
+_distributed.on_uncaught_exception(shutdown)
 
 
 def check() -> None:
@@ -467,7 +320,7 @@ def check() -> None:
     and runs nothing on the devices. Use it between steps, or after a
     collective's output came back as NaN.
     """
-    core = _core(required=False)
+    core = _native.core(required=False)
     if core is None:
         return None
     failures = [str(f) for f in core.failures()]
@@ -482,16 +335,3 @@ def check() -> None:
             + "\nA failed communicator stays failed; restart the job (or call jax_arx.shutdown() and "
             "jax_arx.initialize() again on every process, if all are alive).")
     return None
-
-
-def _debug(cfg, msg, *args) -> None:
-    if not cfg.debug:
-        return
-    if not logger.handlers and not logging.getLogger().handlers:
-        # JAX_ARX_DEBUG=1 should print without the program configuring logging.
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("jax_arx: %(message)s"))
-        logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
-    logger.info(msg, *args)

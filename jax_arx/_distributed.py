@@ -164,6 +164,17 @@ def warn_if_alone(mesh) -> None:
         "or run it as a SLURM or Open MPI job of several tasks)")
 
 
+# What closes jax_arx's endpoints when a rank ends on an uncaught exception
+# (``_comm`` adds its shutdown()): this module stays below the ones it serves.
+_closers: list = []
+
+
+def on_uncaught_exception(close) -> None:
+    """Registers ``close()`` (no arguments) to run when the process ends on
+    an exception nothing caught, before it exits at once."""
+    _closers.append(close)
+
+
 def uncaught_exception() -> bool:
     """Whether the interpreter is ending because of an exception nothing
     caught: Python stores it in ``sys.last_value`` before it runs the exit
@@ -182,9 +193,8 @@ def _end_at_once_on_uncaught_exception() -> None:
     # a collective fails within JAX_ARX_TIMEOUT_S, naming it.
     if not uncaught_exception():
         return
-    from jax_arx import _comm
-
-    _comm.shutdown()  # without its barrier: see uncaught_exception()
+    for hook in _closers:
+        hook()  # jax_arx's shutdown(), without its barrier: see uncaught_exception()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

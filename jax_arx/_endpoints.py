@@ -153,3 +153,17 @@ def close_quietly(endpoint) -> None:
         endpoint.close()
     except Exception as e:  # closing must go on for the other endpoints
         logger.warning("jax_arx: closing an endpoint failed: %s", e)
+
+
+def debug(cfg, msg, *args) -> None:
+    """Logs a set-up step where ``cfg.debug`` (JAX_ARX_DEBUG=1) asks for it."""
+    if not cfg.debug:
+        return
+    if not logger.handlers and not logging.getLogger().handlers:
+        # JAX_ARX_DEBUG=1 should print without the program configuring logging.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("jax_arx: %(message)s"))
+        logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    logger.info(msg, *args)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_arx import _comm
+from jax_arx import _registry
 from jax_arx import _compat
 from jax_arx import _policy
 from jax_arx import config as _config
@@ -48,7 +48,7 @@ def _runs_axis(axis) -> bool:
     whose gradient sums it takes. Any other (no communicator, or one of
     another mesh that reuses the name) is jax's, silently: nothing asked
     jax_arx to run it."""
-    comm = _comm.communicator(axis)
+    comm = _registry.communicator(axis)
     if comm is None:
         return False
     mesh = jax.sharding.get_abstract_mesh()

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_arx import _comm
+from jax_arx import _registry
 from jax_arx import _compat
 from jax_arx import config as _config
 from jax_arx.errors import JaxArxFallbackError
@@ -132,7 +132,7 @@ def check_axes_bound(op: str, axes: tuple) -> None:
 
 
 def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Callable[[object], str | None],
-           lane_bytes: Callable[[int], int]) -> _comm.Communicator | str | None:
+           lane_bytes: Callable[[int], int]) -> _registry.Communicator | str | None:
     """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
     None for jax.lax (after ``fallback`` for a reason the user should know
     about), or ``UNFUSED``, after ``planned``, where the plan runs a fused
@@ -181,13 +181,13 @@ def reducing_dtype_refusal(aval) -> str | None:
     return f"dtype {aval.dtype} is not supported (float32, bfloat16 and float16 are)"
 
 
-def _axis_communicator(op: str, axis, mesh, aval) -> _comm.Communicator | None:
+def _axis_communicator(op: str, axis, mesh, aval) -> _registry.Communicator | None:
     """The communicator jax_arx.initialize set up for mesh axis ``axis``, if
     ``op`` on ``aval`` can run on it inside this shard_map; else None, after
     ``fallback``. The axis is set up, for this very mesh, the shard_map is
     manual over every axis of size > 1, and the input is not typed
     unreduced."""
-    comm = _comm.communicator(axis)
+    comm = _registry.communicator(axis)
     if comm is None:
         return fallback(op, ("uninitialized", axis),
                         f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
@@ -212,7 +212,7 @@ def _axis_communicator(op: str, axis, mesh, aval) -> _comm.Communicator | None:
 def lowering_refusal(ctx, comm_id: int, axes: tuple) -> tuple[tuple, str] | None:
     """Why a call decided at trace time cannot run with jax_arx after all,
     found at lowering time: (key, why) for ``fallback``, or None."""
-    comm = _comm.communicator_by_id(comm_id)
+    comm = _registry.communicator_by_id(comm_id)
     if comm is None:
         return (("lowering_uninitialized", axes), f"mesh axis {axes[0]!r} was shut down (jax_arx.shutdown()) "
                 "between tracing and lowering; call jax_arx.initialize(mesh) again")

@@ -5,7 +5,7 @@ ffi/comm/endpoint.h), the fallbacks and the plans' unfused pairs in
 
 from __future__ import annotations
 
-from jax_arx import _comm
+from jax_arx import _registry
 from jax_arx import _policy
 
 OPS = ("psum", "all_gather", "psum_scatter", "moe_combine_psum_scatter")
@@ -80,11 +80,11 @@ def stats() -> dict:
       call is traced; since jax_arx was imported.
     """
     comms = {}
-    for axis, comm in _comm.communicators().items():
+    for axis, comm in _registry.communicators().items():
         # The bulk collectives run on endpoints of their own, made at the
         # first bulk call (_bulk_endpoints): each counts as part of the
         # axis's endpoint on the same device.
-        bulk = _comm._bulk_communicators.get(axis)
+        bulk = _registry.bulk_communicator(axis)
         bulk_of = {(le.group, le.rank): le for le in bulk.endpoints} if bulk else {}
         endpoints = []
         for le in sorted(comm.endpoints, key=lambda le: (le.group, le.rank)):
@@ -96,7 +96,7 @@ def stats() -> dict:
                               "relayed_puts": sum(int(r["relayed_puts"]) for r in raws),
                               "failure": next((r["failure"] for r in raws if r["failure"]), None)})
         comms[axis] = {
-            "transport": _comm.transport(axis),
+            "transport": _registry.transport(axis),
             "world": comm.mesh_shape[comm.mesh_axis_names.index(axis)],
             "ops": {op: _summed([e["ops"][op] for e in endpoints]) for op in OPS},
             "stalls": sum(e["stalls"] for e in endpoints),

@@ -98,7 +98,7 @@ def case_first_use(w: _Worker):
     first all_gather makes the bulk endpoints (lanes of a world-th of
     JAX_ARX_PREFILL_SLOT_BYTES, 4 x world of them), which account for all the
     shared memory mapped since, and runs; psum still runs after it."""
-    from jax_arx import _comm
+    from jax_arx import _comm, _registry
 
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     psum_eps = _comm.communicator("sp").endpoints
@@ -115,12 +115,12 @@ def case_first_use(w: _Worker):
     f = w.smap(_lift(lambda v: jax_arx.psum(v, "sp")), P("sp"), P("sp"))
     for r, got in w.mine(f(w.put(parts))).items():
         w.check("first_use", got, reference_sum(parts), f"psum before the first bulk collective, rank {r}")
-    w.record("first_use", None if "sp" not in _comm._bulk_communicators else "psum made bulk endpoints")
+    w.record("first_use", None if "sp" not in _registry._bulk_communicators else "psum made bulk endpoints")
 
     g = w.smap(_lift(lambda v: jax_arx.all_gather(v, "sp", tiled=True)), P("sp"), P("sp"))
     for r, got in w.mine(g(w.put(parts))).items():
         w.check("first_use", got, np.concatenate(parts), f"the first all_gather, rank {r}")
-    bulk = _comm._bulk_communicators.get("sp")
+    bulk = _registry._bulk_communicators.get("sp")
     if bulk is None:
         w.fail("first_use", "the first all_gather made no bulk endpoints")
         return

@@ -441,10 +441,10 @@ class GpuWorker(suites._Worker):
         """This process's endpoints of the axis: initialize()'s, or
         (``bulk``) the bulk collectives', which the first of those made
         (none before it)."""
-        from jax_arx import _comm
+        from jax_arx import _comm, _registry
 
         if bulk:
-            comm = _comm._bulk_communicators.get(AXIS)
+            comm = _registry._bulk_communicators.get(AXIS)
             return comm.endpoints if comm is not None else ()
         return _comm.communicator(AXIS).endpoints
 

@@ -27,7 +27,7 @@ import needs
 import pytest
 
 import jax_arx
-from jax_arx import _bulk, _bulk_endpoints, _comm, _compat, _policy, _psum
+from jax_arx import _bulk, _bulk_endpoints, _compat, _native, _policy, _psum
 
 # This process's jax on 4 CPU devices, set in jax's configuration before its
 # backend starts (at the first device query): never in the environment,
@@ -79,7 +79,7 @@ def fake_core(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("fake_core", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(_comm, "_core_module", module)
+    monkeypatch.setattr(_native, "_core_module", module)
     monkeypatch.setattr(_bulk_endpoints, "_made", set())
     yield module
     jax_arx.shutdown()

@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_arx  # noqa: E402
-from jax_arx import _bulk_endpoints, _comm, _policy  # noqa: E402
+from jax_arx import _bulk_endpoints, _comm, _policy, _registry  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices (JAX_NUM_CPU_DEVICES=4)")
 
@@ -96,7 +96,7 @@ def test_every_bulk_op_runs_with_jax_arx_over_every_carrier(fake_core, mesh, mon
     ran = [(name, params["comm_id"]) for name, params in traced if name in BULK_PRIMITIVES]
     assert [name for name, _ in ran] == ["jax_arx_all_gather", "jax_arx_psum_scatter"] + [
         "jax_arx_moe_combine_psum_scatter"] * 2, traced
-    bulk = _comm._bulk_communicators["sp"]
+    bulk = _registry._bulk_communicators["sp"]
     assert {comm_id for _, comm_id in ran} == {bulk.comm_id}
     assert bulk.comm_id == _bulk_endpoints.bulk_id(_comm.communicator("sp").comm_id)
     assert {le.transport for le in bulk.endpoints} == {transport}
@@ -109,7 +109,7 @@ def test_psum_makes_no_bulk_lanes_the_first_bulk_op_does_once(fake_core, mesh):
     assert len(psum_eps) == 4 and all(ep.options["bulk_lanes"] == "0" for ep in psum_eps)
     x = jnp.zeros((4 * 64,), jnp.float32)
     assert "jax_arx_psum_invariant" in [n for n, _ in _traced(mesh, lambda v: jax_arx.psum(v, "sp"), x)]
-    assert fake_core.endpoints == psum_eps and "sp" not in _comm._bulk_communicators
+    assert fake_core.endpoints == psum_eps and "sp" not in _registry._bulk_communicators
 
     _traced(mesh, _gather, x)
     made = fake_core.endpoints[4:]
@@ -131,12 +131,12 @@ def test_shutdown_closes_them_and_initialize_makes_them_again(fake_core, mesh):
     _traced(mesh, _gather, jnp.zeros((4 * 64,), jnp.float32))
     first = fake_core.endpoints[4:]
     jax_arx.shutdown()
-    assert all(ep.closed for ep in fake_core.endpoints) and not _comm._bulk_communicators
+    assert all(ep.closed for ep in fake_core.endpoints) and not _registry._bulk_communicators
     jax_arx.initialize(mesh)
     again = [ep for ep in fake_core.endpoints[8:] if ep.options["bulk_lanes"] == "1"]
     assert len(again) == 4 and all(ep.connected for ep in again), "initialize() did not make them again"
     assert {ep.comm_id for ep in again} == {first[0].comm_id}
-    assert _comm.communicator_by_id(first[0].comm_id) is _comm._bulk_communicators["sp"]
+    assert _comm.communicator_by_id(first[0].comm_id) is _registry._bulk_communicators["sp"]
 
 
 @pytest.mark.parametrize("setting,shape", [("0", (4 * 64,)), ("1KiB", (4 * 1024,))])
@@ -148,7 +148,7 @@ def test_nothing_is_made_for_what_falls_back(fake_core, mesh, monkeypatch, caplo
     names = [n for n, _ in _traced(mesh, _gather, jnp.zeros(shape, jnp.float32))]
     assert not BULK_PRIMITIVES & set(names), names
     assert "JAX_ARX_PREFILL_SLOT_BYTES" in caplog.text
-    assert len(fake_core.endpoints) == 4 and not _comm._bulk_communicators
+    assert len(fake_core.endpoints) == 4 and not _registry._bulk_communicators
 
 
 def test_a_failed_set_up_raises_and_leaves_nothing(fake_core, mesh):
@@ -157,8 +157,8 @@ def test_a_failed_set_up_raises_and_leaves_nothing(fake_core, mesh):
     with pytest.raises(jax_arx.InitializationError, match=r"jax_arx\.all_gather: could not create the endpoint of "
                                                           r"axis 'sp' group 0 rank 2"):
         _traced(mesh, _gather, jnp.zeros((4 * 64,), jnp.float32))
-    assert not _comm._bulk_communicators
+    assert not _registry._bulk_communicators
     assert all(ep.closed for ep in fake_core.endpoints[4:])
     fake_core.fail_create_rank = None
     _traced(mesh, _gather, jnp.zeros((4 * 64,), jnp.float32))  # traced again: made now
-    assert "sp" in _comm._bulk_communicators
+    assert "sp" in _registry._bulk_communicators

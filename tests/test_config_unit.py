@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 import jax_arx
-from jax_arx import _comm, config
+from jax_arx import _native, config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def test_config_endpoint_options_are_strings_the_core_accepts():
     options = cfg.endpoint_options("127.0.0.1", {"cuda_ll_max_bytes": 0, "cuda_chunk_bytes": 4096, "moe_fused": 1})
     assert all(isinstance(v, str) for v in options.values())
     # The real core's parser takes every one (it rejects unknown keys and bad values).
-    core = _comm._core()
+    core = _native.core()
     ep = core.Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, options)
     ep.close()
     with pytest.raises(RuntimeError, match="unknown endpoint option 'cuda_pipeline'"):
@@ -92,7 +92,7 @@ def test_cuda_settings_reach_the_core_as_it_reads_them(env, options):
     # checks what it makes of them), and the core takes them.
     got = config.load(env).endpoint_options(None)
     assert {k: v for k, v in got.items() if k.startswith("cuda_")} == options
-    _comm._core().Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, got).close()
+    _native.core().Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, got).close()
 
 
 @pytest.mark.parametrize("tuning,error", [
@@ -104,7 +104,7 @@ def test_cuda_settings_reach_the_core_as_it_reads_them(env, options):
 def test_cuda_tuning_the_core_refuses(tuning, error):
     options = config.load({}).endpoint_options(None, tuning)
     with pytest.raises(RuntimeError, match=error):
-        _comm._core().Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, options)
+        _native.core().Endpoint(1, 0, 0, 2, "tcp", "cpu", "t", b"s" * 32, options)
 
 
 @pytest.mark.parametrize("name,value,accepted", [

@@ -232,11 +232,11 @@ def _reference(rows):
 
 def _before_connect(hook):
     """Makes every endpoint this process creates call ``hook()`` before it
-    connects, through the stand-in core module jax_arx._comm takes for tests
+    connects, through the stand-in core module jax_arx._native takes for tests
     (``_core_module``): the real module, with Endpoint wrapped."""
-    from jax_arx import _comm
+    from jax_arx import _native
 
-    real = _comm._core()
+    real = _native.core()
 
     class Endpoint:
         def __init__(self, *args):
@@ -251,7 +251,7 @@ def _before_connect(hook):
 
     stand_in = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
     stand_in.Endpoint = Endpoint
-    _comm._core_module = stand_in
+    _native._core_module = stand_in
 
 
 def _store_values(client, prefix="jax_arx/"):
@@ -300,7 +300,7 @@ def _suite_stranger():
     if me == 1:
         # The stranger runs beside rank 1's own set-up, which connects only
         # once the stranger is done (through the stand-in core module
-        # jax_arx._comm takes for tests), so it tries before the real rank 1.
+        # jax_arx._native takes for tests), so it tries before the real rank 1.
         done, crowd = threading.Event(), []
         threading.Thread(target=_stranger, args=(client, done, report, crowd), daemon=True).start()
         _before_connect(lambda: done.wait(60))
@@ -394,7 +394,7 @@ def _until_stopped(pid: int, within_s: float) -> bool:
 def _suite_killed_in_initialize():
     """Run with JAX_ARX_TIMEOUT_S=5. Rank 1 stops inside initialize(), in its
     endpoint's connect() (its shared memory made and published), through the
-    stand-in module jax_arx._comm takes for tests; rank 0 kills it there."""
+    stand-in module jax_arx._native takes for tests; rank 0 kills it there."""
     jax, jax_arx, mesh, _, _ = _setup()
     from jax_arx import _compat
 

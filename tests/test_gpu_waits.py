@@ -459,9 +459,9 @@ def case_ll_proxy_sent_mismatch(c):
 
 
 def worker():
-    from jax_arx import _comm
+    from jax_arx import _native
 
-    assert _comm.register_ffi_targets(), "jax_arx's handlers are not registered"
+    assert _native.register_ffi_targets(), "jax_arx's handlers are not registered"
 
     run = {"ll_mismatch_ll": lambda c: _ll_mismatch(c, 9103, "ll"),
            "ll_mismatch_oneshot": lambda c: _ll_mismatch(c, 9104, "oneshot")}

@@ -16,7 +16,7 @@ import pytest
 from stand_in_core import auto_mesh, needs_4_devices
 
 import jax_arx
-from jax_arx import _carriers, _comm, _compat, config, errors
+from jax_arx import _carriers, _comm, _compat, _native, _registry, config, errors
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -103,13 +103,13 @@ def test_shutdown_warning_keeps_jax_first_line_whole(mesh4, fake_core, monkeypat
 
 def test_shutdown_then_initialize_again(mesh4, fake_core):
     comm_id = _comm.communicator("tp").comm_id
-    generation = _comm._generation
+    generation = _registry.generation()
     jax_arx.shutdown()
     assert all(e.closed for e in fake_core.endpoints) and not fake_core.registered
     assert _comm.communicator("tp") is None
     jax_arx.shutdown()  # idempotent
     jax_arx.initialize(mesh4)
-    assert _comm.communicator("tp").comm_id == comm_id and _comm._generation == generation + 1
+    assert _comm.communicator("tp").comm_id == comm_id and _registry.generation() == generation + 1
     assert len(fake_core.registered) == 4
 
 
@@ -186,8 +186,8 @@ def test_default_tcp_addr():
 
 @needs_4_devices
 def test_initialize_without_the_core_says_how_to_build_it(monkeypatch):
-    monkeypatch.setattr(_comm, "_core_module", None)
-    monkeypatch.setattr(_comm, "_core_import_error", ImportError("No module named 'jax_arx._core'"))
+    monkeypatch.setattr(_native, "_core_module", None)
+    monkeypatch.setattr(_native, "_core_import_error", ImportError("No module named 'jax_arx._core'"))
     with pytest.raises(jax_arx.InitializationError, match=r"jax_arx._core could not be imported .*pip install \."):
         jax_arx.initialize(auto_mesh((4,), ("tp",)))
     assert _comm.communicator("tp") is None
@@ -211,7 +211,7 @@ def test_a_script_in_the_checkout_is_told_why_core_is_missing(tmp_path):
     # the script's folder shadows the installed jax_arx with the unbuilt one.
     root = _checkout(tmp_path)
     script = root / "psum_demo.py"
-    script.write_text("import jax_arx\nfrom jax_arx import _comm\n_comm._core()\n")
+    script.write_text("import jax_arx\nfrom jax_arx import _native\n_native.core()\n")
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
                        env=launched.clean_env(), timeout=300)
     assert p.returncode != 0
@@ -226,18 +226,18 @@ def test_core_missing_hint_names_the_installed_copy_or_says_to_install(tmp_path)
     site = tmp_path / "site"
     (site / "jax_arx").mkdir(parents=True)
     (site / "jax_arx" / "__init__.py").write_text("")
-    hint = _comm.core_missing_hint([str(root / "jax_arx")], [str(root), str(site)])
+    hint = _native.core_missing_hint([str(root / "jax_arx")], [str(root), str(site)])
     assert f"not the installed one ({site / 'jax_arx'})" in hint and "pip install" not in hint, hint
-    hint = _comm.core_missing_hint([str(root / "jax_arx")], [str(root)])
+    hint = _native.core_missing_hint([str(root / "jax_arx")], [str(root)])
     assert "Save scripts outside that folder" in hint and "install jax_arx: Build and install" in hint, hint
     # Not a checkout (an installed package), a checkout built in place, or
     # one whose package also looks in a built copy (as this suite's
     # conftest arranges): the module is missing or broken, not shadowed.
-    assert _comm.core_missing_hint([str(site / "jax_arx")], [str(site)]).startswith("Build and install it")
+    assert _native.core_missing_hint([str(site / "jax_arx")], [str(site)]).startswith("Build and install it")
     built = _checkout(tmp_path / "built", with_core=True)
-    assert _comm.core_missing_hint([str(built / "jax_arx")], [str(built)]).startswith("Build and install it")
+    assert _native.core_missing_hint([str(built / "jax_arx")], [str(built)]).startswith("Build and install it")
     both = [str(root / "jax_arx"), str(built / "jax_arx")]
-    assert _comm.core_missing_hint(both, [str(root)]).startswith("Build and install it")
+    assert _native.core_missing_hint(both, [str(root)]).startswith("Build and install it")
 
 
 @needs_4_devices

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from stand_in_core import assert_bits_equal, auto_mesh, body_prims, inner_jaxpr, needs_4_devices, prim_names
 
 import jax_arx
-from jax_arx import _comm, _compat
+from jax_arx import _comm, _compat, _registry
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -310,7 +310,7 @@ def test_constants_and_size_one_axes_are_left_to_lax(fake_core, caplog):
     assert not caplog.records
     assert "jax_arx" not in str(body_jaxpr)
     assert seen["const"] == 4.0
-    assert all(a.comm_id != _comm.communicator_id(mesh, "one") for a in _comm._communicators.values())
+    assert all(a.comm_id != _comm.communicator_id(mesh, "one") for a in _registry._communicators.values())
 
 
 def test_outside_shard_map_raises_like_lax():

@@ -164,7 +164,7 @@ def run_bulk(phase, mesh):
     if error:
         say(f"FAIL {phase['name']}: {error}")
         return None
-    eps = jax_arx._comm._bulk_communicators["x"].endpoints
+    eps = jax_arx._registry._bulk_communicators["x"].endpoints
     ran = {k: sum(le.endpoint.stats()["calls"][k] for le in eps) for k in ("all_gather", "psum_scatter",
                                                                           "moe_combine_psum_scatter")}
     want = {"all_gather": calls, "psum_scatter": calls, "moe_combine_psum_scatter": 2 * (calls // 2)}
