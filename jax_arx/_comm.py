@@ -116,7 +116,8 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
         an endpoint could not be created or connected (the message says
         which axis, group and rank, and why).
       ConfigError: a ``JAX_ARX_*`` variable, or ``topology``, has a bad
-        value.
+        value, or a ``JAX_ARX_*`` variable jax_arx does not know is set
+        (a misspelled name: the message names the closest known one).
     """
     mesh = _resolve_mesh(mesh)
     _distributed.warn_if_alone(mesh)
@@ -204,7 +205,7 @@ def _describe_setup(mesh, wanted):
 
 
 def _describe_mesh(names, shape):
-    return "mesh(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape)) + ")"
+    return "mesh(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape, strict=True)) + ")"
 
 
 def _abbrev(ids, limit=16):

@@ -84,11 +84,18 @@ benchmarks that must reach a path the defaults take only at other sizes (or
 not at all) pass them to ``jax_arx.initialize(mesh, _tuning={...})``
 (``TUNING_KEYS``). The variables that used to set them
 (``RETIRED``) are ignored with one warning.
+
+Any other ``JAX_ARX_*`` variable in the environment is refused with a
+:class:`jax_arx.ConfigError` naming the closest known one, since a misspelled
+name would leave its setting at the default without a word; the variables
+other parts of the project read (the build's, the tests') are known too
+(``OTHER_READERS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import logging
 import os
@@ -111,6 +118,33 @@ TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_
                "norm_fused")
 # Variables of earlier releases whose settings benchmarks have decided.
 RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
+# Every variable load() reads (tests/test_config_unit.py checks this against
+# what it asks the environment for): a JAX_ARX_* variable that is in none of
+# VARIABLES, RETIRED and OTHER_READERS is a typo, refused by load().
+VARIABLES = ("JAX_ARX_TIMEOUT_S", "JAX_ARX_IDLE_SPIN_MS", "JAX_ARX_IDLE_NAP_US", "JAX_ARX_TRANSPORT",
+             "JAX_ARX_TOPOLOGY", "JAX_ARX_FALLBACK", "JAX_ARX_GRAD_SUMS", "JAX_ARX_ON_FAILURE", "JAX_ARX_SLOT_BYTES",
+             "JAX_ARX_SEND_BYTES", "JAX_ARX_ONESHOT_MAX_BYTES", "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_TCP_ADDR",
+             "JAX_ARX_SECRET", "JAX_ARX_IB_HCA", "JAX_ARX_IB_GID_INDEX", "JAX_ARX_IB_TIMEOUT", "JAX_ARX_IB_RETRY_CNT",
+             "JAX_ARX_IB_TC", "JAX_ARX_IB_SL", "JAX_ARX_IBVERBS_LIB", "JAX_ARX_CUDA_DIRECT",
+             "JAX_ARX_CUDA_PEER_MEMORY", "JAX_ARX_DEBUG")
+# JAX_ARX_* variables that other parts of the project read, and who reads
+# each: a build's or a test run's environment may hold them while jax_arx
+# runs, so load() takes them for no typo (and reads nothing from them).
+OTHER_READERS = {
+    # The build: pyproject.toml hands the variable to CMake.
+    "JAX_ARX_CUDA": "the build (pyproject.toml, CMakeLists.txt)",
+    # The build: CMakeLists.txt reads $ENV{JAX_ARX_VERBS}.
+    "JAX_ARX_VERBS": "the build (CMakeLists.txt)",
+    # CMake options (-D..., pip's -C cmake.define....), which build scripts
+    # may keep in the environment beside the two above.
+    "JAX_ARX_PYTHON": "the build (CMakeLists.txt option)",
+    "JAX_ARX_TESTS": "the build (CMakeLists.txt option)",
+    "JAX_ARX_TESTING": "the build (CMakeLists.txt option)",
+    "JAX_ARX_TSAN": "the build (CMakeLists.txt option)",
+    "JAX_ARX_TRACE": "the build (CMakeLists.txt option)",
+    # The soak suite's number of calls.
+    "JAX_ARX_SOAK_CALLS": "tests/test_soak_cpu.py",
+}
 FALLBACKS = ("lax", "error")
 GRAD_SUMS = ("jax_arx", "lax")
 ON_FAILURE = ("raise", "abort")
@@ -201,10 +235,13 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     ``os.environ``) into a :class:`Config`.
 
     Raises:
-      ConfigError: a variable is set to a value that is not accepted; the
-        message names it and lists what is.
+      ConfigError: a variable is set to a value that is not accepted (the
+        message names it and lists what is), or a ``JAX_ARX_*`` variable is
+        set that jax_arx does not know (the message names it and the
+        closest known one).
     """
     env = os.environ if environ is None else environ
+    _refuse_unknown(env)
     _warn_retired(env)
     defaults = Config()
     slot_bytes = _size(env, "JAX_ARX_SLOT_BYTES", defaults.slot_bytes)
@@ -257,6 +294,36 @@ def with_topology(cfg: Config, topology: str | None) -> Config:
         raise ConfigError(f"jax_arx.initialize(topology={topology!r}) is not accepted: use one of "
                           f"{', '.join(repr(t) for t in TOPOLOGIES)}, or None for JAX_ARX_TOPOLOGY")
     return dataclasses.replace(cfg, topology=topology.lower())
+
+
+def _refuse_unknown(env) -> None:
+    # A misspelled name (JAX_ARX_TIMEOUT for JAX_ARX_TIMEOUT_S) would
+    # otherwise leave the setting at its default without a word. Set to
+    # empty counts too: the name is still wrong. Case is ignored in the
+    # prefix, since jax_arx_timeout_s is the same typo.
+    known = (*VARIABLES, *RETIRED, *OTHER_READERS)
+    unknown = sorted(name for name in env if name.upper().startswith("JAX_ARX_") and name not in known)
+    if not unknown:
+        return
+    lines = []
+    for name in unknown:
+        close = _closest(name)
+        retired = "; that one is retired, nothing reads it" if close in RETIRED else ""
+        lines.append(f"{name} (did you mean {close}?{retired})" if close else name)
+    one = len(lines) == 1
+    raise ConfigError(
+        f"{', '.join(lines)} {'is' if one else 'are'} set, but jax_arx has no such "
+        f"{'variable' if one else 'variables'}: rename {'it' if one else 'each'} to the variable meant, or unset "
+        f"{'it' if one else 'each'} if not meant for jax_arx (docs/configuration.md lists the variables it reads)")
+
+
+def _closest(name: str) -> str | None:
+    # Compared without the common prefix, which would otherwise make every
+    # known name look close (JAX_ARX_FOO to JAX_ARX_TOPOLOGY).
+    prefix = len("JAX_ARX_")
+    names = {known[prefix:]: known for known in (*VARIABLES, *OTHER_READERS, *RETIRED)}
+    close = difflib.get_close_matches(name.upper()[prefix:], list(names), n=1, cutoff=0.6)
+    return names[close[0]] if close else None
 
 
 def _warn_retired(env) -> None:

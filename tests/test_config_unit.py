@@ -129,3 +129,76 @@ def test_cuda_tuning_the_core_refuses(tuning, error):
 def test_config_rejects_bad_values_naming_the_variable(name, value, accepted):
     with pytest.raises(jax_arx.ConfigError, match=f"{name}='{value}' is not accepted.*{accepted}"):
         config.load({name: value})
+
+
+# --- variables jax_arx does not know ---------------------------------------------
+
+@pytest.mark.parametrize("name,meant", [
+    ("JAX_ARX_TIMEOUT", "JAX_ARX_TIMEOUT_S"),
+    ("JAX_ARX_SLOTBYTES", "JAX_ARX_SLOT_BYTES"),
+    ("JAX_ARX_TRANSPRT", "JAX_ARX_TRANSPORT"),
+    ("jax_arx_timeout_s", "JAX_ARX_TIMEOUT_S"),  # the case of the name is a typo too
+    ("JAX_ARX_SOAK_CALL", "JAX_ARX_SOAK_CALLS"),
+])
+@pytest.mark.parametrize("value", ["5", ""])  # set to empty is still set under a wrong name
+def test_a_misspelled_variable_is_refused_naming_the_one_meant(name, meant, value):
+    with pytest.raises(jax_arx.ConfigError, match=rf"^{name} \(did you mean {meant}\?\) is set, but jax_arx has no "
+                                                  r"such variable: rename it .* or unset it"):
+        config.load({name: value, "JAX_ARX_TIMEOUT_S": "5"})
+
+
+def test_unknown_variables_are_all_named_and_a_stranger_gets_no_guess():
+    with pytest.raises(jax_arx.ConfigError) as e:
+        config.load({"JAX_ARX_ZZZ": "1", "JAX_ARX_IB_CHUNK_BYTE": "4K"})
+    assert str(e.value).startswith("JAX_ARX_IB_CHUNK_BYTE (did you mean JAX_ARX_IB_CHUNK_BYTES?; that one is "
+                                   "retired, nothing reads it), JAX_ARX_ZZZ are set, but jax_arx has no such "
+                                   "variables: rename each"), e.value
+
+
+def test_variables_read_elsewhere_in_the_project_are_no_typos():
+    # The build's (CMake options, JAX_ARX_CUDA and JAX_ARX_VERBS from the
+    # environment) and the tests': set in a build's or CI's environment.
+    for name in ("JAX_ARX_CUDA", "JAX_ARX_VERBS", "JAX_ARX_TESTING", "JAX_ARX_TESTS", "JAX_ARX_PYTHON",
+                 "JAX_ARX_TSAN", "JAX_ARX_TRACE", "JAX_ARX_SOAK_CALLS"):
+        assert name in config.OTHER_READERS
+        assert config.load({name: "ON"}) == config.Config()
+    assert config.load({"NCCL_IB_HCA": "mlx5_0", "JAX_PLATFORMS": "cpu"}).ib_hca == "mlx5_0"  # not ours
+
+
+def test_retired_variables_still_warn_once(monkeypatch, caplog):
+    monkeypatch.setattr(config, "_warned", set())
+    env = {name: "4096" for name in config.RETIRED}
+    with caplog.at_level("WARNING", logger="jax_arx"):
+        assert config.load(env) == config.Config()
+        config.load(env)
+    said = [r.getMessage() for r in caplog.records if "no longer a setting" in r.getMessage()]
+    assert sorted(said) == sorted(f"{name} is no longer a setting (a benchmark decided it); it is ignored: unset it"
+                                  for name in config.RETIRED)
+
+
+def test_variables_lists_what_load_reads():
+    # Every name load() asks the environment for, asked through a mapping
+    # that writes them down: VARIABLES must be exactly those (a variable
+    # read but not listed would be refused as a typo).
+    asked = set()
+
+    class Recording(dict):
+        def get(self, name, default=None):
+            asked.add(name)
+            return default
+
+        def __iter__(self):
+            return iter(())
+
+    config.load(Recording())
+    assert {n for n in asked if n.startswith("JAX_ARX_")} - set(config.RETIRED) == set(config.VARIABLES)
+
+
+def test_initialize_refuses_an_unknown_variable(monkeypatch):
+    import jax
+    import numpy as np
+
+    monkeypatch.setenv("JAX_ARX_TIMEOUT", "5")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("typo_axis",))
+    with pytest.raises(jax_arx.ConfigError, match=r"JAX_ARX_TIMEOUT \(did you mean JAX_ARX_TIMEOUT_S\?\)"):
+        jax_arx.initialize(mesh)
