@@ -109,16 +109,19 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
     defaults take only at other sizes. Every process must pass the same.
 
     Raises:
-      InitializationError: no mesh; an axis name already set up for a
-        different mesh or topology (call ``jax_arx.shutdown()`` first); a
-        ring axis of more than 4 devices; the C++ module
-        is missing; a peer did not show up within ``JAX_ARX_TIMEOUT_S``; or
-        an endpoint could not be created or connected (the message says
-        which axis, group and rank, and why).
+      InitializationError: ``JAX_NUM_PROCESSES`` says this process is
+        one of several, but jax.distributed is not initialized (call
+        ``jax_arx.distributed_initialize()`` first); no mesh; an axis name
+        already set up for a different mesh or topology (call
+        ``jax_arx.shutdown()`` first); a ring axis of more than 4 devices;
+        the C++ module is missing; a peer did not show up within
+        ``JAX_ARX_TIMEOUT_S``; or an endpoint could not be created or
+        connected (the message says which axis, group and rank, and why).
       ConfigError: a ``JAX_ARX_*`` variable, or ``topology``, has a bad
         value, or a ``JAX_ARX_*`` variable jax_arx does not know is set
         (a misspelled name: the message names the closest known one).
     """
+    _distributed.refuse_if_not_joined()
     mesh = _resolve_mesh(mesh)
     _distributed.warn_if_alone(mesh)
     cfg = _config.with_topology(_config.load(), topology)

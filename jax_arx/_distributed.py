@@ -141,6 +141,35 @@ def _select_cpu_collectives(jax) -> None:
         pass  # a jax without the option: its CPU backend picks its own
 
 
+def refuse_if_not_joined() -> None:
+    """Raises when the environment says this process is one of several
+    (``JAX_NUM_PROCESSES`` > 1, as ``python -m jax_arx.launch`` sets it) but
+    jax.distributed is not initialized in it: the program forgot
+    ``jax_arx.distributed_initialize()``, and each process would run as a
+    job of its own, every sum one process's value, with status 0.
+
+    Raises:
+      InitializationError: naming the variable and the call to add.
+    """
+    try:
+        num_processes = int(os.environ.get(_ENV_NUM, ""))
+    except ValueError:
+        return  # unset; a malformed value is distributed_initialize's to report
+    if num_processes <= 1:
+        return
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    from jax_arx.errors import InitializationError
+
+    raise InitializationError(
+        f"jax_arx.initialize: {_ENV_NUM}={num_processes} says this process is one of {num_processes} (python -m "
+        "jax_arx.launch sets it), but jax.distributed is not initialized in it, so it would run alone and every "
+        "collective would return this process's value only. Call jax_arx.distributed_initialize() first thing in "
+        "the program, before any other jax call.")
+
+
 _warned_alone = []
 
 

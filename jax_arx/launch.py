@@ -11,7 +11,9 @@ Usage:
 Each rank gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``,
 ``JAX_NUM_PROCESSES=N``, ``JAX_PROCESS_ID=<rank>`` and
 ``PYTHONUNBUFFERED=1``; the program calls
-``jax_arx.distributed_initialize()`` first. Unless ``JAX_ARX_SECRET`` is in
+``jax_arx.distributed_initialize()`` first (``jax_arx.initialize()`` raises
+``InitializationError`` in a rank that did not, rather than let each rank
+run as a one-process job). Unless ``JAX_ARX_SECRET`` is in
 the environment already (set it empty to go without), the ranks also share a
 fresh random one, so that nobody who reaches jax.distributed's coordinator
 can pose as a rank (docs/failures.md). Every line a rank prints comes

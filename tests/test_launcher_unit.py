@@ -61,6 +61,22 @@ def test_a_process_alone_is_warned_once(monkeypatch, caplog):
     jax_arx.shutdown()
 
 
+def test_initialize_refuses_a_process_of_several_that_did_not_join(monkeypatch):
+    # JAX_NUM_PROCESSES > 1 (the launcher's) but no jax.distributed: the
+    # program forgot distributed_initialize() and would run alone.
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("unjoined_axis",))
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(jax_arx.InitializationError, match=r"JAX_NUM_PROCESSES=2 says this process is one of 2 .* "
+                                                          r"Call jax_arx.distributed_initialize\(\) first thing"):
+        jax_arx.initialize(mesh)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")  # one process: nothing to join
+    jax_arx.initialize(mesh)
+    jax_arx.shutdown()
+
+
 def test_split_argv():
     split = launch._split_argv
     assert split(["-n", "2", "s.py", "-n", "3"]) == (["-n", "2"], ["s.py", "-n", "3"])
@@ -209,6 +225,28 @@ def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
     report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)"):]
     assert "[launch]   RuntimeError: rank 1 gives up" in report, proc.stderr[-3000:]
     assert "[launch] rank 0" not in proc.stderr  # rank 0 was stopped, not reported as the failure
+
+
+def test_launch_a_program_without_distributed_initialize_fails_on_every_rank(tmp_path):
+    # Without jax_arx.distributed_initialize() each rank would be a job of
+    # its own, psum one rank's value, status 0. A long grace, so that each
+    # rank ends by its own error rather than by the launcher's SIGTERM.
+    script = tmp_path / "forgot.py"
+    script.write_text(textwrap.dedent("""
+        import jax
+        import jax_arx
+        mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+        jax_arx.initialize(mesh)
+        print("initialized alone")
+        """))
+    proc, elapsed = _launch(["-n", "2", "--cpu-devices", "1", "--grace-s", "60", str(script)], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "initialized alone" not in proc.stdout
+    for rank in (0, 1):
+        assert (f"[rank {rank}] jax_arx.errors.InitializationError: jax_arx.initialize: JAX_NUM_PROCESSES=2 says "
+                "this process is one of 2") in proc.stderr, proc.stderr[-3000:]
+    assert "Call jax_arx.distributed_initialize() first thing in the program" in proc.stderr
+    assert elapsed < 50, proc.stderr[-3000:]  # the second rank ended by itself, not by the launcher
 
 
 @pytest.mark.parametrize("how", ["SIGHUP", "SIGTERM", "SIGKILL"])
