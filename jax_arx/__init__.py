@@ -45,7 +45,8 @@ Public API:
   distributed_initialize()  jax.distributed.initialize from JAX_COORDINATOR_ADDRESS,
                           JAX_NUM_PROCESSES, JAX_PROCESS_ID (what the launcher sets)
   errors                  the exceptions, one family under JaxArxError; errors.translated()
-                          turns jax's runtime errors from a failed call into them
+                          turns jax's error from a failed call (JaxRuntimeError, or
+                          ValueError from jax's fast path) into them
 Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 """
 

@@ -14,17 +14,20 @@
                                            or a call after the endpoint failed
 
 Where each comes from: jax_arx raises set-up errors itself. A collective
-that fails while it runs fails inside XLA, and jax raises that as its own
-runtime error (``jax.errors.JaxRuntimeError``, a ``RuntimeError``, whose
-message starts with the status, ``INTERNAL: jax_arx: ...``). Two places turn
-those into this family:
+that fails while it runs fails inside XLA, and jax raises an error whose
+message starts with the status, ``INTERNAL: jax_arx: ...``, of one of two
+types (seen on the CPU backend, jax 0.10, for a lost peer, a timeout and a
+mismatch alike): its runtime error (``jax.errors.JaxRuntimeError``, a
+``RuntimeError``) where a compiled function's first run fails, and a plain
+``ValueError`` where a later run does (jax's fast path for a function that
+has run before raises that). Two places turn those into this family:
 
 - ``jax_arx.check()`` raises the right :class:`CollectiveError` subclass for
   a failed communicator, whatever the backend (on GPUs a call replayed from
   a CUDA graph runs no host code and raises nothing itself);
 - :func:`translated` (a context manager and a decorator) re-raises jax's
-  runtime errors that carry a jax_arx message as the class above, chained
-  to jax's error (``__cause__``).
+  errors (``ValueError`` or ``RuntimeError``) that carry a jax_arx message
+  as the class above, chained to jax's error (``__cause__``).
 
 So one ``except`` covers every backend and call::
 
@@ -151,8 +154,8 @@ def classify(message: str) -> type[JaxArxError]:
 
 def from_runtime_error(e: BaseException) -> JaxArxError | None:
     """The error of this family that ``e`` carries: ``e`` itself when it is
-    one; for jax's runtime error (or the ``ValueError`` some of jax's paths
-    raise instead) carrying a jax_arx message, that message as the class
+    one; for jax's error carrying a jax_arx message (its
+    ``JaxRuntimeError``, or the ``ValueError`` its fast path raises), that message as the class
     :func:`classify` gives, with ``__cause__`` set to ``e``; else None."""
     if isinstance(e, JaxArxError):
         return e
@@ -170,8 +173,9 @@ def from_runtime_error(e: BaseException) -> JaxArxError | None:
 
 @contextlib.contextmanager
 def translated():
-    """Re-raises, inside its block, jax's runtime errors that carry a
-    jax_arx message as the matching class of this family (see
+    """Re-raises, inside its block, jax's errors (its ``JaxRuntimeError``,
+    or the ``ValueError`` its fast path raises) that carry a jax_arx message
+    as the matching class of this family (see
     :func:`from_runtime_error`); other exceptions pass unchanged. A context
     manager (``with jax_arx.errors.translated(): ...``) and a decorator
     (``@jax_arx.errors.translated()``). On the CPU backend the failed call

@@ -284,7 +284,7 @@ _NOT_SET_UP = ("INTERNAL: jax_arx: no communicator 42 on local device 0 in this 
 
 @pytest.mark.parametrize("raised,message,expected", [
     (RuntimeError, _TIMEOUT, errors.CollectiveTimeoutError),
-    (ValueError, _TIMEOUT, errors.CollectiveTimeoutError),  # jax raises some as ValueError
+    (ValueError, _TIMEOUT, errors.CollectiveTimeoutError),  # jax's fast path raises ValueError
     (RuntimeError, _MISMATCH, errors.CollectiveMismatchError),
     (RuntimeError, _PEER_CLOSED, errors.EndpointFailedError),
     (ValueError, _TOO_BIG, errors.InvalidCallError),
@@ -308,6 +308,15 @@ def test_translated_raises_the_family_class(raised, message, expected):
 
     with pytest.raises(expected):
         step()
+
+
+def test_translated_takes_the_cpu_backends_plain_value_error():
+    # What a failed call raises through jax's fast path (a function that
+    # has run before): builtins.ValueError itself, no subclass of jax's.
+    with pytest.raises(errors.EndpointFailedError) as got:
+        with errors.translated():
+            raise ValueError(_PEER_CLOSED)
+    assert type(got.value.__cause__) is ValueError
 
 
 def test_translated_leaves_other_errors_alone():
