@@ -5,7 +5,8 @@
 - tests/cpp/test_bulk.cc: the bulk collectives (all-gather, reduce-scatter,
   the fused MoE combine) over the channels, the same way; test_layout.cc: the
   layout; test_plan.cc: what runs a collective of each size (comm/plan.h);
-  test_config.cc: what the core reads from the options Python sends.
+  test_config.cc: what the core reads from the options Python sends;
+  test_poll.cc: the host's waits leave out the time their thread did not run.
 - tests/cpp/test_tcp_transport.cc, test_tcp_faults.cc, test_tcp_auth.cc,
   test_tcp_fuzz.cc: the tcp carrier alone: exchanges, peers that misbehave
   (sends bounded by the timeout), who may connect, and adversarial bytes
@@ -107,6 +108,11 @@ def test_layout(core_build):
 def test_plan(core_build):
     out = _run([str(core_build / "test_plan")], timeout=120)
     assert "plan: ok" in out
+
+
+def test_poll(core_build):
+    out = _run([str(core_build / "test_poll")], timeout=120)
+    assert "poll: ok" in out
 
 
 def test_config(core_build):

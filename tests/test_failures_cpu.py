@@ -17,6 +17,13 @@ each test launches this file as its worker, ``--worker SUITE``):
   when done, or a helper 30 s later). Rank 0's next call must fail within about the timeout (the
   proxy's send to a peer that takes no data gives up, or the call's wait for
   it does), and ``shutdown()`` must return within about the timeout too.
+- ``stopped_waiter:shm`` and ``stopped_waiter:tcp`` (2 processes,
+  ``JAX_ARX_TIMEOUT_S=3``): rank 1 calls a psum and is stopped (SIGSTOP)
+  1 s into its wait for rank 0, and resumed 3 timeouts later; rank 0 calls
+  half a second after that. The time rank 1 was stopped is not rank 0's
+  lateness (host/steps.h, HostPoll): both must return the exact sum, never
+  a timeout naming rank 0 (which a wait counting the clock gives on its
+  first look after the resume).
 - ``killed_in_initialize`` and ``failed_initialize`` (shm, 2 processes): a
   process SIGKILLed inside ``initialize()`` (held in its endpoint's
   connect() by a stand-in core module), and processes whose
@@ -56,6 +63,7 @@ TIMEOUT_S = 5  # JAX_ARX_TIMEOUT_S of the stopped-peer suite
 # How long rank 1 stays stopped unless rank 0 resumes it sooner (it does,
 # once it has timed the call and shutdown): far past every bound below.
 STOPPED_S = 30
+WAITER_TIMEOUT_S = 3  # JAX_ARX_TIMEOUT_S of the stopped-waiter suite
 
 
 # --- the tests (tests/test_gpu_failures.py runs the same on GPUs) ---------------
@@ -69,6 +77,19 @@ def test_a_stranger_with_the_store_gets_no_stream(core_built, tmp_path, user_sec
 @pytest.mark.parametrize("op", ["psum", pytest.param("all_gather", marks=pytest.mark.slow)])
 def test_a_stopped_peer_fails_the_call_and_shutdown_within_the_timeout(core_built, tmp_path, op):
     check_stopped_peer(tmp_path, op, gpus=None)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_stopped_while_it_waits_does_not_blame_its_peer(core_built, tmp_path, transport):
+    results = _run(f"stopped_waiter:{transport}", transport, tmp_path,
+                   {"JAX_ARX_TIMEOUT_S": str(WAITER_TIMEOUT_S)}, None, timeout=300)
+    healthy, stopped = results[0], results[1]
+    assert healthy["peer_stopped"] and healthy["peer_resumed"], results
+    assert healthy["exact"] and not healthy["error"], results
+    assert stopped["was_stopped"], results
+    # The stopped rank's call ends after its resume, with the sum rank 0's
+    # data completed, not with a timeout that names the healthy rank 0.
+    assert stopped["exact"] and not stopped["error"], results
 
 
 @pytest.mark.parametrize("suite", ["killed_in_initialize", "failed_initialize"])
@@ -379,13 +400,55 @@ def _suite_stopped_peer(op):
     return report
 
 
-def _until_stopped(pid: int, within_s: float) -> bool:
-    """Polls until process ``pid`` is stopped (state T in /proc/PID/stat);
-    whether it was within ``within_s``."""
+def _suite_stopped_waiter():
+    jax, jax_arx, mesh, sharded, P = _setup()
+    from jax_arx import _compat
+
+    client = _compat.distributed_client()
+    me, world = jax.process_index(), mesh.size
+    jax_arx.initialize(mesh)
+    f = _psum_fn(jax, jax_arx, mesh, P, "x")
+    rows = np.arange(world * 1024, dtype=np.float32).reshape(world, 1024)
+    x = jax.make_array_from_callback(rows.shape, sharded, lambda idx: rows[idx])
+    want = rows.sum(0)
+    np.asarray(f(x).addressable_data(0))  # compiled and connected, together
+    client.wait_at_barrier("test_failures/waiter_warm", 120_000)
+    report = {}
+    if me == 1:
+        # Stopped 1 s into its wait, resumed 3 timeouts later, from outside.
+        pid = os.getpid()
+        subprocess.Popen(["sh", "-c", f"sleep 1; kill -STOP {pid}; sleep {3 * WAITER_TIMEOUT_S}; kill -CONT {pid}"],
+                         start_new_session=True)
+        client.key_value_set("test_failures/waiter_pid", str(pid))
+    else:
+        # Rank 0 calls half a second after rank 1 runs again: rank 1 has
+        # waited far past the timeout by the clock, but not by the time it ran.
+        pid = int(client.blocking_key_value_get("test_failures/waiter_pid", 120_000))
+        report["peer_stopped"] = _until_stopped(pid, within_s=60)
+        report["peer_resumed"] = _until_stopped(pid, within_s=60, state_is_stopped=False)
+        time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        got = np.asarray(f(x).addressable_data(0)).reshape(-1)
+        report["exact"], report["error"] = bool((got == want).all()), ""
+    except Exception as e:
+        report["exact"], report["error"] = False, launched.error_text(e)
+    report["seconds"] = round(time.monotonic() - start, 2)
+    report["was_stopped"] = me == 1 and report["seconds"] >= 2 * WAITER_TIMEOUT_S
+    client.key_value_set(f"test_failures/waiter_done{me}", "1")
+    client.blocking_key_value_get(f"test_failures/waiter_done{1 - me}", 120_000)
+    jax_arx.shutdown()
+    return report
+
+
+def _until_stopped(pid: int, within_s: float, state_is_stopped: bool = True) -> bool:
+    """Polls until process ``pid`` is stopped (state T in /proc/PID/stat),
+    or runs again where ``state_is_stopped`` is False; whether it was within
+    ``within_s``."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+            if (f.read().rsplit(")", 1)[1].split()[0] == "T") == state_is_stopped:
                 return True
         time.sleep(0.01)
     return False
@@ -456,6 +519,8 @@ def _worker_main(argv):
         gpu_common.place_rank()  # before jax starts its backend
     if suite.startswith("stopped_peer:"):
         report = _suite_stopped_peer(suite.split(":")[1])
+    elif suite.startswith("stopped_waiter:"):
+        report = _suite_stopped_waiter()
     else:
         report = {"stranger": _suite_stranger, "killed_in_initialize": _suite_killed_in_initialize,
                   "failed_initialize": _suite_failed_initialize}[suite]()

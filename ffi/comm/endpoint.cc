@@ -166,6 +166,13 @@ std::string Endpoint::failure() {
   return failure_;
 }
 
+void Endpoint::note_not_running(Family f, uint64_t seq, double seconds) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  not_running_family_ = f;
+  not_running_seq_ = seq;
+  not_running_s_ = seconds;
+}
+
 void Endpoint::note_stall(const std::string& report) {
   stats.stalls.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(failure_mu_);

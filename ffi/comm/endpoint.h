@@ -132,6 +132,10 @@ class Endpoint {
   std::string describe_recorded_failure() const;
   // What each peer last sent, per family: " rank 1: psum #5, bulk #2; ...".
   std::string heard_from_peers() const;
+  // A host-side wait of collective `seq` of family `f` left `seconds` out of
+  // its timeout, in which this rank's thread was not running (host/steps.h,
+  // HostPoll): a timeout recorded for that seq says so.
+  void note_not_running(Family f, uint64_t seq, double seconds);
   // The watchdog's stalls: counted in stats, the last report kept.
   void note_stall(const std::string& report);
   std::string last_stall() const;
@@ -161,8 +165,11 @@ class Endpoint {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<Proxy> proxy_;
   bool connected_ = false;
-  mutable std::mutex failure_mu_;  // failure_ and stall_
+  mutable std::mutex failure_mu_;  // failure_, stall_ and not_running_*
   std::string failure_, stall_;
+  Family not_running_family_ = Family::kPsum;
+  uint64_t not_running_seq_ = 0;
+  double not_running_s_ = 0;
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> lost_mask_{0};
   struct FreeTrace {

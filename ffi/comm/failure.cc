@@ -88,10 +88,24 @@ std::string Endpoint::describe_recorded_failure() const {
       for (int j = 0; j < spec_.world; ++j)
         if (missing >> j & 1) who += strf("%s%d", who.empty() ? "" : ", ", j);
       if (who.empty()) who = "(a block of this rank's own kernel that never ran)";
-      return strf("jax_arx: %s: %s timed out after %g s waiting for rank %s. Last heard from each peer:%s. The peer "
-                  "may have exited or crashed, be stopped, or be issuing different collectives; raise "
+      double not_running = 0;
+      {
+        std::lock_guard<std::mutex> lock(failure_mu_);
+        if (not_running_seq_ == seq && not_running_family_ == family) not_running = not_running_s_;
+      }
+      // A rank that was stopped itself (host/steps.h, HostPoll) says so
+      // first: its peers have most likely given up on it meanwhile.
+      const std::string itself =
+          not_running > 0 ? strf(" This rank itself was not running for %.1f s during that wait (the process was "
+                                 "stopped, or starved of the CPU), which is not counted in the timeout; its peers "
+                                 "have likely given up on it meanwhile.",
+                                 not_running)
+                          : std::string();
+      return strf("jax_arx: %s: %s timed out after %g s waiting for rank %s.%s Last heard from each peer:%s. The "
+                  "peer may have exited or crashed, be stopped, or be issuing different collectives; raise "
                   "JAX_ARX_TIMEOUT_S if it is only slow",
-                  label_.c_str(), what.c_str(), spec_.config.timeout_s, who.c_str(), heard_from_peers().c_str());
+                  label_.c_str(), what.c_str(), spec_.config.timeout_s, who.c_str(), itself.c_str(),
+                  heard_from_peers().c_str());
     }
     case FailureKind::kMismatch: {
       uint64_t theirs[kDescriptorWords];

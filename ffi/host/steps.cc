@@ -27,6 +27,7 @@ bool Collective::wait_peers(const Inbox& in, int piece) {
     if (src == rank) continue;
     uint64_t seen = 0;
     FailureRecord r;
+    poll_.begin();
     const WaitEnd e = wait_piece(in, src, piece, seq_, d_, poll_, seen, r.theirs);
     if (e == WaitEnd::kArrived) {
       ARX_STAMP(ep_.trace(), family_, seq_, kArrived, trace_now());
@@ -43,6 +44,8 @@ bool Collective::wait_peers(const Inbox& in, int piece) {
     for (int j = 0; j < world; ++j)
       for (int root = 0; root < in.words.roots && j != rank; ++root)
         if (j == src || flag_seq(load_relaxed(in.word(j, piece, root))) < seq_) r.missing |= 1ull << j;
+    if (poll_.not_running.count() > 0)
+      ep_.note_not_running(family_, seq_, std::chrono::duration<double>(poll_.not_running).count());
     record_failure(ctl_, r);
     return false;
   }

@@ -22,13 +22,39 @@ namespace arx::host {
 // that does not yield starves the very peer (or proxy) it waits for. After a
 // few milliseconds it naps instead, so a long wait (a peer still compiling)
 // costs no CPU.
+//
+// Time this thread did not run is not the peers' lateness. A look that comes
+// more than kNotRunning after the one before it (the process was stopped,
+// or starved of the CPU) moves the deadline on by that gap and counts it in
+// `not_running`: the waits go on for the whole timeout of running time, so
+// the frames that reached this rank while it was stopped are taken (the
+// carrier's receiver runs again too) instead of a timeout declared on the
+// first look after the resume that names a healthy peer; and a timeout that
+// still comes says how long this rank itself was not running.
 struct HostPoll {
   using Clock = std::chrono::steady_clock;
+  // Far above a turn's pause (50 us) and a scheduler's slice on a loaded
+  // host, far below any timeout worth setting.
+  static constexpr std::chrono::milliseconds kNotRunning{250};
   const Control* ctl;
   Clock::time_point start;
   Clock::duration timeout;
+  Clock::time_point last{};       // the last look (set by begin())
+  Clock::duration not_running{};  // the gaps left out of this collective's waits
 
-  bool expired() const { return Clock::now() - start > timeout; }
+  // Before a wait: the time since the last look was this rank's own work.
+  void begin() { last = Clock::now(); }
+  bool expired() {
+    const Clock::time_point now = Clock::now();
+    const Clock::duration gap = now - last;
+    last = now;
+    if (gap > kNotRunning) {
+      not_running += gap;
+      start += gap;
+      return false;
+    }
+    return now - start > timeout;
+  }
   bool aborted(uint32_t turn) const { return (turn & 15) == 15 && load_acquire(&ctl->abort) != 0; }
   bool stopped(uint32_t) const { return false; }
   void pause(uint32_t turn) const {

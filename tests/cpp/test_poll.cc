@@ -1,0 +1,67 @@
+// The host's way of waiting (host/steps.h, HostPoll): time the waiting
+// thread did not run (the process stopped, or starved of the CPU) is left
+// out of the timeout and counted, and otherwise a wait expires after the
+// timeout of running time. A thread asleep stands in for a stopped one: the
+// poll sees the same gap between two looks.
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "host/steps.h"
+#include "rig.h"
+
+using namespace arx;
+using host::HostPoll;
+using std::chrono::milliseconds;
+
+namespace {
+
+HostPoll make(milliseconds timeout) {
+  HostPoll p{nullptr, HostPoll::Clock::now(), std::chrono::duration_cast<HostPoll::Clock::duration>(timeout)};
+  p.begin();
+  return p;
+}
+
+// Looks every millisecond until the poll expires or `bound` has passed;
+// returns how long that took.
+milliseconds look_until_expired(HostPoll& p, milliseconds bound) {
+  const auto t0 = HostPoll::Clock::now();
+  while (!p.expired() && HostPoll::Clock::now() - t0 < bound) std::this_thread::sleep_for(milliseconds(1));
+  return std::chrono::duration_cast<milliseconds>(HostPoll::Clock::now() - t0);
+}
+
+}  // namespace
+
+int main() {
+  const milliseconds timeout(400);
+  {  // A healthy wait: expires after the timeout, nothing left out.
+    HostPoll p = make(timeout);
+    const milliseconds took = look_until_expired(p, milliseconds(5000));
+    EXPECT(took >= timeout - milliseconds(5) && took < milliseconds(3000), "a wait expired after %lld ms, not ~%lld",
+           (long long)took.count(), (long long)timeout.count());
+    EXPECT(p.not_running.count() == 0, "a wait that ran throughout counted %lld ns as not running",
+           (long long)p.not_running.count());
+  }
+  {  // Stopped for three timeouts: the first look after it does not expire,
+     // the gap is counted, and the wait goes on for a timeout of running time.
+    HostPoll p = make(timeout);
+    std::this_thread::sleep_for(3 * timeout);
+    EXPECT(!p.expired(), "the first look after a stop declared the timeout (the stop counted as the peers' lateness)");
+    EXPECT(p.not_running >= 3 * timeout, "a stop of %lld ms counted as %lld ms not running",
+           (long long)(3 * timeout).count(),
+           (long long)std::chrono::duration_cast<milliseconds>(p.not_running).count());
+    const milliseconds took = look_until_expired(p, milliseconds(5000));
+    EXPECT(took >= timeout - milliseconds(5) && took < milliseconds(3000),
+           "after the stop the wait expired in %lld ms, not after a timeout (%lld ms) of running time",
+           (long long)took.count(), (long long)timeout.count());
+  }
+  {  // begin(): the time before a wait (this rank's own work) is no gap.
+    HostPoll p = make(timeout);
+    std::this_thread::sleep_for(milliseconds(300));
+    p.begin();
+    p.expired();
+    EXPECT(p.not_running.count() == 0, "work between two waits counted as not running");
+  }
+  printf("%s\n", testing::g_failures ? "FAILED" : "poll: ok");
+  return testing::g_failures ? 1 : 0;
+}
