@@ -3,6 +3,9 @@ coordinator in the first), jax_arx over tcp (tests/workers/hosts.py checks
 psum, all_gather and psum_scatter bit for bit).
 
 - Two hosts joined by a veth pair: the automatic choice finds tcp.
+- docs/multi-host.md's step 4 as written (the README's demo, then
+  tp_decode) on two hosts whose host names resolve to their addresses only
+  through the page's /etc/hosts lines.
 - A switchless ring of four: each namespace is joined by veth pairs to its
   two neighbours only (no bridge, no forwarding), as boxes cabled in a ring.
   Each box's address for jax_arx (JAX_ARX_TCP_ADDR) sits on its loopback and
@@ -192,3 +195,67 @@ def test_switchless_ring_of_four(ring_of_four, summary_line):
         assert r["relayed"] > 0, r
     summary_line(f"netns ring of 4, ring: {results[0]['checked']} checked per rank, relayed "
                  f"{[r['relayed'] for r in results]} puts")
+
+
+def _page_run_block():
+    """docs/multi-host.md's commands for one box (section "4. Run": its
+    first block) and the README's demo, which the page runs."""
+    import test_docs
+
+    page = ROOT / "docs" / "multi-host.md"
+    text = page.read_text()
+    start = text.index("## 4. Run")
+    line = text[:start].count("\n") + 1
+    runs = [b for b in test_docs.markdown_blocks(page) if int(b.where.rsplit(":", 1)[1]) > line]
+    demo = next(b for b in test_docs.markdown_blocks(ROOT / "README.md") if b.kind == "python")
+    return runs[0].code, demo.code
+
+
+def test_the_multi_host_page_as_written(two_hosts, tmp_path, summary_line):
+    """docs/multi-host.md's step 4, run as written on two boxes: network
+    namespaces joined by a veth pair, each with a host name of its own that
+    resolves to its address only through the /etc/hosts lines of step 2
+    (``ip netns exec`` mounts /etc/netns/NAME/hosts over /etc/hosts; with
+    the names on a loopback address instead, jax's gloo fails, status 134).
+    The page's addresses become the namespaces', its python the test's."""
+    code, demo = _page_run_block()
+    assert "JAX_PROCESS_ID=0" in code and "10.0.0.1:12345" in code, code
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "psum_demo.py").write_text(demo)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    port = _free_port()
+    hosts = "".join(f"{NET}.{i + 1} arxbox{i}\n" for i in range(2))
+    made = []
+    try:
+        procs = []
+        for i, ns in enumerate(two_hosts):
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            made.append(etc)
+            (etc / "hosts").write_text("127.0.0.1 localhost\n" + hosts)
+            script = (code.replace("10.0.0.1:12345", f"{NET}.1:{port}")
+                      .replace("JAX_PROCESS_ID=0", f"JAX_PROCESS_ID={i}")
+                      .replace(".venv/bin/python", sys.executable))
+            env = launched.clean_env({"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                 f'hostname arxbox{i} && exec bash -euo pipefail -c "$0"', script],
+                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=600)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    finally:
+        for etc in made:
+            shutil.rmtree(etc, ignore_errors=True)
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"box {i} failed (status {p.returncode}):\n{out[-6000:]}"
+        assert "[2 2 2 2]" in out, f"box {i}: the demo did not print [2 2 2 2]:\n{out[-4000:]}"
+    # tp_decode reports on process 0: the carrier, then its checks and times.
+    assert "jax_arx over the tcp carrier" in outs[0], f"tp_decode did not run over tcp:\n{outs[0][-4000:]}"
+    summary_line("netns, docs/multi-host.md step 4 as written on two boxes: " +
+                 " | ".join(line for line in outs[0].splitlines() if "tp_decode" in line or "[2 2" in line)[:600])
