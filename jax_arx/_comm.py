@@ -124,6 +124,7 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
     _distributed.refuse_if_not_joined()
     mesh = _resolve_mesh(mesh)
     _distributed.warn_if_alone(mesh)
+    _distributed.warn_if_cpu_beside_a_gpu(mesh)
     cfg = _config.with_topology(_config.load(), topology)
     with _registry.lock:
         wanted: dict[Hashable, int] = {}

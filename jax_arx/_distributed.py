@@ -193,6 +193,47 @@ def warn_if_alone(mesh) -> None:
         "or run it as a SLURM or Open MPI job of several tasks)")
 
 
+_warned_cpu = []
+
+# Where the NVIDIA driver shows a GPU (the build's JAX_ARX_CUDA=AUTO looks
+# at the same places, CMakeLists.txt).
+_NVIDIA_MARKS = ("/dev/nvidia0", "/proc/driver/nvidia/gpus")
+
+
+def nvidia_gpu_present(marks=_NVIDIA_MARKS) -> bool:
+    """Whether the NVIDIA driver shows a GPU on this machine: the device
+    file, or a non-empty ``/proc/driver/nvidia/gpus``."""
+    for mark in marks:
+        if os.path.isdir(mark):
+            if os.listdir(mark):
+                return True
+        elif os.path.exists(mark):
+            return True
+    return False
+
+
+def warn_if_cpu_beside_a_gpu(mesh, marks=_NVIDIA_MARKS) -> bool:
+    """Once per process: a warning when ``mesh`` is of CPU devices on a
+    machine whose NVIDIA driver shows a GPU (jax for CUDA missing, or one
+    that does not match the driver: jax_arx then runs, and is timed, on
+    the CPU). Returns whether it warned."""
+    if _warned_cpu or any(d.platform != "cpu" for d in mesh.devices.flat) or not nvidia_gpu_present(marks):
+        return False
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False  # the CPU was asked for
+    _warned_cpu.append(True)
+    import logging
+
+    logging.getLogger("jax_arx").warning(
+        "jax_arx.initialize: this machine has an NVIDIA GPU, but jax %s runs on the CPU, so jax_arx does too. "
+        "Install jax for CUDA in this environment (`pip install \"jax[cuda13]\"`, or the CUDA 12 build for an "
+        "older driver; `nvidia-smi` shows the driver's CUDA version), then check that jax.devices() lists a "
+        "CudaDevice; set JAX_PLATFORMS=cpu to run on the CPU on purpose", jax.__version__)
+    return True
+
+
 # What closes jax_arx's endpoints when a rank ends on an uncaught exception
 # (``_comm`` adds its shutdown()): this module stays below the ones it serves.
 _closers: list = []

@@ -328,3 +328,26 @@ def test_translated_leaves_other_errors_alone():
         assert got.value is e
     with errors.translated():
         pass
+
+
+def test_cpu_beside_a_gpu_is_said_once(tmp_path, monkeypatch, caplog):
+    # jax without CUDA on a machine whose driver shows a GPU: jax_arx runs on
+    # the CPU, and says so once; not where no GPU shows, nor where the CPU
+    # was asked for (JAX_PLATFORMS=cpu).
+    from jax_arx import _distributed
+
+    mesh = jax.make_mesh((1,), ("x",))
+    monkeypatch.setattr(_distributed, "_warned_cpu", [])
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    assert not _distributed.warn_if_cpu_beside_a_gpu(mesh, marks=(str(tmp_path / "nvidia0"), str(gpus)))
+    (gpus / "0000:01:00.0").mkdir()
+    with caplog.at_level("WARNING", logger="jax_arx"):
+        assert _distributed.warn_if_cpu_beside_a_gpu(mesh, marks=(str(gpus),))
+        assert not _distributed.warn_if_cpu_beside_a_gpu(mesh, marks=(str(gpus),))
+    said = [r.getMessage() for r in caplog.records if "NVIDIA GPU" in r.getMessage()]
+    assert len(said) == 1 and "jax[cuda13]" in said[0] and "JAX_PLATFORMS=cpu" in said[0], said
+    monkeypatch.setattr(_distributed, "_warned_cpu", [])
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not _distributed.warn_if_cpu_beside_a_gpu(mesh, marks=(str(gpus),))
