@@ -135,7 +135,7 @@ def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
     jax_arx runs it, ``lax_op(leaf)`` where it does not (outside a trace, a
     dimension jax rejects -- ``dim_of(aval)`` is None, so jax's own error is
     raised -- or a fallback ``_decide`` chose)."""
-    axes = _axes(axis_name)
+    axes = _compat.axes_tuple(axis_name)
     if not axes:
         return x
     _policy.check_axes_bound(op, axes)
@@ -145,19 +145,16 @@ def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
             return lax_op(leaf)
         aval = jax.typeof(leaf)
         dim = dim_of(aval)
-        decision = None if dim is None else _decide(op, aval, axes, axis_index_groups, gathered=op == "all_gather")
+        decision = None if dim is None else decide(op, aval, axes, axis_index_groups, gathered=op == "all_gather")
         if decision is None:
             return lax_op(leaf)
-        return bind(_pvary(leaf, axes), dim, axes, decision)
+        return bind(_compat.pvary_to(leaf, axes), dim, axes, decision)
 
     return jax.tree.map(leaf_fn, x)
 
 
-def _axes(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _axis_size(axes) -> int:
+def axis_size(axes) -> int:
+    """The number of devices over ``axes`` where the op is traced."""
     size = 1
     for a in axes:
         size *= jax.lax.axis_size(a)
@@ -174,24 +171,14 @@ def _canonical_axis(axis, ndim) -> int | None:
     return axis % ndim
 
 
-def _pvary(x, axes):
-    """What jax's collectives do to their input under ``check_vma``: a value
-    not typed as varying over the axis is made so (jax's
-    ``insert_collective_pvary``)."""
-    if not (_compat.check_vma_enabled() and _compat.auto_pcast_enabled()):
-        return x
-    missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(x)))
-    return _compat.pvary(x, missing) if missing else x
-
-
 ### what jax_arx runs, and what it leaves to jax.lax
 
-class _Decision(NamedTuple):
+class Decision(NamedTuple):
     comm_id: int
     world: int
 
 
-def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> _Decision | None:
+def decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decision | None:
     """How to run ``op`` on ``aval`` over ``axes``: a decision to run it with
     jax_arx, or None for jax.lax (``_policy.decide``). ``gathered``: the op's
     buffer is world times ``aval`` (all_gather), else ``aval`` itself;
@@ -218,7 +205,7 @@ def _decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> _Dec
     # The first bulk collective of the axis makes its endpoints (collective:
     # every process traces it; see _bulk_endpoints.py).
     bulk = _bulk_endpoints.communicator_for(comm, op)
-    return _Decision(bulk.comm_id, bulk.endpoints[0].world)
+    return Decision(bulk.comm_id, bulk.endpoints[0].world)
 
 
 ### rules
@@ -280,7 +267,7 @@ def _batcher(op, lax_p, dim_name, gathered):
             # drops the scattered one before it.
             d += 1 if gathered else -1
         new = dict(params, **{dim_name: dim})
-        decision = _decide(op, jax.typeof(x), params["axis_name"], None, gathered=gathered)
+        decision = decide(op, jax.typeof(x), params["axis_name"], None, gathered=gathered)
         if decision is None:
             return lax_p.bind(x, **_lax_params(new)), d
         return own_p.bind(x, **dict(new, comm_id=decision.comm_id)), d

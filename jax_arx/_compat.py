@@ -210,6 +210,23 @@ def pvary(x, axes: tuple):
     return _core.pvary(x, axes)
 
 
+def pvary_to(x, axes: tuple):
+    """What jax's collectives do to their input under ``check_vma``: a value
+    not typed as varying over some of ``axes`` is made so (jax's
+    ``insert_collective_pvary``); unchanged where check_vma is off or jax
+    inserts no pvary by itself. The one copy every jax_arx op binds through."""
+    if not (check_vma_enabled() and auto_pcast_enabled()):
+        return x
+    missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
+    return pvary(x, missing) if missing else x
+
+
+def axes_tuple(axis_name) -> tuple:
+    """``axis_name`` as jax.lax's collectives take it (one name, or a tuple
+    or list of names), as a tuple."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
 def is_undefined_primal(x) -> bool:
     return _ad.is_undefined_primal(x)
 

@@ -17,7 +17,8 @@ import numpy as np
 from jax_arx import _compat
 from jax_arx import _ordering
 from jax_arx import _policy
-from jax_arx._bulk import _axes, _axis_size, _decide, _pvary, psum_scatter
+from jax_arx import _bulk
+from jax_arx._bulk import psum_scatter
 from jax_arx.errors import JaxArxFallbackError
 
 MOE_COMBINE_TARGET = "jax_arx_moe_combine_psum_scatter"
@@ -92,12 +93,12 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     reduce-scatters it with ``jax_arx.psum_scatter``. No ``jax.grad`` or
     ``jax.vmap`` rules: it is meant for inference.
     """
-    axes = _axes(axis_name)
+    axes = _compat.axes_tuple(axis_name)
     T, topk = (int(d) for d in np.shape(pos)) if np.ndim(pos) == 2 else (None, None)
     R, H = (int(d) for d in np.shape(y)) if np.ndim(y) == 2 else (None, None)
     _check_moe_shapes(y, pos, w, shared, y_scale)  # the arguments' own errors first, wherever it is called
     _policy.check_axes_bound("moe_combine_psum_scatter", axes)
-    world = _axis_size(axes)
+    world = _bulk.axis_size(axes)
     tpad = _padded(T, world, padded_tokens)
 
     def unfused():
@@ -117,11 +118,11 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     if why is not None:
         _policy.fallback("moe_combine_psum_scatter", *why)
         return unfused()
-    decision = _decide("moe_combine_psum_scatter", aval, axes, None, gathered=False, nbytes=tpad * H * 2)
+    decision = _bulk.decide("moe_combine_psum_scatter", aval, axes, None, gathered=False, nbytes=tpad * H * 2)
     if decision is None:
         return unfused()  # a fallback, or the plan's choice of the unfused pair (_policy.planned)
     operands = [y] + ([y_scale] if y_scale is not None else []) + [pos, w, shared]
-    return moe_combine_p.bind(*[_pvary(v, axes) for v in operands], axis_name=axes, axis_size=decision.world,
+    return moe_combine_p.bind(*[_compat.pvary_to(v, axes) for v in operands], axis_name=axes, axis_size=decision.world,
                               padded_tokens=tpad, scaled=y_scale is not None, comm_id=decision.comm_id)
 
 

@@ -97,7 +97,7 @@ def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=
     if not (np.isfinite(eps) and eps >= 0):
         raise ValueError(f"jax_arx.psum_add_norm: eps must be finite and >= 0, got {eps}")
     _check_operands(x, residual, weight, bias)
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    axes = _compat.axes_tuple(axis_name)
     if axes:
         _policy.check_axes_bound("psum_add_norm", axes)
     operands = (x, residual, weight) + (() if bias is None else (bias,))
@@ -184,10 +184,7 @@ def _arx_psum(x, axes):
 def _bind(operands, params):
     invariant = _compat.check_vma_enabled()
     x, *rest = operands
-    missing = tuple(a for a in params["axes"] if a not in _compat.varying_axes(jax.typeof(x)))
-    if invariant and missing and _compat.auto_pcast_enabled():
-        x = _compat.pvary(x, missing)
-    return psum_add_norm_p.bind(x, *rest, invariant=invariant, **params)
+    return psum_add_norm_p.bind(_compat.pvary_to(x, params["axes"]), *rest, invariant=invariant, **params)
 
 
 ### rules

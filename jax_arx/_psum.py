@@ -126,7 +126,7 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
       ValueError: as ``jax.lax.psum`` raises it (invariant input with
         automatic ``pvary`` disabled, ...).
     """
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    axes = _compat.axes_tuple(axis_name)
     hint = _prefetch_operands(prefetch)  # checked even where it is dropped: the same program runs on GPUs
     if not axes:
         return x
@@ -178,11 +178,7 @@ def _bind(leaves, axes, decision, prefetch=()):
     prim = psum_p
     if _compat.check_vma_enabled():
         prim = psum_invariant_p
-        leaves = list(leaves)
-        for i, leaf in enumerate(leaves):
-            missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(leaf)))
-            if missing and _compat.auto_pcast_enabled():
-                leaves[i] = _compat.pvary(leaf, missing)
+        leaves = [_compat.pvary_to(leaf, axes) for leaf in leaves]
     return prim.bind(*leaves, *prefetch, prefetch=len(prefetch), **params)
 
 
