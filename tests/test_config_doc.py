@@ -1,17 +1,15 @@
 """docs/configuration.md and jax_arx/config.py list the same variables.
 
 The page's table (rows ``| `JAX_ARX_...` |``) and the table of config.py's
-docstring must name exactly the variables config.py reads: the
-``"JAX_ARX_..."`` strings of its code, less ``config.RETIRED``, which the
-page names as retired (ignored with a warning) and never as settings, and
-less ``config.OTHER_READERS``, the variables other parts of the project
-read (the build's, the tests'), which config.py only knows for no typos. A
-variable added to or retired from config.py without the page fails here.
+docstring must name exactly the variables config.py reads,
+``config.VARIABLES`` (tests/test_config_unit.py checks that list against
+what ``load()`` asks the environment for). ``config.RETIRED`` the page
+names as retired (ignored with a warning), never as settings. A variable
+added to or retired from config.py without the page fails here.
 """
 
 from __future__ import annotations
 
-import ast
 import pathlib
 import re
 
@@ -22,14 +20,10 @@ PAGE = REPO / "docs" / "configuration.md"
 NAME = r"JAX_ARX_[A-Z0-9_]+"
 
 
-def _read_by_config() -> set[str]:
-    tree = ast.parse((REPO / "jax_arx" / "config.py").read_text())
-    return {n.value for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(NAME, n.value)}
-
-
 def _settings() -> set[str]:
-    return _read_by_config() - set(config.RETIRED) - set(config.OTHER_READERS)
+    # config.VARIABLES is what load() reads (tests/test_config_unit.py
+    # checks it against what load() asks the environment for).
+    return set(config.VARIABLES)
 
 
 def test_the_page_lists_what_config_reads():
