@@ -10,7 +10,9 @@ of ``.ci/run`` (docs/development.md lists them).
 
 ``summary_line`` lets a test put a line into pytest's terminal summary, which
 is printed even under ``-q`` and with output captured: CI logs show there
-what a long test that ran elsewhere (the soft-RoCE VM) actually did.
+what a long test that ran elsewhere (the soft-RoCE VM) actually did. The
+line travels in the test's report, so it reaches the summary also from a
+pytest-xdist worker (``-n auto``: one worker more than the cores, below).
 ``core_built``: jax_arx is installed with its C++ module (the multi-process
 tests run it from outside the source tree); skipped where it is not, failed
 in CI (tests/needs.py).
@@ -23,6 +25,7 @@ those tests run the tree's Python with the installed core.
 """
 
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -58,6 +61,7 @@ _installed_core_for_the_source_tree()
 pytest_plugins = ["stand_in_core"]
 
 _SUMMARY: list[str] = []
+_SUMMARY_KEY = "jax_arx_summary"
 
 # The slow suites: each marker is one step of .ci/run (pyproject.toml says
 # what each holds). "slow" is the rest: tests of minutes that no other
@@ -66,10 +70,14 @@ SLOW_SUITES = ("slow", "tsan", "aarch64", "verbs", "netns", "soak")
 _deselected_slow: list[int] = []
 
 
+def _fast_tier(config) -> bool:
+    return not config.option.markexpr and not any("::" in str(a) for a in config.args)
+
+
 def pytest_collection_modifyitems(config, items):
     """The fast tier: without ``-m`` and without a node id naming a test,
     the slow suites' tests are deselected (counted in the summary)."""
-    if config.option.markexpr or any("::" in str(a) for a in config.args):
+    if not _fast_tier(config):
         return
     keep, slow = [], []
     for item in items:
@@ -80,10 +88,26 @@ def pytest_collection_modifyitems(config, items):
         _deselected_slow.append(len(slow))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker more than the cores. The multi-process tests
+    spend much of their time waiting (a peer's start, a timeout they
+    provoke), and a third worker on 2 cores fills it: the fast tier took
+    347 s with ``-n 3`` against 480 s in one process (docs/development.md)."""
+    return (os.cpu_count() or 1) + 1
+
+
 @pytest.fixture
-def summary_line():
+def summary_line(request):
     """Call it with a line to show at the end of the test run."""
-    return _SUMMARY.append
+    return lambda line: request.node.user_properties.append((_SUMMARY_KEY, line))
+
+
+def pytest_runtest_logreport(report):
+    # The teardown report carries every line the test added; under xdist it
+    # is the one copy of them that reaches this (the controlling) process.
+    if report.when == "teardown":
+        _SUMMARY.extend(value for key, value in report.user_properties if key == _SUMMARY_KEY)
 
 
 @pytest.fixture(scope="session")
@@ -91,10 +115,13 @@ def core_built(tmp_path_factory):
     needs.require_core(tmp_path_factory.mktemp("probe"))
 
 
-def pytest_terminal_summary(terminalreporter):
-    if _deselected_slow:
+def pytest_terminal_summary(terminalreporter, config):
+    if _fast_tier(config) and not hasattr(config, "workerinput"):
+        # Under xdist the workers collect, so the count is theirs alone.
+        count = f"{_deselected_slow[0]} tests of the slow suites were" if _deselected_slow else \
+            "the slow suites' tests were"
         terminalreporter.write_line(
-            f"jax_arx: the fast tier; {_deselected_slow[0]} tests of the slow suites were not run "
+            f"jax_arx: the fast tier; {count} not run "
             f"(pytest -m 'slow or tsan or aarch64 or verbs or netns or soak' tests runs them; "
             f"docs/development.md)")
     if _SUMMARY:
