@@ -42,8 +42,18 @@ def initialize_distributed() -> bool:
       tasks (a single process: nothing to do; ``jax_arx.initialize`` then
       warns if the mesh has nothing to reduce over).
 
+    Before jax.distributed starts, the processes meet on the coordinator's
+    port (``JAX_ARX_JOIN_TIMEOUT_S``, 30 s by default): a coordinator
+    address that does not resolve or cannot be reached, a port another
+    program holds, a rank that did not start, or two processes with one
+    rank fail every process that started within that time, each naming the
+    address or the ranks, where jax alone would wait five minutes and then
+    abort without naming either.
+
     Raises:
       ValueError: only some of the variables are set, or one is malformed.
+      InitializationError: the processes did not all meet (see above).
+      ConfigError: a ``JAX_ARX_*`` variable is malformed or unknown.
     """
     values = {name: os.environ.get(name) for name in (_ENV_ADDRESS, _ENV_NUM, _ENV_ID)}
     present = {name: v for name, v in values.items() if v}
@@ -69,9 +79,19 @@ def initialize_distributed() -> bool:
 
     if jax.distributed.is_initialized():
         return True
+    from jax_arx import _join, config
+
+    settings = config.load()
+    if num_processes > 1:
+        # jax's own start-up names no address and no rank when one is wrong
+        # or missing, and waits minutes: the processes meet first (_join.py).
+        _join.join(values[_ENV_ADDRESS], num_processes, process_id, settings.join_timeout_s, settings.secret)
     _select_cpu_collectives(jax)
+    # Every process has arrived: jax's connection is quick, and a process
+    # lost between the two fails the others within this bound, not jax's 5 minutes.
     jax.distributed.initialize(coordinator_address=values[_ENV_ADDRESS], num_processes=num_processes,
-                               process_id=process_id)
+                               process_id=process_id,
+                               initialization_timeout=int(max(30.0, settings.join_timeout_s)))
     _end_at_once_on_exit_or_sigterm()
     return True
 

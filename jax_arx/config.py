@@ -11,6 +11,9 @@ variable                   meaning                                  default
 =========================  =======================================  =========
 JAX_ARX_TIMEOUT_S          bound of every wait on peers, seconds    30
                            (rendezvous, connection, each collective)
+JAX_ARX_JOIN_TIMEOUT_S     how long distributed_initialize waits    30
+                           for every process of the job to
+                           arrive, seconds (docs/multi-host.md)
 JAX_ARX_IDLE_SPIN_MS       the proxy spins this long after work     200
 JAX_ARX_IDLE_NAP_US        then naps this long per turn (0: spin)   200
 JAX_ARX_TRANSPORT          shm | tcp | verbs                        automatic
@@ -121,11 +124,11 @@ RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL
 # Every variable load() reads (tests/test_config_unit.py checks this against
 # what it asks the environment for): a JAX_ARX_* variable that is in none of
 # VARIABLES, RETIRED and OTHER_READERS is a typo, refused by load().
-VARIABLES = ("JAX_ARX_TIMEOUT_S", "JAX_ARX_IDLE_SPIN_MS", "JAX_ARX_IDLE_NAP_US", "JAX_ARX_TRANSPORT",
-             "JAX_ARX_TOPOLOGY", "JAX_ARX_FALLBACK", "JAX_ARX_GRAD_SUMS", "JAX_ARX_ON_FAILURE", "JAX_ARX_SLOT_BYTES",
-             "JAX_ARX_SEND_BYTES", "JAX_ARX_ONESHOT_MAX_BYTES", "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_TCP_ADDR",
-             "JAX_ARX_SECRET", "JAX_ARX_IB_HCA", "JAX_ARX_IB_GID_INDEX", "JAX_ARX_IB_TIMEOUT", "JAX_ARX_IB_RETRY_CNT",
-             "JAX_ARX_IB_TC", "JAX_ARX_IB_SL", "JAX_ARX_IBVERBS_LIB", "JAX_ARX_CUDA_DIRECT",
+VARIABLES = ("JAX_ARX_TIMEOUT_S", "JAX_ARX_JOIN_TIMEOUT_S", "JAX_ARX_IDLE_SPIN_MS", "JAX_ARX_IDLE_NAP_US",
+             "JAX_ARX_TRANSPORT", "JAX_ARX_TOPOLOGY", "JAX_ARX_FALLBACK", "JAX_ARX_GRAD_SUMS", "JAX_ARX_ON_FAILURE",
+             "JAX_ARX_SLOT_BYTES", "JAX_ARX_SEND_BYTES", "JAX_ARX_ONESHOT_MAX_BYTES", "JAX_ARX_PREFILL_SLOT_BYTES",
+             "JAX_ARX_TCP_ADDR", "JAX_ARX_SECRET", "JAX_ARX_IB_HCA", "JAX_ARX_IB_GID_INDEX", "JAX_ARX_IB_TIMEOUT",
+             "JAX_ARX_IB_RETRY_CNT", "JAX_ARX_IB_TC", "JAX_ARX_IB_SL", "JAX_ARX_IBVERBS_LIB", "JAX_ARX_CUDA_DIRECT",
              "JAX_ARX_CUDA_PEER_MEMORY", "JAX_ARX_DEBUG")
 # JAX_ARX_* variables that other parts of the project read, and who reads
 # each: a build's or a test run's environment may hold them while jax_arx
@@ -159,6 +162,8 @@ class Config:
     """One parsed snapshot of the ``JAX_ARX_*`` environment."""
 
     timeout_s: float = 30.0
+    # jax_arx.distributed_initialize's wait for the job's processes (_join.py).
+    join_timeout_s: float = 30.0
     idle_spin_ms: int = 200
     idle_nap_us: int = 200
     transport: str | None = None  # None: chosen per communicator (see _carriers.choose_transport)
@@ -252,6 +257,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
                           "JAX_ARX_SLOT_BYTES")
     return Config(
         timeout_s=_positive_float(env, "JAX_ARX_TIMEOUT_S", defaults.timeout_s),
+        join_timeout_s=_positive_float(env, "JAX_ARX_JOIN_TIMEOUT_S", defaults.join_timeout_s),
         idle_spin_ms=_nonnegative_int(env, "JAX_ARX_IDLE_SPIN_MS", defaults.idle_spin_ms),
         idle_nap_us=_nonnegative_int(env, "JAX_ARX_IDLE_NAP_US", defaults.idle_nap_us),
         transport=_choice(env, "JAX_ARX_TRANSPORT", TRANSPORTS, None),
