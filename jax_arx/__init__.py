@@ -50,12 +50,8 @@ Public API:
 Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 """
 
-from jax_arx._comm import check, initialize, shutdown, transport
-from jax_arx._bulk import all_gather, psum_scatter
-from jax_arx._moe import moe_combine, moe_combine_psum_scatter
-from jax_arx._psum import psum
-from jax_arx._norm import psum_add_norm
-from jax_arx._stats import stats
+import importlib
+
 from jax_arx import errors
 from jax_arx.errors import (
     CollectiveError,
@@ -97,14 +93,27 @@ __all__ = [
     "transport",
 ]
 
-# The handlers must be known to XLA before anything using them compiles;
-# registering does not start a jax backend, so this import may come before
-# jax.distributed.initialize. Without the C++ module nothing is registered
-# and jax_arx.psum falls back to jax.lax.psum.
-from jax_arx import _grad as _grad_module
-from jax_arx import _native as _native_module
+# The rest of the API imports jax, so it loads on first use: `python -m
+# jax_arx.launch`, which imports this package before its module, and a
+# probe of the C++ module then start without jax (a CPU-second each).
+# jax_arx.initialize() registers the C++ handlers with XLA and jax.grad's
+# sums (_comm.py), before anything that uses them is traced.
+_LAZY = {
+    "check": "_comm", "initialize": "_comm", "shutdown": "_comm", "transport": "_comm",
+    "all_gather": "_bulk", "psum_scatter": "_bulk",
+    "moe_combine": "_moe", "moe_combine_psum_scatter": "_moe",
+    "psum": "_psum", "psum_add_norm": "_norm", "stats": "_stats",
+}
 
-_native_module.register_ffi_targets()
-# jax.grad's sums under shard_map(check_vma=True) go to jax_arx too (_grad.py).
-_grad_module.install()
-del _grad_module, _native_module
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jax_arx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jax_arx.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_arx import _bulk_endpoints, _carriers, _compat, _distributed, _endpoints, _native, _registry, _store
+from jax_arx import _bulk_endpoints, _carriers, _compat, _distributed, _endpoints, _grad, _native, _registry, _store
 from jax_arx import config as _config
 from jax_arx import errors
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
@@ -122,6 +122,10 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
         (a misspelled name: the message names the closest known one).
     """
     _distributed.refuse_if_not_joined()
+    # Before anything that uses them is traced (the package loads lazily):
+    # the C++ handlers known to XLA, and jax.grad's sums routed to jax_arx.
+    _native.register_ffi_targets()
+    _grad.install()
     mesh = _resolve_mesh(mesh)
     _distributed.warn_if_alone(mesh)
     _distributed.warn_if_cpu_beside_a_gpu(mesh)

@@ -97,8 +97,10 @@ def initialize_distributed() -> bool:
 
 
 def _end_at_once_on_exit_or_sigterm() -> None:
-    # The exit hook is registered after jax's own and jax_arx's shutdown(),
-    # so it runs before both (exit hooks run last-registered first).
+    # The exit hook is registered after jax's own, so it runs before it (exit
+    # hooks run last-registered first). jax_arx's shutdown(), registered
+    # when jax_arx.initialize() loads it, may run before this one: on an
+    # uncaught exception it skips its barrier, so either order ends at once.
     atexit.register(_end_at_once_on_uncaught_exception)
     import signal
     import threading

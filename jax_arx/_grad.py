@@ -69,5 +69,6 @@ def _pvary_transpose(ct, x, *, axes):
 
 def install() -> None:
     """Makes ``_pvary_transpose`` the transpose of jax's pvary, for every
-    function traced from now on (jax_arx/__init__.py calls it once)."""
+    function traced from now on (jax_arx.initialize() calls it; again is
+    the same)."""
     _compat.override_linear_transpose(_compat.lax_pvary_p, _pvary_transpose)

@@ -19,7 +19,7 @@ from jax_arx.errors import InitializationError
 # Tests put a stand-in in _core_module (tests/stand_in_core.py).
 _core_module: Any = None
 _core_import_error: ImportError | None = None
-_ffi_targets_registered = False
+_ffi_targets_registered: list = []  # the modules whose handlers XLA knows
 
 
 def core(required: bool = True):
@@ -70,17 +70,16 @@ def core_missing_hint(package_path: list[str], search_path: list[str]) -> str:
 
 def register_ffi_targets() -> bool:
     """Registers the C++ handlers with XLA (``jax.ffi.register_ffi_target``)
-    for every platform the module was built for. Called when jax_arx is
-    imported; returns False, registering nothing, when ``_core`` is not
-    built. Registration does not start a jax backend, so importing jax_arx
-    before ``jax.distributed.initialize`` is fine."""
-    global _ffi_targets_registered
+    for every platform the module was built for, once per module (a test's
+    stand-in registers its own). Called by ``jax_arx.initialize()``, before
+    anything that calls the handlers is traced; returns False, registering
+    nothing, when ``_core`` is not built."""
     core_module = core(required=False)
     if core_module is None:
         return False
-    if not _ffi_targets_registered:
+    if not any(m is core_module for m in _ffi_targets_registered):
         for platform, targets in core_module.registrations().items():
             for name, capsule in targets.items():
                 jax.ffi.register_ffi_target(name, capsule, platform=platform)
-        _ffi_targets_registered = True
+        _ffi_targets_registered.append(core_module)
     return True

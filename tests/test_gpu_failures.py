@@ -162,6 +162,11 @@ def worker_peer_exit(smoke):
     for _ in range(50):
         for r, got in w.mine(f(x)).items():
             w.check("healthy", got, reference_sum(parts), f"rank {r}")
+    # Every rank has finished the 50 before the last one leaves: a rank's
+    # call ends when its peers' data has arrived, not its own sends, so one
+    # that exits at once can take its last send with it (the documented
+    # slack of one call), and a peer still in that call would fail it.
+    client.wait_at_barrier("peer_exit/healthy", 600_000)
     if rank == last:  # exit mid-stream without a word to anyone (no atexit, no shutdown)
         w.report(exited=True)
         sys.stderr.flush()

@@ -117,7 +117,8 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
         import fake_core
-        jax_arx._native._core_module = fake_core
+        from jax_arx import _native
+        _native._core_module = fake_core
 
         def say(*words):  # a file per rank: jax's C++ logs share stdout
             with open(f"said{jax.process_index()}.txt", "a") as f:
@@ -208,7 +209,8 @@ def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
         jax_arx.distributed_initialize()
         import jax
         import fake_core
-        jax_arx._native._core_module = fake_core
+        from jax_arx import _native
+        _native._core_module = fake_core
         mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
         jax_arx.initialize(mesh)
         if jax.process_index() == 1:

@@ -114,7 +114,8 @@ _NO_VERBS_SCRIPT = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_arx
     assert jax_arx.__file__.startswith(sys.argv[1]), jax_arx.__file__
-    core = jax_arx._native.core()
+    from jax_arx import _native
+    core = _native.core()
     assert not getattr(core, "has_verbs", lambda: False)()
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     f = jax.jit(jax.shard_map(lambda v: jax_arx.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))

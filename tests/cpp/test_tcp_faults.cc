@@ -207,7 +207,9 @@ void test_stopped_peer() {
     // check instead of hanging the test; close() then frees it.
     while (!done.load() && since(t0) < 4 * timeout_s + 10) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     const double took = since(t0);
-    CHECK(done.load() && took <= 2 * timeout_s, "a put to a peer that does not read took %.1f s (timeout %g s)%s",
+    // About the timeout: the slack is for a loaded 2-core machine under
+    // ThreadSanitizer, where filling the socket buffers alone takes seconds.
+    CHECK(done.load() && took <= timeout_s + 8, "a put to a peer that does not read took %.1f s (timeout %g s)%s",
           took, timeout_s, done.load() ? "" : " and had not returned");
     if (!done.load()) me.t->close();
     sender.join();
