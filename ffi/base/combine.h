@@ -26,6 +26,21 @@
 
 namespace arx {
 
+// The fused combine's operands, as the handlers check them
+// (xla/handlers.h, moe_operands) and both device sides read them: row t <
+// tokens of the combined output is shared[t] + sum_k w[t, k] * y[pos[t, k]];
+// rows tokens <= t < padded are zero, and each rank gets padded / world of
+// them. pos entries outside [0, rows) are clamped into it. Plain data, so
+// that a kernel takes it by value.
+struct MoeCombine {
+  const void* y = nullptr;           // [rows, hidden] bf16, or e4m3 when y_scale is set
+  const float* y_scale = nullptr;    // [rows, hidden / 128]: one scale per (row, 128 columns); null for bf16 y
+  const int32_t* pos = nullptr;      // [tokens, topk]
+  const float* w = nullptr;          // [tokens, topk]
+  const uint16_t* shared = nullptr;  // [tokens, hidden] bf16
+  uint64_t rows = 0, tokens = 0, padded = 0, hidden = 0, topk = 0;
+};
+
 struct WeightSplit {
   float hi, lo;
 };

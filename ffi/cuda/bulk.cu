@@ -145,7 +145,7 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
 // ffi/host/bulk.cc's combine_row, term by term, so both device sides give
 // the same bits. A warp per row, its lanes over the columns.
 __device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, uint8_t* dst) {
-  const MoeCombineArgs& a = op.moe;
+  const MoeCombine& a = op.moe;
   const uint64_t H = a.hidden;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const bool vec = H % 8 == 0 && aligned16(dst) && aligned16(a.shared) && (a.y_scale || aligned16(a.y));

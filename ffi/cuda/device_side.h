@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "base/combine.h"
 #include "base/layout.h"
 #include "base/norm.h"
 #include "base/status.h"
@@ -112,15 +113,7 @@ cudaError_t launch_all_gather(const Endpoint& ep, const void* in, void* out, uin
                               uint64_t type_code, int nan_type, uint64_t tag, cudaStream_t stream);
 cudaError_t launch_reduce_scatter(const Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count,
                                   uint64_t outer, uint64_t tag, cudaStream_t stream);
-struct MoeCombineArgs {
-  const void* y;           // [rows, hidden] bf16 or e4m3
-  const float* y_scale;    // [rows, hidden / 128] when y is e4m3, else null
-  const int32_t* pos;      // [tokens, topk]
-  const float* w;          // [tokens, topk]
-  const uint16_t* shared;  // [tokens, hidden] bf16
-  uint64_t rows, tokens, padded, hidden, topk;
-};
-cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombineArgs& a, uint16_t* out, uint64_t tag,
+cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombine& a, uint16_t* out, uint64_t tag,
                                cudaStream_t stream);
 
 // ---- between attach.cc and the kernels' files ----------------------------------

@@ -44,7 +44,7 @@ struct BulkOp {
   int nan_type;                   // DType of the NaN a failed op leaves, or -1: every byte 0xFF
   uint64_t out_bytes;
   DType dtype;                    // the reducing type (kScatter, kMoe)
-  MoeCombineArgs moe;
+  MoeCombine moe;
   uint64_t rows_per_rank, row_bytes;
   uint64_t piece_bytes;           // about how much work one piece is (sizes the grid)
 };

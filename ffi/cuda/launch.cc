@@ -86,7 +86,7 @@ cudaError_t launch_reduce_scatter(const Endpoint& ep, DType dtype, const void* i
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 
-cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombineArgs& a, uint16_t* out, uint64_t tag,
+cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombine& a, uint16_t* out, uint64_t tag,
                                cudaStream_t stream) {
   const int world = ep.spec().world;
   BulkOp op{};

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "base/combine.h"
 #include "base/layout.h"
 #include "base/norm.h"
 #include "base/status.h"
@@ -50,25 +51,14 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
 Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t outer,
                       uint64_t tag);
 
-// The fused MoE combine (see jax_arx.moe_combine_psum_scatter): row t of
-// the combined output, for t < tokens,
-//   shared[t] + sum_k w[t, k] * y[pos[t, k]]
-// in fp32: acc = shared[t], then for k in order each term added as
-// base/combine.h says (for e4m3 y, of w[t, k] * scale, that product
-// rounded first), rounded once to bf16; rows
-// tokens <= t < padded are zero. Each destination's rows are computed
-// straight into what the channel sends, piece by piece; then out[padded /
-// world, hidden] = the rank-order sum of every rank's rows for this rank. pos
-// entries outside [0, rows) are clamped into it. y_scale given: y is e4m3
-// with one fp32 scale per (row, 128 columns); else y is bf16.
-struct MoeCombine {
-  const void* y = nullptr;         // [rows, hidden] bf16 or e4m3
-  const float* y_scale = nullptr;  // [rows, hidden / 128] when y is e4m3, else null
-  const int32_t* pos = nullptr;    // [tokens, topk]
-  const float* w = nullptr;        // [tokens, topk]
-  const uint16_t* shared = nullptr;  // [tokens, hidden] bf16
-  uint64_t rows = 0, tokens = 0, padded = 0, hidden = 0, topk = 0;
-};
+// The fused MoE combine (see jax_arx.moe_combine_psum_scatter), of the
+// operands base/combine.h describes: row t of the combined output, for t <
+// tokens, is shared[t] + sum_k w[t, k] * y[pos[t, k]] in fp32: acc =
+// shared[t], then for k in order each term added as base/combine.h says
+// (for e4m3 y, of w[t, k] * scale, that product rounded first), rounded
+// once to bf16. Each destination's rows are computed straight into what the
+// channel sends, piece by piece; then out[padded / world, hidden] = the
+// rank-order sum of every rank's rows for this rank.
 Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* out, uint64_t tag);
 
 }  // namespace arx::host

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/combine.h"
 #include "base/layout.h"
 #include "base/norm.h"
 #include "comm/endpoint.h"
@@ -263,21 +264,13 @@ inline ffi::Error bulk_pair(bool gather, ffi::RemainingArgs& args, ffi::Remainin
   return ffi::Error::Success();
 }
 
-// The fused MoE combine's operands, checked: y [R, H] (bf16, or e4m3 when
-// `scaled`), then y_scale [R, H / 128] f32 when `scaled`, pos [T, topk] s32,
-// w [T, topk] f32, shared [T, H] bf16, then dependency operands; the result
-// [Tpad / world, H] bf16. The same on both platforms.
-struct MoeOperands {
-  const void* y = nullptr;
-  const float* y_scale = nullptr;
-  const int32_t* pos = nullptr;
-  const float* w = nullptr;
-  const uint16_t* shared = nullptr;
-  uint64_t rows = 0, tokens = 0, padded = 0, hidden = 0, topk = 0;
-};
-
+// The fused MoE combine's operands (base/combine.h), checked: y [R, H]
+// (bf16, or e4m3 when `scaled`), then y_scale [R, H / 128] f32 when
+// `scaled`, pos [T, topk] s32, w [T, topk] f32, shared [T, H] bf16, then
+// dependency operands; the result [Tpad / world, H] bf16. The same on both
+// platforms.
 inline ffi::Error moe_operands(ffi::RemainingArgs& args, const ffi::AnyBuffer& out, bool scaled, uint64_t world,
-                               MoeOperands& m) {
+                               MoeCombine& m) {
   const size_t n = scaled ? 5 : 4;
   if (args.size() < n)
     return ffi::Error::InvalidArgument(strf("jax_arx.moe_combine_psum_scatter: %zu operands, expected at least %zu",

@@ -148,16 +148,15 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
                                          int64_t scaled) {
   std::shared_ptr<Endpoint> ep;
   if (ffi::Error e = cuda_endpoint("moe_combine_psum_scatter", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
-  MoeOperands m;
+  MoeCombine m;
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   // plan_bulk, not plan_moe_combine: the call exists only where the plan
   // chose the fused op (Python lowers the unfused pair otherwise).
   const Plan plan = plan_bulk(*ep, "moe_combine_psum_scatter", m.padded / ep->spec().world * m.hidden * 2);
   if (plan.algorithm == Algorithm::kNone) return refused("moe_combine_psum_scatter", plan);
   count_call(*ep, Stats::kMoeCombine, m.padded / ep->spec().world * m.hidden * 2, plan);
-  const cuda::MoeCombineArgs a{m.y, m.y_scale, m.pos, m.w, m.shared, m.rows, m.tokens, m.padded, m.hidden, m.topk};
   return launched("moe_combine_psum_scatter", device_ordinal,
-                  cuda::launch_moe_combine(*ep, a, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64,
+                  cuda::launch_moe_combine(*ep, m, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64,
                                            stream));
 }
 

@@ -169,19 +169,8 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
                                          int64_t scaled) {
   std::shared_ptr<Endpoint> ep;
   if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
-  MoeOperands m;
+  MoeCombine m;
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
-  host::MoeCombine a;
-  a.y = m.y;
-  a.y_scale = m.y_scale;
-  a.pos = m.pos;
-  a.w = m.w;
-  a.shared = m.shared;
-  a.rows = m.rows;
-  a.tokens = m.tokens;
-  a.padded = m.padded;
-  a.hidden = m.hidden;
-  a.topk = m.topk;
   const uint64_t lane = m.padded / ep->spec().world * m.hidden * 2;
   const CallGuard guard(*ep);
   if (guard.busy()) {
@@ -191,7 +180,7 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
   // plan_bulk, not plan_moe_combine: the call exists only where the plan
   // chose the fused op (Python lowers the unfused pair otherwise).
   count_call(*ep, Stats::kMoeCombine, lane, plan_bulk(*ep, "moe_combine_psum_scatter", lane));
-  const Status s = host::moe_combine_reduce_scatter(*ep, a, static_cast<uint16_t*>(out->untyped_data()),
+  const Status s = host::moe_combine_reduce_scatter(*ep, m, static_cast<uint16_t*>(out->untyped_data()),
                                                     (uint64_t)site * 64);
   if (!s.ok()) return failed_call(*ep, Stats::kMoeCombine, ffi::Error::Internal(s.message()));
   return ffi::Error::Success();

@@ -182,7 +182,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
     }
     std::vector<Status> sts(world);
     on_ranks(world, [&](int r) {
-      host::MoeCombine a;
+      MoeCombine a;
       a.y = y[r].data();
       a.y_scale = c.e4m3 ? scale[r].data() : nullptr;
       a.pos = pos[r].data();
