@@ -101,44 +101,33 @@ ffi::Error psum_add_norm_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::
   return launched("psum_add_norm", device_ordinal, e);
 }
 
-// The bulk collectives (ffi/cuda/bulk.cu), with the CPU handlers' operands,
-// results and attributes (handlers_host.cc): x[0..n) -> y[0..n), one
-// collective per pair in operand order, then dependency operands.
-ffi::Error all_gather_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
-                           ffi::RemainingRets rets, int64_t comm_id, int64_t site, int64_t dimension) {
+// The bulk collectives (ffi/cuda/bulk.cu), with the CPU handler's operands,
+// results and attributes (handlers_host.cc, bulk_host): x[0..n) -> y[0..n),
+// one collective per pair in operand order, then dependency operands;
+// all_gather where kGather, else psum_scatter.
+template <bool kGather>
+ffi::Error bulk_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     int64_t comm_id, int64_t site, int64_t dimension) {
+  const char* op = kGather ? "all_gather" : "psum_scatter";
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = cuda_endpoint("all_gather", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
-  if (args.size() < rets.size()) return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
-  const uint64_t world = (uint64_t)ep->spec().world;
-  for (size_t i = 0; i < rets.size(); ++i) {
-    BulkPair p;
-    if (ffi::Error e = bulk_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
-    const Plan plan = plan_bulk(*ep, "all_gather", p.in_bytes);
-    if (plan.algorithm == Algorithm::kNone) return refused("all_gather", plan);
-    count_call(*ep, Stats::kAllGather, p.in_bytes, plan);
-    const cudaError_t e = cuda::launch_all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type,
-                                                  p.dtype ? (int)*p.dtype : -1, (uint64_t)site * 64 + i, stream);
-    if (ffi::Error err = launched("all_gather", device_ordinal, e); err.failure()) return err;
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error psum_scatter_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets, int64_t comm_id, int64_t site, int64_t dimension) {
-  std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = cuda_endpoint("psum_scatter", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
+  if (ffi::Error e = cuda_endpoint(op, comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   if (args.size() < rets.size())
-    return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
+    return ffi::Error::InvalidArgument(strf("jax_arx.%s: fewer operands than results", op));
   const uint64_t world = (uint64_t)ep->spec().world;
   for (size_t i = 0; i < rets.size(); ++i) {
     BulkPair p;
-    if (ffi::Error e = bulk_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
-    const Plan plan = plan_bulk(*ep, "psum_scatter", p.in_bytes / world);
-    if (plan.algorithm == Algorithm::kNone) return refused("psum_scatter", plan);
-    count_call(*ep, Stats::kPsumScatter, p.in_bytes / world, plan);
-    const cudaError_t e = cuda::launch_reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer,
-                                                      (uint64_t)site * 64 + i, stream);
-    if (ffi::Error err = launched("psum_scatter", device_ordinal, e); err.failure()) return err;
+    if (ffi::Error e = bulk_pair(kGather, args, rets, i, world, dimension, p); e.failure()) return e;
+    // The plan's lane: a rank's slice of the gather, a destination's part of the scatter.
+    const uint64_t lane = kGather ? p.in_bytes : p.in_bytes / world;
+    const Plan plan = plan_bulk(*ep, op, lane);
+    if (plan.algorithm == Algorithm::kNone) return refused(op, plan);
+    count_call(*ep, kGather ? Stats::kAllGather : Stats::kPsumScatter, lane, plan);
+    const uint64_t tag = (uint64_t)site * 64 + i;
+    const cudaError_t e =
+        kGather ? cuda::launch_all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type,
+                                          p.dtype ? (int)*p.dtype : -1, tag, stream)
+                : cuda::launch_reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, tag, stream);
+    if (ffi::Error err = launched(op, device_ordinal, e); err.failure()) return err;
   }
   return ffi::Error::Success();
 }
@@ -195,12 +184,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_add_norm_cuda, arx::xla::psum_add_norm_cu
 
 // The bulk collectives: command-buffer compatible for the same reason (they
 // only launch; the bulk seq and the ring index live on the device).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_cuda, arx::xla::all_gather_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_cuda, arx::xla::bulk_cuda</*kGather=*/true>,
                               arx::xla::bulk_collective_binding(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_cuda, arx::xla::psum_scatter_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_cuda, arx::xla::bulk_cuda</*kGather=*/false>,
                               arx::xla::bulk_collective_binding(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -105,58 +105,38 @@ ffi::Error psum_add_norm_host(int32_t device_ordinal, ffi::RemainingArgs args, f
   return ffi::Error::Success();
 }
 
-// x[0..n) -> y[0..n): y_i = every rank's x_i, gathered along `dimension`
-// (bytes, any element type). One bulk collective per pair, in operand order;
-// operands past the n-th are dependency operands, as for psum.
-ffi::Error all_gather_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t comm_id,
-                           int64_t site, int64_t dimension) {
+// x[0..n) -> y[0..n), one bulk collective per pair in operand order;
+// operands past the n-th are dependency operands, as for psum. all_gather
+// (kGather): y_i = every rank's x_i, gathered along `dimension` (bytes, any
+// element type); psum_scatter: y_i = the sum over ranks of block `rank` of
+// x_i along `dimension` (fp32 in rank order, rounded once).
+template <bool kGather>
+ffi::Error bulk_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t comm_id,
+                     int64_t site, int64_t dimension) {
+  const char* op = kGather ? "all_gather" : "psum_scatter";
+  const Stats::Kind kind = kGather ? Stats::kAllGather : Stats::kPsumScatter;
   if (args.size() < rets.size())
-    return ffi::Error::InvalidArgument("jax_arx.all_gather: fewer operands than results");
+    return ffi::Error::InvalidArgument(strf("jax_arx.%s: fewer operands than results", op));
   std::shared_ptr<Endpoint> ep;
   if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
   const uint64_t world = (uint64_t)ep->spec().world;
   const CallGuard guard(*ep);
   if (guard.busy()) {
     fill_failed_results(rets, 0);
-    return overlapping(*ep, Stats::kAllGather, "all_gather");
+    return overlapping(*ep, kind, op);
   }
   for (size_t i = 0; i < rets.size(); ++i) {
     BulkPair p;
-    if (ffi::Error e = bulk_pair(true, args, rets, i, world, dimension, p); e.failure()) return e;
-    count_call(*ep, Stats::kAllGather, p.in_bytes, plan_bulk(*ep, "all_gather", p.in_bytes));
-    const Status s = host::all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype,
-                                      (uint64_t)site * 64 + i);
+    if (ffi::Error e = bulk_pair(kGather, args, rets, i, world, dimension, p); e.failure()) return e;
+    // The plan's lane: a rank's slice of the gather, a destination's part of the scatter.
+    const uint64_t lane = kGather ? p.in_bytes : p.in_bytes / world;
+    count_call(*ep, kind, lane, plan_bulk(*ep, op, lane));
+    const uint64_t tag = (uint64_t)site * 64 + i;
+    const Status s = kGather ? host::all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype, tag)
+                             : host::reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, tag);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
-      return failed_call(*ep, Stats::kAllGather, ffi::Error::Internal(s.message()));
-    }
-  }
-  return ffi::Error::Success();
-}
-
-// x[0..n) -> y[0..n): y_i = the sum over ranks of block `rank` of x_i along
-// `dimension` (fp32 in rank order, rounded once). As all_gather_host
-// otherwise.
-ffi::Error psum_scatter_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                             int64_t comm_id, int64_t site, int64_t dimension) {
-  if (args.size() < rets.size())
-    return ffi::Error::InvalidArgument("jax_arx.psum_scatter: fewer operands than results");
-  std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
-  const uint64_t world = (uint64_t)ep->spec().world;
-  const CallGuard guard(*ep);
-  if (guard.busy()) {
-    fill_failed_results(rets, 0);
-    return overlapping(*ep, Stats::kPsumScatter, "psum_scatter");
-  }
-  for (size_t i = 0; i < rets.size(); ++i) {
-    BulkPair p;
-    if (ffi::Error e = bulk_pair(false, args, rets, i, world, dimension, p); e.failure()) return e;
-    count_call(*ep, Stats::kPsumScatter, p.in_bytes / world, plan_bulk(*ep, "psum_scatter", p.in_bytes / world));
-    const Status s = host::reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, (uint64_t)site * 64 + i);
-    if (!s.ok()) {
-      fill_failed_results(rets, i + 1);
-      return failed_call(*ep, Stats::kPsumScatter, ffi::Error::Internal(s.message()));
+      return failed_call(*ep, kind, ffi::Error::Internal(s.message()));
     }
   }
   return ffi::Error::Success();
@@ -203,10 +183,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_add_norm_host, arx::xla::psum_add_norm_ho
                                   .RemainingRets()                  // normed, hidden
                                   .Attrs<xla::ffi::Dictionary>());  // comm_id, site, kind, eps, bias
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_host, arx::xla::all_gather_host,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_host, arx::xla::bulk_host</*kGather=*/true>,
                               arx::xla::bulk_collective_binding(xla::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_host, arx::xla::psum_scatter_host,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_host, arx::xla::bulk_host</*kGather=*/false>,
                               arx::xla::bulk_collective_binding(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_host, arx::xla::moe_combine_psum_scatter_host,
