@@ -22,10 +22,9 @@
 namespace arx::host {
 namespace {
 
-// How many pieces the plan cuts a collective of `lane` bytes per lane into,
-// or 0 (and `why`) if jax_arx does not take it.
-int pieces_of(Endpoint& ep, const char* op, uint64_t lane, Status& why) {
-  const Plan plan = plan_bulk(ep, op, lane);
+// How many pieces the plan cuts each lane into, or 0 (and `why`) if
+// jax_arx does not take the collective.
+int pieces_of(const Plan& plan, const char* op, Status& why) {
   if (plan.algorithm == Algorithm::kBulk) return plan.pieces;
   why = Status::Error(strf("jax_arx.%s: %s", op, plan.why_not.c_str()));
   return 0;
@@ -95,8 +94,8 @@ void combine_row(const MoeCombine& a, uint64_t t, float* acc, uint16_t* dst) {
 
 }  // namespace
 
-Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint64_t outer, uint64_t type_code,
-                  std::optional<DType> nan_type, uint64_t tag) {
+Status all_gather(Endpoint& ep, const Plan& plan, const void* in, void* out, uint64_t bytes, uint64_t outer,
+                  uint64_t type_code, std::optional<DType> nan_type, uint64_t tag) {
   const int rank = ep.spec().rank, world = ep.spec().world;
   const uint64_t total = bytes * world;
   auto nan = [&] {
@@ -108,7 +107,7 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
     return Status::Error(ep.failure());
   }
   Status why;
-  const int pieces = pieces_of(ep, "all_gather", bytes, why);
+  const int pieces = pieces_of(plan, "all_gather", why);
   if (!pieces) return why;
   if (outer == 0 || bytes % outer)
     return Status::Error(strf("jax_arx: all_gather on %s: %llu bytes do not make %llu rows", ep.label().c_str(),
@@ -142,8 +141,8 @@ Status all_gather(Endpoint& ep, const void* in, void* out, uint64_t bytes, uint6
   });
 }
 
-Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t outer,
-                      uint64_t tag) {
+Status reduce_scatter(Endpoint& ep, const Plan& plan, DType dtype, const void* in, void* out, uint64_t count,
+                      uint64_t outer, uint64_t tag) {
   const int rank = ep.spec().rank, world = ep.spec().world;
   const uint64_t slice = count * dtype_size(dtype);
   auto nan = [&] { fill_nan(dtype, out, count); };
@@ -152,7 +151,7 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
     return Status::Error(ep.failure());
   }
   Status why;
-  const int pieces = pieces_of(ep, "psum_scatter", slice, why);
+  const int pieces = pieces_of(plan, "psum_scatter", why);
   if (!pieces) return why;
   if (outer == 0 || count % outer)
     return Status::Error(strf("jax_arx: psum_scatter on %s: %llu elements do not make %llu rows",
@@ -188,7 +187,7 @@ Status reduce_scatter(Endpoint& ep, DType dtype, const void* in, void* out, uint
   });
 }
 
-Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* out, uint64_t tag) {
+Status moe_combine_reduce_scatter(Endpoint& ep, const Plan& plan, const MoeCombine& a, uint16_t* out, uint64_t tag) {
   const int rank = ep.spec().rank, world = ep.spec().world;
   const uint64_t H = a.hidden, rows_per_rank = a.padded / world, row = H * 2, slice = rows_per_rank * row;
   auto nan = [&] { fill_nan(DType::kBF16, out, rows_per_rank * H); };
@@ -203,7 +202,7 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const MoeCombine& a, uint16_t* o
                               ep.label().c_str(), (unsigned long long)a.padded, world, (unsigned long long)a.tokens,
                               (unsigned long long)H, (unsigned long long)a.rows));
   Status why;
-  const int pieces = pieces_of(ep, "moe_combine_psum_scatter", slice, why);
+  const int pieces = pieces_of(plan, "moe_combine_psum_scatter", why);
   if (!pieces) return why;
   Collective c(ep, Family::kBulk, descriptor(OpCode::kMoeCombine, (uint64_t)DType::kBF16, a.padded * H, tag));
   std::vector<float> acc(H);

@@ -11,7 +11,8 @@
 
 namespace arx::host {
 
-Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag, const AddNorm& norm) {
+Status psum(Endpoint& ep, const Plan& plan, DType dtype, const void* in, void* out, uint64_t count, uint64_t tag,
+            const AddNorm& norm) {
   const uint64_t bytes = count * dtype_size(dtype);
   auto nan = [&] {
     fill_nan(dtype, out, count);
@@ -21,7 +22,6 @@ Status psum(Endpoint& ep, DType dtype, const void* in, void* out, uint64_t count
     nan();
     return Status::Error(ep.failure());
   }
-  const Plan plan = plan_psum(ep, bytes, norm.on() ? norm.width * dtype_size(dtype) : 0);
   if (plan.algorithm != Algorithm::kOneShot)
     return Status::Error(strf("jax_arx.psum on %s: %s", ep.label().c_str(),
                               plan.why_not.empty() ? "the host runs the one-shot only" : plan.why_not.c_str()));

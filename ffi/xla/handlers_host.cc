@@ -75,9 +75,10 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
   for (size_t i = 0; i < rets.size(); ++i) {
     PsumPair p;
     if (ffi::Error e = psum_pair(args, rets, i, p); e.failure()) return e;
+    const Plan plan = plan_psum(*ep, p.bytes);
+    count_call(*ep, Stats::kPsum, p.bytes, plan);
     // Leaves of one call are told apart by their position.
-    count_call(*ep, Stats::kPsum, p.bytes, plan_psum(*ep, p.bytes));
-    const Status s = host::psum(*ep, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i);
+    const Status s = host::psum(*ep, plan, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);  // the rest of the call too, never stale memory
       return failed_call(*ep, Stats::kPsum, ffi::Error::Internal(s.message()));
@@ -99,8 +100,9 @@ ffi::Error psum_add_norm_host(int32_t device_ordinal, ffi::RemainingArgs args, f
     fill_failed_results(rets, 0);
     return overlapping(*ep, Stats::kPsum, "psum_add_norm");
   }
-  count_call(*ep, Stats::kPsum, c.p.bytes, plan_psum(*ep, c.p.bytes, row_bytes(c)));
-  const Status s = host::psum(*ep, c.p.dtype, c.p.in, c.p.out, c.p.count, (uint64_t)c.at.site * 64, c.norm);
+  const Plan plan = plan_psum(*ep, c.p.bytes, row_bytes(c));
+  count_call(*ep, Stats::kPsum, c.p.bytes, plan);
+  const Status s = host::psum(*ep, plan, c.p.dtype, c.p.in, c.p.out, c.p.count, (uint64_t)c.at.site * 64, c.norm);
   if (!s.ok()) return failed_call(*ep, Stats::kPsum, ffi::Error::Internal(s.message()));
   return ffi::Error::Success();
 }
@@ -130,10 +132,12 @@ ffi::Error bulk_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     if (ffi::Error e = bulk_pair(kGather, args, rets, i, world, dimension, p); e.failure()) return e;
     // The plan's lane: a rank's slice of the gather, a destination's part of the scatter.
     const uint64_t lane = kGather ? p.in_bytes : p.in_bytes / world;
-    count_call(*ep, kind, lane, plan_bulk(*ep, op, lane));
+    const Plan plan = plan_bulk(*ep, op, lane);
+    count_call(*ep, kind, lane, plan);
     const uint64_t tag = (uint64_t)site * 64 + i;
-    const Status s = kGather ? host::all_gather(*ep, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype, tag)
-                             : host::reduce_scatter(*ep, *p.dtype, p.in, p.out, p.out_count, p.outer, tag);
+    const Status s =
+        kGather ? host::all_gather(*ep, plan, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype, tag)
+                : host::reduce_scatter(*ep, plan, *p.dtype, p.in, p.out, p.out_count, p.outer, tag);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
       return failed_call(*ep, kind, ffi::Error::Internal(s.message()));
@@ -159,8 +163,9 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
   }
   // plan_bulk, not plan_moe_combine: the call exists only where the plan
   // chose the fused op (Python lowers the unfused pair otherwise).
-  count_call(*ep, Stats::kMoeCombine, lane, plan_bulk(*ep, "moe_combine_psum_scatter", lane));
-  const Status s = host::moe_combine_reduce_scatter(*ep, m, static_cast<uint16_t*>(out->untyped_data()),
+  const Plan plan = plan_bulk(*ep, "moe_combine_psum_scatter", lane);
+  count_call(*ep, Stats::kMoeCombine, lane, plan);
+  const Status s = host::moe_combine_reduce_scatter(*ep, plan, m, static_cast<uint16_t*>(out->untyped_data()),
                                                     (uint64_t)site * 64);
   if (!s.ok()) return failed_call(*ep, Stats::kMoeCombine, ffi::Error::Internal(s.message()));
   return ffi::Error::Success();

@@ -24,7 +24,7 @@
 #include "comm/endpoint.h"
 #include "comm/plan.h"
 #include "comm/wait.h"
-#include "host/device_side.h"
+#include "host_calls.h"
 #include "reference.h"
 #include "rig.h"
 
@@ -99,7 +99,7 @@ void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<
           ref.insert(ref.end(), in[r].begin() + o * block, in[r].begin() + (o + 1) * block);
       std::vector<Status> sts(world);
       on_ranks(world, [&](int r) {
-        sts[r] = host::all_gather(*rig.eps[r], in[r].data(), out[r].data(), bytes, outer, 7, std::nullopt, 1);
+        sts[r] = testing::all_gather(*rig.eps[r], in[r].data(), out[r].data(), bytes, outer, 7, std::nullopt, 1);
       });
       for (int r = 0; r < world; ++r) {
         EXPECT(sts[r].ok(), "%s all_gather world %d %llu x %llu bytes rank %d: %s", transport_name(kind), world,
@@ -128,7 +128,7 @@ void test_reduce_scatter(TransportKind kind, int world, DType dtype,
       }
       std::vector<Status> sts(world);
       on_ranks(world, [&](int r) {
-        sts[r] = host::reduce_scatter(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, outer, 2);
+        sts[r] = testing::reduce_scatter(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, outer, 2);
       });
       for (int r = 0; r < world; ++r) {
         EXPECT(sts[r].ok(), "%s reduce_scatter world %d %llu x %llu rank %d: %s", transport_name(kind), world,
@@ -193,7 +193,7 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
       a.padded = padded;
       a.hidden = c.hidden;
       a.topk = c.topk;
-      sts[r] = host::moe_combine_reduce_scatter(*rig.eps[r], a, out[r].data(), 3);
+      sts[r] = testing::moe_combine_reduce_scatter(*rig.eps[r], a, out[r].data(), 3);
     });
     for (int r = 0; r < world; ++r) {
       EXPECT(sts[r].ok(), "%s moe world %d tokens %llu rank %d: %s", transport_name(kind), world, (unsigned long long)c.tokens,
@@ -233,7 +233,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
       switch (c % 4) {
         case 0: {  // all_gather
           for (uint64_t i = 0; i < n; ++i) in[i] = value(r, i);
-          const Status s = host::all_gather(ep, in.data(), out.data(), n * 4, 1, 11, DType::kF32, 5);
+          const Status s = testing::all_gather(ep, in.data(), out.data(), n * 4, 1, 11, DType::kF32, 5);
           if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
           for (int j = 0; j < world; ++j)
             for (uint64_t i = 0; i < n; ++i)
@@ -243,7 +243,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
         case 1:
         case 3: {  // reduce_scatter (exact: small integers)
           for (uint64_t i = 0; i < n * world; ++i) in[i] = value(r, i);
-          const Status s = host::reduce_scatter(ep, DType::kF32, in.data(), out.data(), n, 1, 6);
+          const Status s = testing::reduce_scatter(ep, DType::kF32, in.data(), out.data(), n, 1, 6);
           if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
           for (uint64_t i = 0; i < n; ++i) {
             float want = 0;
@@ -255,7 +255,7 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
         case 2: {  // psum, in between (within its slot)
           const uint64_t m = 37;
           for (uint64_t i = 0; i < m; ++i) in[i] = value(r, i);
-          const Status s = host::psum(ep, DType::kF32, in.data(), out.data(), m, 4);
+          const Status s = testing::psum(ep, DType::kF32, in.data(), out.data(), m, 4);
           if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
           for (uint64_t i = 0; i < m; ++i) {
             float want = 0;
@@ -359,7 +359,7 @@ void test_timeout(TransportKind kind) {
   std::vector<Status> sts(2);
   const auto t0 = std::chrono::steady_clock::now();
   on_ranks(2, [&](int r) {  // rank 2 never calls
-    sts[r] = host::reduce_scatter(*rig.eps[r], DType::kBF16, in[r].data(), out[r].data(), 10, 1, 0);
+    sts[r] = testing::reduce_scatter(*rig.eps[r], DType::kBF16, in[r].data(), out[r].data(), 10, 1, 0);
   });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // The rank that timed out first names the op and the missing rank; the
@@ -376,12 +376,12 @@ void test_timeout(TransportKind kind) {
   EXPECT(out[0][0] == 0x7fc0 && out[1][9] == 0x7fc0, "output is NaN after a failed call");
   std::vector<uint8_t> x(16, 1), y(48, 0);
   const auto t1 = std::chrono::steady_clock::now();
-  const Status again = host::all_gather(*rig.eps[0], x.data(), y.data(), 16, 1, 1, std::nullopt, 0);
+  const Status again = testing::all_gather(*rig.eps[0], x.data(), y.data(), 16, 1, 1, std::nullopt, 0);
   EXPECT(!again.ok() && again.message() == sts[0].message(), "a later call reports the same failure: %s",
          again.message().c_str());
   EXPECT(y[0] == 0xFF && y[47] == 0xFF, "a failed all_gather of a non-float type leaves 0xFF bytes");
   std::vector<float> p(4, 1.0f);
-  const Status psum = host::psum(*rig.eps[0], DType::kF32, p.data(), p.data(), 4, 0);
+  const Status psum = testing::psum(*rig.eps[0], DType::kF32, p.data(), p.data(), 4, 0);
   EXPECT(!psum.ok() && std::isnan(p[0]), "a later psum fails too");
   EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "later calls fail at once");
 }
@@ -395,8 +395,8 @@ void test_mismatch(TransportKind kind) {
   std::vector<float> a(64, 1.0f), o0(128), o1(32);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = host::all_gather(*rig.eps[0], a.data(), o0.data(), 256, 1, 11, DType::kF32, 0);
-    else s1 = host::reduce_scatter(*rig.eps[1], DType::kF32, a.data(), o1.data(), 32, 1, 0);
+    if (r == 0) s0 = testing::all_gather(*rig.eps[0], a.data(), o0.data(), 256, 1, 11, DType::kF32, 0);
+    else s1 = testing::reduce_scatter(*rig.eps[1], DType::kF32, a.data(), o1.data(), 32, 1, 0);
   });
   EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
          s0.message().c_str());
@@ -411,7 +411,7 @@ void test_too_big(TransportKind kind) {
   if (!bulk_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
   const uint64_t bytes = (8 << 20) / 2 + 16;
   std::vector<uint8_t> x(bytes), y(2 * bytes);
-  const Status s = host::all_gather(*rig.eps[0], x.data(), y.data(), bytes, 1, 1, std::nullopt, 0);
+  const Status s = testing::all_gather(*rig.eps[0], x.data(), y.data(), bytes, 1, 1, std::nullopt, 0);
   EXPECT(!s.ok() && s.message().find("JAX_ARX_PREFILL_SLOT_BYTES") != std::string::npos, "too big: %s",
          s.message().c_str());
   EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
@@ -462,7 +462,7 @@ void test_psum_only_endpoint(TransportKind kind) {
   for (int r = 0; r < 2; ++r)
     for (int i = 0; i < 1000; ++i) x[r][i] = (float)(i * (r + 1));
   std::vector<Status> sts(2);
-  on_ranks(2, [&](int r) { sts[r] = host::psum(*rig.eps[r], DType::kF32, x[r].data(), x[r].data(), 1000, 0); });
+  on_ranks(2, [&](int r) { sts[r] = testing::psum(*rig.eps[r], DType::kF32, x[r].data(), x[r].data(), 1000, 0); });
   EXPECT(sts[0].ok() && sts[1].ok() && x[0][999] == 999.f * 3 && x[1][1] == 3.f, "psum without lanes: %s",
          sts[0].message().c_str());
 }

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "comm/endpoint.h"
-#include "host/device_side.h"
+#include "host_calls.h"
 #include "reference.h"
 #include "rig.h"
 
@@ -74,9 +74,9 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
       on_ranks(world, [&](int r) {
         if (alias) {
           out[r] = in[r];
-          sts[r] = host::psum(*rig.eps[r], dtype, out[r].data(), out[r].data(), count, 0);
+          sts[r] = testing::psum(*rig.eps[r], dtype, out[r].data(), out[r].data(), count, 0);
         } else {
-          sts[r] = host::psum(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, 0);
+          sts[r] = testing::psum(*rig.eps[r], dtype, in[r].data(), out[r].data(), count, 0);
         }
       });
       for (int r = 0; r < world; ++r) {
@@ -106,7 +106,7 @@ void test_signed_zero(TransportKind kind) {
       std::memcpy(in[r].data(), &neg, es);
       if (r != 1) std::memcpy(in[r].data() + es, &neg, es);
     }
-    on_ranks(3, [&](int r) { host::psum(*rig.eps[r], t, in[r].data(), out[r].data(), 2, 0); });
+    on_ranks(3, [&](int r) { testing::psum(*rig.eps[r], t, in[r].data(), out[r].data(), 2, 0); });
     for (int r = 0; r < 3; ++r) {
       uint32_t a = 0, b = 0;
       std::memcpy(&a, out[r].data(), es);
@@ -127,7 +127,7 @@ void test_back_to_back(TransportKind kind, int world, int calls, const Config& c
     std::vector<float> in(97), out(97);
     for (int c = 1; c <= calls; ++c) {
       for (int i = 0; i < 97; ++i) in[i] = (float)(c * (r + 1) + i);
-      const Status s = host::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 97, 0);
+      const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 97, 0);
       if (!s.ok()) { bad[r] = c; return; }
       const float tri = (float)(world * (world + 1) / 2);
       for (int i = 0; i < 97; ++i)
@@ -158,7 +158,7 @@ void test_ring(TransportKind kind, bool quick) {
   std::vector<float> in(4 * 3000), out(4 * 3000);
   for (size_t i = 0; i < in.size(); ++i) in[i] = (float)(i % 3000 % 17);
   std::vector<Status> sts(4);
-  on_ranks(4, [&](int r) { sts[r] = host::psum(*rig.eps[r], DType::kF32, in.data() + r * 3000, out.data() + r * 3000, 3000, 0); });
+  on_ranks(4, [&](int r) { sts[r] = testing::psum(*rig.eps[r], DType::kF32, in.data() + r * 3000, out.data() + r * 3000, 3000, 0); });
   for (int r = 0; r < 4; ++r) {
     EXPECT(sts[r].ok() && out[r * 3000 + 5] == 4 * 5.0f, "%s ring of 4, rank %d: %s", transport_name(kind), r,
            sts[r].message().c_str());
@@ -196,7 +196,7 @@ void test_timeout(TransportKind kind, bool slow) {
   const auto t0 = std::chrono::steady_clock::now();
   Status s0, s1;
   // Rank 2 never calls.
-  on_ranks(2, [&](int r) { (r ? s1 : s0) = host::psum(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0); });
+  on_ranks(2, [&](int r) { (r ? s1 : s0) = testing::psum(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0); });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const auto has = [](const Status& s, const char* what) { return s.message().find(what) != std::string::npos; };
   EXPECT(!s0.ok() && (has(s0, "rank 2") || (has(s0, "rank 1 gave up") && has(s1, "rank 2"))),
@@ -204,7 +204,7 @@ void test_timeout(TransportKind kind, bool slow) {
   EXPECT(took >= cfg.timeout_s && took <= 2 * cfg.timeout_s, "timeout %.1f s took %.2f s", cfg.timeout_s, took);
   EXPECT(std::isnan(out[0]), "output is NaN after a failed call");
   const auto t1 = std::chrono::steady_clock::now();
-  Status again = host::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 10, 0);
+  Status again = testing::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 10, 0);
   EXPECT(!again.ok() && again.message() == s0.message(), "a later call reports the same failure: %s",
          again.message().c_str());
   EXPECT(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(100), "a later call fails at once");
@@ -220,8 +220,8 @@ void test_mismatch(TransportKind kind) {
   std::vector<float> a(16, 1.0f), b(17, 1.0f), oa(16), ob(17);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = host::psum(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
-    else s1 = host::psum(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
+    if (r == 0) s0 = testing::psum(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
+    else s1 = testing::psum(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
   });
   EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
          s0.message().c_str());
@@ -240,7 +240,7 @@ void test_fail_everywhere(TransportKind kind) {
   Rig rig;
   if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
   std::vector<float> x(64, 1.0f), o0(64), o1(64);
-  const Status s0 = host::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), 64, 0);  // rank 1 is late
+  const Status s0 = testing::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), 64, 0);  // rank 1 is late
   EXPECT(!s0.ok() && s0.message().find("timed out") != std::string::npos, "rank 0 times out: %s",
          s0.message().c_str());
   // Rank 1 learns of it without calling anything.
@@ -253,7 +253,7 @@ void test_fail_everywhere(TransportKind kind) {
   EXPECT(why.find("rank 0 gave up on psum #1: its wait for rank 1 timed out after") != std::string::npos,
          "%s: rank 1 was told why: '%s'",
          transport_name(kind), why.c_str());
-  const Status s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
+  const Status s1 = testing::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
   EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: the late rank's call fails with NaN instead of completing: %s",
          transport_name(kind), s1.message().c_str());
   for (auto& ep : rig.eps) ep->close();
@@ -296,8 +296,8 @@ void test_descriptor_collision(TransportKind kind) {
   std::vector<float> x(b, 1.0f), o0(a, 0.0f), o1(b, 0.0f);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = host::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), a, 0);
-    else s1 = host::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), b, 0);
+    if (r == 0) s0 = testing::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), a, 0);
+    else s1 = testing::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), b, 0);
   });
   // Every rank says it was a different collective; the one that compared
   // the headers first names both (a rank told by its notice may point to it).
@@ -330,7 +330,7 @@ void test_abort_on_failure(TransportKind kind) {
     Rig rig;
     if (!make_rig(kind, 2, rig, cfg)) _exit(3);
     std::vector<float> in(4, 1.0f), out(4);
-    host::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 4, 0);  // rank 1 never calls
+    testing::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 4, 0);  // rank 1 never calls
     _exit(0);  // not reached: the failure ends the process
   }
   close(err_pipe[1]);
