@@ -12,6 +12,7 @@
 
 #include "comm/plan.h"
 #include "cuda/device_side.h"
+#include "xla/capsule.h"
 #include "xla/handlers.h"
 
 namespace arx::xla {
@@ -152,11 +153,11 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
 }  // namespace
 
 void add_cuda_registrations(nanobind::dict& d) {
-  d["jax_arx_psum"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_cuda));
-  d["jax_arx_psum_add_norm"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_add_norm_cuda));
-  d["jax_arx_all_gather"] = nanobind::capsule(reinterpret_cast<void*>(arx_all_gather_cuda));
-  d["jax_arx_psum_scatter"] = nanobind::capsule(reinterpret_cast<void*>(arx_psum_scatter_cuda));
-  d["jax_arx_moe_combine_psum_scatter"] = nanobind::capsule(reinterpret_cast<void*>(arx_moe_combine_psum_scatter_cuda));
+  d["jax_arx_psum"] = capsule(arx_psum_cuda);
+  d["jax_arx_psum_add_norm"] = capsule(arx_psum_add_norm_cuda);
+  d["jax_arx_all_gather"] = capsule(arx_all_gather_cuda);
+  d["jax_arx_psum_scatter"] = capsule(arx_psum_scatter_cuda);
+  d["jax_arx_moe_combine_psum_scatter"] = capsule(arx_moe_combine_psum_scatter_cuda);
 }
 
 }  // namespace arx::xla

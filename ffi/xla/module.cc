@@ -16,6 +16,7 @@
 
 #include "comm/endpoint.h"
 #include "comm/plan.h"
+#include "xla/capsule.h"
 #include "xla/handlers.h"
 
 #if ARX_HAVE_CUDA
@@ -29,12 +30,6 @@ namespace nb = nanobind;
 
 namespace arx {
 namespace {
-
-template <typename T>
-nb::capsule capsule(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>, "an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
 
 void check(const Status& s) {
   if (!s.ok()) throw std::runtime_error(s.message());
@@ -201,11 +196,11 @@ NB_MODULE(_core, m) {
   });
   m.def("registrations", [] {
     nb::dict platforms, cpu;
-    cpu["jax_arx_psum"] = arx::capsule(arx_psum_host);
-    cpu["jax_arx_psum_add_norm"] = arx::capsule(arx_psum_add_norm_host);
-    cpu["jax_arx_all_gather"] = arx::capsule(arx_all_gather_host);
-    cpu["jax_arx_psum_scatter"] = arx::capsule(arx_psum_scatter_host);
-    cpu["jax_arx_moe_combine_psum_scatter"] = arx::capsule(arx_moe_combine_psum_scatter_host);
+    cpu["jax_arx_psum"] = arx::xla::capsule(arx_psum_host);
+    cpu["jax_arx_psum_add_norm"] = arx::xla::capsule(arx_psum_add_norm_host);
+    cpu["jax_arx_all_gather"] = arx::xla::capsule(arx_all_gather_host);
+    cpu["jax_arx_psum_scatter"] = arx::xla::capsule(arx_psum_scatter_host);
+    cpu["jax_arx_moe_combine_psum_scatter"] = arx::xla::capsule(arx_moe_combine_psum_scatter_host);
     platforms["cpu"] = cpu;
 #if ARX_HAVE_CUDA
     nb::dict gpu;
