@@ -70,8 +70,10 @@ in its own jax_arx.initialize() within the job:
                 slot and send buffer raised just enough for the largest
                 size to run (world x slot >= it, for the two-shot), as its
                 message asks
-  one-shot      the slot (the one-shot limit) raised to the largest size:
-                one-shot at every size (LL where the plan takes it)
+  one-shot      the slot and JAX_ARX_ONESHOT_MAX_BYTES raised to the
+                largest size: one-shot at every size (LL where the plan
+                takes it), over GPU host inboxes too (their default limit
+                is 128 KiB)
   two-shot      JAX_ARX_ONESHOT_MAX_BYTES=16: two-shot at every size (GPUs
                 only: the CPU has no two-shot, and says so)
 
@@ -186,7 +188,9 @@ def algorithm_env(algorithm, max_bytes, world, host_inboxes=False):
         slot = max(d.slot_bytes, -(-max_bytes // world))
         send = max(d.send_bytes, max_bytes)
     env = {"JAX_ARX_SLOT_BYTES": size_setting(slot), "JAX_ARX_SEND_BYTES": size_setting(send)}
-    if algorithm == "two-shot":
+    if algorithm == "one-shot":
+        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(slot)
+    elif algorithm == "two-shot":
         env["JAX_ARX_ONESHOT_MAX_BYTES"] = "16"
     elif algorithm == "jax_arx.psum" and slot > d.slot_bytes:
         env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(min(d.slot_bytes, HOST_INBOX_ONESHOT_MAX) if host_inboxes

@@ -157,13 +157,15 @@ def test_jobs_on_the_gpus_there_are(examples):
     assert skipped == {} and bench_jobs.timing_caveat(2, ["0", "1"], False) is None
     assert bench_jobs.json_path("d", "bench_psum", 2, False) == "d/bench_psum.json"
     assert bench_jobs.json_path("d", "bench_psum", 4, True) == "d/bench_psum_check_world4.json"
-    # The algorithm series' settings: room for 4 MiB at every world, two-shot
-    # forced by the one-shot limit, jax_arx.psum's own limit kept.
+    # The algorithm series' settings: room for 4 MiB at every world, one-shot
+    # and two-shot forced by the one-shot limit, jax_arx.psum's own limit kept.
     from bench_common import parse_size
     from jax_arx.config import Config
     for world in (2, 3, 4):
         own, one, two = (bench_psum.algorithm_env(a, 4 << 20, world) for a in bench_psum.ALGORITHMS)
-        assert parse_size(one["JAX_ARX_SLOT_BYTES"]) >= 4 << 20 and "JAX_ARX_ONESHOT_MAX_BYTES" not in one
+        assert parse_size(one["JAX_ARX_SLOT_BYTES"]) >= 4 << 20
+        # ... and the one-shot limit with it (over GPU host inboxes it is lower unless set).
+        assert parse_size(one["JAX_ARX_ONESHOT_MAX_BYTES"]) == parse_size(one["JAX_ARX_SLOT_BYTES"])
         assert parse_size(two["JAX_ARX_SLOT_BYTES"]) * world >= 4 << 20 and two["JAX_ARX_ONESHOT_MAX_BYTES"] == "16"
         assert parse_size(two["JAX_ARX_SEND_BYTES"]) >= 4 << 20
         assert parse_size(own["JAX_ARX_SLOT_BYTES"]) * world >= 4 << 20
