@@ -246,6 +246,8 @@ def worker(suite):
     sys.path.insert(0, EXAMPLES)
     import minilm  # noqa: E402  (initializes jax.distributed)
 
+    # isort: split
+    # (jax and jax_arx after minilm: its import is the one that sets them up)
     import jax
     import jax_arx
 
