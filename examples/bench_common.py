@@ -143,12 +143,12 @@ def pattern_bf16(seed, rank, start, count):
 
     table = _pattern_table(seed)
     offset = (start + (rank + 1) * 0x9E3779B1) % _PERIOD
-    bits = table[offset:offset + count]
+    bits = table[offset : offset + count]
     if len(bits) < count:
         whole = np.tile(table, (count - len(bits)) // _PERIOD + 1)
-        bits = np.concatenate([bits, whole[:count - len(bits)]])
+        bits = np.concatenate([bits, whole[: count - len(bits)]])
     bits = bits.copy()
-    bits[(-start) % 61::61] = 0x8000
+    bits[(-start) % 61 :: 61] = 0x8000
     return bits.view(ml_dtypes.bfloat16)
 
 
@@ -165,16 +165,20 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
-RATIO_NOTE = ("ratio: jax_arx's time over jax.lax's, so lower is better (below 1: jax_arx is faster). On the CPU "
-              "backend jax.lax's collectives are gloo's and the times mostly measure the host's scheduling; the "
-              "figures that matter are on GPUs (docs/performance.md).")
+RATIO_NOTE = (
+    "ratio: jax_arx's time over jax.lax's, so lower is better (below 1: jax_arx is faster). On the CPU "
+    "backend jax.lax's collectives are gloo's and the times mostly measure the host's scheduling; the "
+    "figures that matter are on GPUs (docs/performance.md)."
+)
 
 
 def describe_run(jax, jax_arx, axis: str) -> str:
     """What ran: the carrier jax_arx chose for ``axis``, ranks, processes,
     backend."""
-    return (f"jax_arx over the {jax_arx.transport(axis)} carrier, {jax.device_count()} ranks in "
-            f"{jax.process_count()} processes on the {jax.default_backend()} backend")
+    return (
+        f"jax_arx over the {jax_arx.transport(axis)} carrier, {jax.device_count()} ranks in "
+        f"{jax.process_count()} processes on the {jax.default_backend()} backend"
+    )
 
 
 def size_label(b):

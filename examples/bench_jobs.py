@@ -59,18 +59,36 @@ from bench_common import parse_size
 from bench_report import check_summary, check_table, latency_table, ratio_tables
 
 # The variables that define a jax_arx series (set per phase by the worker).
-SERIES_VARIABLES = ("JAX_ARX_TRANSPORT", "JAX_ARX_TOPOLOGY", "JAX_ARX_SLOT_BYTES", "JAX_ARX_SEND_BYTES",
-                    "JAX_ARX_ONESHOT_MAX_BYTES", "JAX_ARX_PREFILL_SLOT_BYTES", "JAX_ARX_CUDA_DIRECT",
-                    "JAX_ARX_CUDA_PEER_MEMORY", "JAX_ARX_FALLBACK")
+SERIES_VARIABLES = (
+    "JAX_ARX_TRANSPORT",
+    "JAX_ARX_TOPOLOGY",
+    "JAX_ARX_SLOT_BYTES",
+    "JAX_ARX_SEND_BYTES",
+    "JAX_ARX_ONESHOT_MAX_BYTES",
+    "JAX_ARX_PREFILL_SLOT_BYTES",
+    "JAX_ARX_CUDA_DIRECT",
+    "JAX_ARX_CUDA_PEER_MEMORY",
+    "JAX_ARX_FALLBACK",
+)
 NCCL_SHARED_GPU = "NCCL refuses two ranks on one GPU: it needs a GPU per rank"
 
 
 # --- configurations ---------------------------------------------------------------
 
-def _config(kind, *, env=None, tuning=None, process_env=None, gpu_only=False, one_process=False, watch=None,
-            needs=None):
-    return dict(kind=kind, env=dict(env or {}), tuning=dict(tuning or {}), process_env=dict(process_env or {}),
-                gpu_only=gpu_only, one_process=one_process, watch=watch, needs=dict(needs or {}))
+
+def _config(
+    kind, *, env=None, tuning=None, process_env=None, gpu_only=False, one_process=False, watch=None, needs=None
+):
+    return dict(
+        kind=kind,
+        env=dict(env or {}),
+        tuning=dict(tuning or {}),
+        process_env=dict(process_env or {}),
+        gpu_only=gpu_only,
+        one_process=one_process,
+        watch=watch,
+        needs=dict(needs or {}),
+    )
 
 
 def arx_config(env, tuning=None, *, gpu_only=False, needs=None):
@@ -140,6 +158,7 @@ def parse_worlds(text):
 
 # --- where the ranks go --------------------------------------------------------------
 
+
 def visible_gpus():
     """The GPUs a run may use: those nvidia-smi lists, narrowed to
     CUDA_VISIBLE_DEVICES where it is set (its entries up to the first
@@ -159,10 +178,11 @@ def visible_gpus():
         if not entry or entry.startswith("-"):
             break
         chosen.append(entry)
-    return chosen[:len(listed)]
+    return chosen[: len(listed)]
 
 
 # --- jobs (the driver) -------------------------------------------------------------------
+
 
 def plan_jobs(names, configs, world, gpus, cpu, check_only):
     """The jobs that run configurations ``names`` at ``world`` ranks, and
@@ -249,8 +269,17 @@ def run_job(script, job, configs, out_dir, tag, timeout):
         json.dump(job, f)
     watch = next((configs[c]["watch"] for c in job["configs"] if configs[c]["watch"]), None)
     env = job_environment(job["process_env"], job["cpu"], watch)
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(job["nprocs"]),
-           *(["--cpu-devices", "1"] if job["cpu"] else []), script, "--worker", spec_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_arx.launch",
+        "-n",
+        str(job["nprocs"]),
+        *(["--cpu-devices", "1"] if job["cpu"] else []),
+        script,
+        "--worker",
+        spec_path,
+    ]
     label = ", ".join(job["configs"])
     print(f"[{tag}] {label}: starting {job['nprocs']} process(es)", flush=True)
     t = time.time()
@@ -283,8 +312,9 @@ def run_job(script, job, configs, out_dir, tag, timeout):
             doc = json.load(f)
     if p.returncode != 0:
         sys.stderr.write("".join(err_tail))
-        why = f"the job exited with status {p.returncode}" + (f" (after the {timeout:g} s limit)"
-                                                              if time.time() - t >= timeout else "")
+        why = f"the job exited with status {p.returncode}" + (
+            f" (after the {timeout:g} s limit)" if time.time() - t >= timeout else ""
+        )
         print(f"[{tag}] {label}: failed: {why}", flush=True)
         return doc, watched, why
     print(f"[{tag}] {label}: {time.time() - t:.0f} s", flush=True)
@@ -328,16 +358,22 @@ def timing_caveat(world, gpus, cpu):
     take turns on it, so a time measures the scheduling of the processes;
     on the CPU backend the host's scheduling dominates."""
     if cpu:
-        return ("the CPU backend: the times mostly measure the host's scheduling of the ranks' threads; the "
-                "figures that matter are from GPUs")
+        return (
+            "the CPU backend: the times mostly measure the host's scheduling of the ranks' threads; the "
+            "figures that matter are from GPUs"
+        )
     if world > len(gpus) and mps_running():
-        return (f"{world} ranks share {len(gpus)} GPU(s) under CUDA MPS: their kernels run at once, so the routes "
-                f"through host memory, the proxy and tcp are timed as they run, but GPU inboxes are one device's "
-                f"memory (no NVLink), and jax.lax is skipped (NCCL refuses ranks that share a GPU): compare with "
-                f"the floors of this run")
+        return (
+            f"{world} ranks share {len(gpus)} GPU(s) under CUDA MPS: their kernels run at once, so the routes "
+            f"through host memory, the proxy and tcp are timed as they run, but GPU inboxes are one device's "
+            f"memory (no NVLink), and jax.lax is skipped (NCCL refuses ranks that share a GPU): compare with "
+            f"the floors of this run"
+        )
     if world > len(gpus):
-        return (f"{world} ranks share {len(gpus)} GPU(s), which time-slice between their processes: the timings are "
-                f"NOT meaningful (the checks are); time with a GPU per rank, or under CUDA MPS")
+        return (
+            f"{world} ranks share {len(gpus)} GPU(s), which time-slice between their processes: the timings are "
+            f"NOT meaningful (the checks are); time with a GPU per rank, or under CUDA MPS"
+        )
     return None
 
 
@@ -348,20 +384,31 @@ def add_arguments(ap, configs_help, sizes_help):
     ap.add_argument("--world", default="2", help="ranks, one process each; a list runs each in turn: 2,3,4")
     ap.add_argument("--configs", help=configs_help)
     ap.add_argument("--sizes", help=sizes_help)
-    ap.add_argument("--check", "--check-only", dest="check_only", action="store_true",
-                    help="check every cell against the reference and time nothing; exit status 1 on any mismatch "
-                         "(the configurations that need no environment of their own share one job)")
-    ap.add_argument("--out", help="write the JSON document of each world (and a plot of a timed run) into this "
-                                  "directory; without it, only the tables are printed")
+    ap.add_argument(
+        "--check",
+        "--check-only",
+        dest="check_only",
+        action="store_true",
+        help="check every cell against the reference and time nothing; exit status 1 on any mismatch "
+        "(the configurations that need no environment of their own share one job)",
+    )
+    ap.add_argument(
+        "--out",
+        help="write the JSON document of each world (and a plot of a timed run) into this "
+        "directory; without it, only the tables are printed",
+    )
     ap.add_argument("--check-repeats", type=int, default=2, help="runs of each check program")
     ap.add_argument("--cpu", action="store_true", help="the CPU backend (GPU-only configurations are skipped)")
     ap.add_argument("--k", type=int, help="dependent calls per timed program")
     ap.add_argument("--samples", type=int, help="samples per timing (the median is kept)")
     ap.add_argument("--reps", type=int, help="programs per sample, back to back")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job (a set of processes)")
-    ap.add_argument("--max-seconds", type=float,
-                    help="seconds for the whole run: the job running then is stopped, later ones are not started, "
-                         "the tables show what ran, and the exit status is 1")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        help="seconds for the whole run: the job running then is stopped, later ones are not started, "
+        "the tables show what ran, and the exit status is 1",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
 
 
@@ -382,8 +429,10 @@ def finish_arguments(ap, args, configs, default, sizes):
         ap.error("--timeout and --max-seconds take a positive number of seconds")
     args.gpus = [] if args.cpu else visible_gpus()
     if not args.cpu and not args.gpus:
-        ap.error("no NVIDIA GPU here (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); --cpu runs on "
-                 "the CPU backend")
+        ap.error(
+            "no NVIDIA GPU here (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); --cpu runs on "
+            "the CPU backend"
+        )
 
 
 def run_world(args, world, bench, scratch):
@@ -399,8 +448,18 @@ def run_world(args, world, bench, scratch):
     jobs, skipped = plan_jobs(args.names, configs, world, args.gpus, args.cpu, args.check_only)
     outputs = []
     for i, job in enumerate(jobs):
-        job.update(world=world, gpus=args.gpus, cpu=args.cpu, sizes=args.sizes, k=args.k, samples=args.samples,
-                   reps=args.reps, check_only=args.check_only, check_repeats=args.check_repeats, **bench["job"])
+        job.update(
+            world=world,
+            gpus=args.gpus,
+            cpu=args.cpu,
+            sizes=args.sizes,
+            k=args.k,
+            samples=args.samples,
+            reps=args.reps,
+            check_only=args.check_only,
+            check_repeats=args.check_repeats,
+            **bench["job"],
+        )
         tag = f"bench_{bench['name']}_world{world}_job{i}"
         left = args.timeout if args.deadline is None else min(args.timeout, args.deadline - time.monotonic())
         if left < 1:
@@ -409,22 +468,43 @@ def run_world(args, world, bench, scratch):
             outputs.append((job, (None, [], why)))
             continue
         outputs.append((job, run_job(bench["script"], job, configs, scratch, tag, left)))
-    doc = dict(meta=dict(
-        bench=bench["name"], world=world, gpus=len(args.gpus), cpu=args.cpu, check_only=args.check_only,
-        sizes=args.sizes, dtype="bfloat16", k=args.k, samples=args.samples, reps=args.reps,
-        check_repeats=args.check_repeats, command=" ".join(["python", *sys.argv]),
-        shared_gpus=not args.cpu and world > len(args.gpus), timing_caveat=caveat,
-        configs={n: {key: configs[n][key] for key in ("kind", "env", "tuning", "process_env")} for n in args.names},
-        method="K dependent calls in one jitted program minus the same program without the collective, / K; "
-               "median of samples of back-to-back runs", **bench["meta"]), **merge(outputs, skipped))
+    doc = dict(
+        meta=dict(
+            bench=bench["name"],
+            world=world,
+            gpus=len(args.gpus),
+            cpu=args.cpu,
+            check_only=args.check_only,
+            sizes=args.sizes,
+            dtype="bfloat16",
+            k=args.k,
+            samples=args.samples,
+            reps=args.reps,
+            check_repeats=args.check_repeats,
+            command=" ".join(["python", *sys.argv]),
+            shared_gpus=not args.cpu and world > len(args.gpus),
+            timing_caveat=caveat,
+            configs={n: {key: configs[n][key] for key in ("kind", "env", "tuning", "process_env")} for n in args.names},
+            method="K dependent calls in one jitted program minus the same program without the collective, / K; "
+            "median of samples of back-to-back runs",
+            **bench["meta"],
+        ),
+        **merge(outputs, skipped),
+    )
     rows = bench["rows"](doc)
     where = describe_where(world, args.gpus, args.cpu, doc["device"])
-    text = (f"\nchecks, {where} (the algorithm jax_arx planned and ran; '!': not the reference, '?': not the "
-            f"algorithm asked for, skip: see the JSON's \"skipped\")\n" + check_table(doc, args.sizes, rows,
-                                                                                  bench["label_width"]))
+    text = (
+        f"\nchecks, {where} (the algorithm jax_arx planned and ran; '!': not the reference, '?': not the "
+        f'algorithm asked for, skip: see the JSON\'s "skipped")\n'
+        + check_table(doc, args.sizes, rows, bench["label_width"])
+    )
     if not args.check_only:
-        text += (f"\n\nper-call latency, us (bf16, {where})" + (f"\nNOTE: {caveat}" if caveat else "") + "\n"
-                 + latency_table(doc, args.sizes, rows, bench["label_width"]))
+        text += (
+            f"\n\nper-call latency, us (bf16, {where})"
+            + (f"\nNOTE: {caveat}" if caveat else "")
+            + "\n"
+            + latency_table(doc, args.sizes, rows, bench["label_width"])
+        )
         ratios_text, doc["ratios"] = ratio_tables(doc, args.sizes, bench["ratios"])
         text += "\n" + ratios_text
     summary, ok = check_summary(doc)
@@ -462,8 +542,9 @@ def main(parse_args, worker, bench_of, argv):
 def json_path(out_dir, bench, world, check_only):
     """bench_psum.json at world 2 (the README's tables), bench_psum_world4.json
     at 4; with _check for --check runs, whose times mean nothing."""
-    return os.path.join(out_dir, f"{bench}{'_check' if check_only else ''}"
-                                 f"{'' if world == 2 else f'_world{world}'}.json")
+    return os.path.join(
+        out_dir, f"{bench}{'_check' if check_only else ''}{'' if world == 2 else f'_world{world}'}.json"
+    )
 
 
 def merge(outputs, skipped):
@@ -490,5 +571,3 @@ def merge(outputs, skipped):
     for name, why in skipped.items():
         merged["runs"][name] = {"skipped": why}
     return merged
-
-

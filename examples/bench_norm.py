@@ -82,18 +82,22 @@ SERIES = (FUSED, UNFUSED)
 # tuning): by default the plan steps aside on GPUs for psum then the add
 # and the norm in jax (ffi/comm/plan.cc, plan_add_norm), which the unfused
 # series times.
-CONFIGS = {**{name: dict(c, tuning=dict(c["tuning"], norm_fused=1)) for name, c in bj.ARX_CONFIGS.items()},
-           "floor": bj.floor_config()}
+CONFIGS = {
+    **{name: dict(c, tuning=dict(c["tuning"], norm_fused=1)) for name, c in bj.ARX_CONFIGS.items()},
+    "floor": bj.floor_config(),
+}
 DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "floor")
 RATIOS = [
-    *((f"{c}: psum_add_norm over psum + add + norm", (c, FUSED), (c, UNFUSED), 0.7)
-      for c in ("arx-shm", "arx-shm-host", "arx-shm-proxy")),
+    *(
+        (f"{c}: psum_add_norm over psum + add + norm", (c, FUSED), (c, UNFUSED), 0.7)
+        for c in ("arx-shm", "arx-shm-host", "arx-shm-proxy")
+    ),
     ("arx-tcp: psum_add_norm over psum + add + norm", ("arx-tcp", FUSED), ("arx-tcp", UNFUSED), None),
     ("proxy route: psum_add_norm over the pinned round trip", ("arx-shm-proxy", FUSED), ("floor", FLOOR), None),
 ]
 # The tolerance of normed, in float32 ulps of the row's largest |value|
 # (see the docstring): the fused call's contract, and the unfused formula's.
-ROW_ULPS = {FUSED: 4, UNFUSED: 2 ** 16}
+ROW_ULPS = {FUSED: 4, UNFUSED: 2**16}
 
 
 def normed_f64(hidden, weight, kind):
@@ -128,7 +132,7 @@ class Case:
     def tolerance(self, series):
         """Per element of want(): normed's tolerance (the docstring's), 0 for hidden."""
         ulp = np.spacing(np.abs(self.normed).astype(self.hidden.dtype)).astype(np.float64)
-        row = ROW_ULPS[series] * 2.0 ** -23 * np.abs(self.normed).max(-1, keepdims=True)
+        row = ROW_ULPS[series] * 2.0**-23 * np.abs(self.normed).max(-1, keepdims=True)
         return np.concatenate([0.5 * ulp + row, np.zeros(self.hidden.shape)])
 
 
@@ -157,24 +161,38 @@ class Worker(bw.BenchWorker):
                 f = f - jnp.mean(f, -1, keepdims=True)
             y = f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS) * w.astype(jnp.float32)
             return y.astype(h.dtype), h
+
         return {FUSED: fused, UNFUSED: unfused}
 
     def series(self, config, comm):
         jnp = self.jax.numpy
         for nbytes in self.job["sizes"]:
             case = Case(nbytes, self.world, self.job["kind"])
-            args = (bw.sharded(self.jax, self.mesh, (case.rows, HIDDEN), lambda r, c=case: c.parts[r]),
-                    bw.sharded(self.jax, self.mesh, (case.rows, HIDDEN), lambda r, c=case: c.residual),
-                    bw.sharded(self.jax, self.mesh, (1, HIDDEN), lambda r, c=case: c.weight))
+            args = (
+                bw.sharded(self.jax, self.mesh, (case.rows, HIDDEN), lambda r, c=case: c.parts[r]),
+                bw.sharded(self.jax, self.mesh, (case.rows, HIDDEN), lambda r, c=case: c.residual),
+                bw.sharded(self.jax, self.mesh, (1, HIDDEN), lambda r, c=case: c.weight),
+            )
             for name, step in self.steps().items():
+
                 def call(x, r, w, step=step):
                     return jnp.concatenate(step(x, r, w[0]))
+
                 tol = case.tolerance(name)
-                self.cell(config, name, nbytes, call, args, case.want, comm=comm, plan_op="psum",
-                          tolerance=lambda rank, t=tol: t,
-                          chain=lambda c, step=step: self.chain(None if c is None else step),
-                          baseline=f"chain {nbytes}",
-                          intended=lambda planned, ran: bool(ran) and set(ran) <= {"ll", "one_shot", "two_shot"})
+                self.cell(
+                    config,
+                    name,
+                    nbytes,
+                    call,
+                    args,
+                    case.want,
+                    comm=comm,
+                    plan_op="psum",
+                    tolerance=lambda rank, t=tol: t,
+                    chain=lambda c, step=step: self.chain(None if c is None else step),
+                    baseline=f"chain {nbytes}",
+                    intended=lambda planned, ran: bool(ran) and set(ran) <= {"ll", "one_shot", "two_shot"},
+                )
 
     def chain(self, step):
         """K dependent steps (the docstring's); step None: the same program
@@ -187,6 +205,7 @@ class Worker(bw.BenchWorker):
                 n, r = (x, r) if step is None else step(x, r, w[0])
                 x, r = lax.optimization_barrier((n * half, r))
             return x
+
         return self.smap(body, 3)
 
 
@@ -202,15 +221,23 @@ def table_rows(doc, names):
 
 def plot(doc, rows, path, title):
     lines = [(c, s, label, "-" if s == FUSED else ":" if s == FLOOR else "--") for c, s, label in rows]
-    report.plot_latencies(doc, [("psum + residual + norm", lines)], doc["meta"]["sizes"], path, title,
-                          "partial per rank (bf16 rows of 4096)")
+    report.plot_latencies(
+        doc,
+        [("psum + residual + norm", lines)],
+        doc["meta"]["sizes"],
+        path,
+        title,
+        "partial per rank (bf16 rows of 4096)",
+    )
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bj.add_arguments(ap, f"configurations (default {','.join(DEFAULT)}; all: every one)",
-                     "partials per rank, whole rows of 8KB, e.g. 8KB,512KB (default 1, 4, 16 and 64 rows; "
-                     "--cpu: 1 and 4)")
+    bj.add_arguments(
+        ap,
+        f"configurations (default {','.join(DEFAULT)}; all: every one)",
+        "partials per rank, whole rows of 8KB, e.g. 8KB,512KB (default 1, 4, 16 and 64 rows; --cpu: 1 and 4)",
+    )
     ap.add_argument("--kind", default="rms", choices=("rms", "layer"), help="the norm (default rms)")
     args = ap.parse_args(argv)
     if args.worker:
@@ -223,9 +250,17 @@ def parse_args(argv):
 
 
 def bench(args, world):
-    return dict(name="norm", script=THIS, configs=CONFIGS, job=dict(kind=args.kind),
-                meta=dict(kind=args.kind, hidden=HIDDEN, eps=EPS, series=list(SERIES)),
-                rows=lambda doc: table_rows(doc, args.names), ratios=RATIOS, plot=plot, label_width=36)
+    return dict(
+        name="norm",
+        script=THIS,
+        configs=CONFIGS,
+        job=dict(kind=args.kind),
+        meta=dict(kind=args.kind, hidden=HIDDEN, eps=EPS, series=list(SERIES)),
+        rows=lambda doc: table_rows(doc, args.names),
+        ratios=RATIOS,
+        plot=plot,
+        label_width=36,
+    )
 
 
 if __name__ == "__main__":

@@ -106,11 +106,20 @@ SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB]
 QUICK_SIZES = [1 * MB, 16 * MB]  # --quick
 CPU_SIZES = [16 << 10, 64 << 10]
 HIDDEN, TOPK = 512, 2
-GATHER, SCATTER, FUSED, UNFUSED, FLOOR = ("all_gather", "psum_scatter", "moe_combine_psum_scatter",
-                                          "moe_combine + psum_scatter", "pinned_copy")
+GATHER, SCATTER, FUSED, UNFUSED, FLOOR = (
+    "all_gather",
+    "psum_scatter",
+    "moe_combine_psum_scatter",
+    "moe_combine + psum_scatter",
+    "pinned_copy",
+)
 OPS = (GATHER, SCATTER, FUSED, UNFUSED)
-PLANNED_OP = {GATHER: "all_gather", SCATTER: "psum_scatter", FUSED: "moe_combine_psum_scatter",
-              UNFUSED: "psum_scatter"}  # Endpoint.plan's name for what a series runs with jax_arx
+PLANNED_OP = {
+    GATHER: "all_gather",
+    SCATTER: "psum_scatter",
+    FUSED: "moe_combine_psum_scatter",
+    UNFUSED: "psum_scatter",
+}  # Endpoint.plan's name for what a series runs with jax_arx
 
 
 def _fused(config):
@@ -128,16 +137,31 @@ CONFIGS = {
 }
 DEFAULT = [c for c in CONFIGS if c != "arx-tcp-ring"]
 RATIOS = [
-    *((f"{op}: jax_arx (GPU inboxes) over NCCL as it comes", ("arx-shm", op), ("nccl", op), 1.0)
-      for op in (GATHER, SCATTER)),
-    *((f"{op}: jax_arx with host inboxes over the pinned-copy floor", ("arx-shm-host", op), ("floor", FLOOR), 1.25)
-      for op in (GATHER, SCATTER)),
-    *((f"{op}: jax_arx with host inboxes over NCCL with P2P disabled", ("arx-shm-host", op), ("nccl-p2p-off", op),
-       None) for op in (GATHER, SCATTER)),
+    *(
+        (f"{op}: jax_arx (GPU inboxes) over NCCL as it comes", ("arx-shm", op), ("nccl", op), 1.0)
+        for op in (GATHER, SCATTER)
+    ),
+    *(
+        (f"{op}: jax_arx with host inboxes over the pinned-copy floor", ("arx-shm-host", op), ("floor", FLOOR), 1.25)
+        for op in (GATHER, SCATTER)
+    ),
+    *(
+        (
+            f"{op}: jax_arx with host inboxes over NCCL with P2P disabled",
+            ("arx-shm-host", op),
+            ("nccl-p2p-off", op),
+            None,
+        )
+        for op in (GATHER, SCATTER)
+    ),
     ("MoE combine: fused over the unfused pair, both jax_arx", ("arx-shm", FUSED), ("arx-shm", UNFUSED), None),
     ("MoE combine: fused (jax_arx) over the pair on jax.lax (NCCL)", ("arx-shm", FUSED), ("nccl", UNFUSED), None),
-    ("MoE combine, host inboxes: fused over the unfused pair", ("arx-shm-host", FUSED), ("arx-shm-host", UNFUSED),
-     None),
+    (
+        "MoE combine, host inboxes: fused over the unfused pair",
+        ("arx-shm-host", FUSED),
+        ("arx-shm-host", UNFUSED),
+        None,
+    ),
 ]
 
 
@@ -149,6 +173,7 @@ def arx_env(sizes, world):
 
 
 # --- the inputs and references of one op and size ----------------------------------
+
 
 class Case:
     """The inputs of ``op`` at a slice of ``nbytes`` (rank r's made by r's
@@ -169,10 +194,12 @@ class Case:
         if self.op == SCATTER:
             return [((w * n,), lambda r: pattern_bf16(s, r, 0, w * n))]
         R, T, H = self.rows + 1, self.tokens, HIDDEN
-        return [((R, H), lambda r: self.expert_rows(r)),
-                ((T, TOPK), lambda r: self.pos(r, 0, T)),
-                ((T, TOPK), lambda r: self.weights(r, 0, T)),
-                ((T, H), lambda r: pattern_bf16(s + 3, r, 0, T * H).reshape(T, H))]
+        return [
+            ((R, H), lambda r: self.expert_rows(r)),
+            ((T, TOPK), lambda r: self.pos(r, 0, T)),
+            ((T, TOPK), lambda r: self.weights(r, 0, T)),
+            ((T, H), lambda r: pattern_bf16(s + 3, r, 0, T * H).reshape(T, H)),
+        ]
 
     def expert_rows(self, r):
         return pattern_bf16(self.seed, r, 0, (self.rows + 1) * HIDDEN).reshape(self.rows + 1, HIDDEN)
@@ -192,15 +219,25 @@ class Case:
         if self.op == SCATTER:
             return np.stack([pattern_bf16(s, r, i * n, n) for r in range(w)])
         t0, rows = i * self.rows, self.rows
-        return np.stack([combine_rows(self.expert_rows(r), self.pos(r, t0, rows), self.weights(r, t0, rows),
-                                      pattern_bf16(s + 3, r, t0 * HIDDEN, rows * HIDDEN).reshape(rows, HIDDEN))
-                         for r in range(w)])
+        return np.stack(
+            [
+                combine_rows(
+                    self.expert_rows(r),
+                    self.pos(r, t0, rows),
+                    self.weights(r, t0, rows),
+                    pattern_bf16(s + 3, r, t0 * HIDDEN, rows * HIDDEN).reshape(rows, HIDDEN),
+                )
+                for r in range(w)
+            ]
+        )
 
     def want(self, i):
         if ("want", i) not in self._memo:
             self._memo["want", i] = (
                 np.concatenate([pattern_bf16(self.seed, r, 0, self.n) for r in range(self.world)])
-                if self.op == GATHER else rank_order_sum(self.partials(i)))
+                if self.op == GATHER
+                else rank_order_sum(self.partials(i))
+            )
         return self._memo["want", i]
 
     def tolerance(self, i):
@@ -208,18 +245,25 @@ class Case:
         if self.op == GATHER:
             return 0.0
         if ("tolerance", i) not in self._memo:
-            self._memo["tolerance", i] = 2.0 ** -6 * rank_order_sum(np.abs(self.partials(i).astype(np.float32)))
+            self._memo["tolerance", i] = 2.0**-6 * rank_order_sum(np.abs(self.partials(i).astype(np.float32)))
         return self._memo["tolerance", i]
 
 
 # --- the worker: one job, every configuration of it ------------------------------------
 
+
 class Worker(bw.BenchWorker):
     configs = CONFIGS
 
     def arx(self, config, spec, run):
-        self.phase(config, spec, arx_env(self.job["sizes"], self.world), run, config,
-                   lambda comm: self.series(config, self.jax_arx, comm))
+        self.phase(
+            config,
+            spec,
+            arx_env(self.job["sizes"], self.world),
+            run,
+            config,
+            lambda comm: self.series(config, self.jax_arx, comm),
+        )
 
     def other(self, config, spec):
         if spec["kind"] == "floor":
@@ -253,10 +297,20 @@ class Worker(bw.BenchWorker):
                     continue
                 args = tuple(bw.sharded(self.jax, self.mesh, shape, make) for shape, make in case.blocks())
                 exact = comm is not None or op == GATHER
-                self.cell(config, op, nbytes, self.collective(op, lib), args, case.want, comm=comm,
-                          plan_op=PLANNED_OP[op], tolerance=None if exact else case.tolerance,
-                          chain=lambda c, op=op, case=case: self.chain(op, case, c), baseline=f"{op} {nbytes}",
-                          intended=lambda planned, ran: planned == "bulk" and set(ran) == {"bulk"})
+                self.cell(
+                    config,
+                    op,
+                    nbytes,
+                    self.collective(op, lib),
+                    args,
+                    case.want,
+                    comm=comm,
+                    plan_op=PLANNED_OP[op],
+                    tolerance=None if exact else case.tolerance,
+                    chain=lambda c, op=op, case=case: self.chain(op, case, c),
+                    baseline=f"{op} {nbytes}",
+                    intended=lambda planned, ran: planned == "bulk" and set(ran) == {"bulk"},
+                )
                 del args
 
     def chain(self, op, case, call):
@@ -271,7 +325,7 @@ class Worker(bw.BenchWorker):
                 y = a[0]
                 return (y * half,) if call is None else (lax.dynamic_slice_in_dim(call(y), n // 2, n) * half,)
             varying = a[0] if op == SCATTER else a[3]
-            part = varying[:rows if op != SCATTER else n] if call is None else call(*a)
+            part = varying[: rows if op != SCATTER else n] if call is None else call(*a)
             updated = lax.dynamic_update_slice_in_dim(varying, part * half, 0, axis=0)
             return (updated,) if op == SCATTER else (*a[:3], updated)
 
@@ -279,6 +333,7 @@ class Worker(bw.BenchWorker):
             for _ in range(k):
                 a = lax.optimization_barrier(step(*a))
             return a[-1]
+
         return self.smap(body, len(case.blocks()))
 
     def floor(self, config):
@@ -302,33 +357,46 @@ class Worker(bw.BenchWorker):
             slowest = self.ex.gather(us)  # the floor of a collective is its slowest rank's
             if slowest is not None:
                 self.rec.time(config, nbytes, FLOOR, max(slowest))
-                print(f"{config} {FLOOR} {size_label(nbytes)}: {size_label(each_way)} each way, "
-                      f"{max(slowest):.1f} us (ranks: {', '.join(f'{v:.1f}' for v in slowest)})", flush=True)
+                print(
+                    f"{config} {FLOOR} {size_label(nbytes)}: {size_label(each_way)} each way, "
+                    f"{max(slowest):.1f} us (ranks: {', '.join(f'{v:.1f}' for v in slowest)})",
+                    flush=True,
+                )
 
 
 # --- the driver ---------------------------------------------------------------------------
 
+
 def table_rows(doc, names, ops):
     rows = [(config, op, f"{op} | {config}") for op in ops for config in names if CONFIGS[config]["kind"] != "floor"]
     rows += [(config, FLOOR, f"{FLOOR} | {config}") for config in names if CONFIGS[config]["kind"] == "floor"]
-    return [r for r in rows if any(r[1] in cells for part in ("results", "checks")
-                                   for cells in doc[part].get(r[0], {}).values())]
+    return [
+        r
+        for r in rows
+        if any(r[1] in cells for part in ("results", "checks") for cells in doc[part].get(r[0], {}).values())
+    ]
 
 
 def plot(doc, rows, path, title):
     def style(config, series):
         return ":" if series == FLOOR else "-" if CONFIGS[config]["kind"] == "arx" else "--"
+
     floors = [(c, s, c, style(c, s)) for c, s, _ in rows if s == FLOOR]
-    panels = [(op, [(c, s, c, style(c, s)) for c, s, _ in rows if s == op] + floors)
-              for op in OPS if any(s == op for _, s, _ in rows)]
+    panels = [
+        (op, [(c, s, c, style(c, s)) for c, s, _ in rows if s == op] + floors)
+        for op in OPS
+        if any(s == op for _, s, _ in rows)
+    ]
     report.plot_latencies(doc, panels, doc["meta"]["sizes"], path, title, "slice per rank (bf16)")
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bj.add_arguments(ap, f"configurations (default {','.join(DEFAULT)}; all: every one of {','.join(CONFIGS)})",
-                     "slices per rank, e.g. 1MB,4MB,16MB,64MB (the default; --quick: 1 and 16 MB; --cpu: 16 and "
-                     "64 KB)")
+    bj.add_arguments(
+        ap,
+        f"configurations (default {','.join(DEFAULT)}; all: every one of {','.join(CONFIGS)})",
+        "slices per rank, e.g. 1MB,4MB,16MB,64MB (the default; --quick: 1 and 16 MB; --cpu: 16 and 64 KB)",
+    )
     ap.add_argument("--ops", default=",".join(OPS), help="series of each configuration (of the docstring's)")
     ap.add_argument("--quick", action="store_true", help="1 and 16 MB (unless --sizes), K 8, 5 samples of 3")
     args = ap.parse_args(argv)
@@ -343,9 +411,17 @@ def parse_args(argv):
 
 
 def bench(args, world):
-    return dict(name="prefill", script=THIS, configs=CONFIGS, job=dict(ops=args.ops),
-                meta=dict(ops=args.ops, hidden=HIDDEN, topk=TOPK, arx_env=arx_env(args.sizes, world)),
-                rows=lambda doc: table_rows(doc, args.names, args.ops), ratios=RATIOS, plot=plot, label_width=44)
+    return dict(
+        name="prefill",
+        script=THIS,
+        configs=CONFIGS,
+        job=dict(ops=args.ops),
+        meta=dict(ops=args.ops, hidden=HIDDEN, topk=TOPK, arx_env=arx_env(args.sizes, world)),
+        rows=lambda doc: table_rows(doc, args.names, args.ops),
+        ratios=RATIOS,
+        plot=plot,
+        label_width=44,
+    )
 
 
 if __name__ == "__main__":

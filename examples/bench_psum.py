@@ -129,22 +129,38 @@ CONFIGS = {
     "arx-shm-noll": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 0}, gpu_only=True),
     "arx-shm-ll32k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 32 << 10}, gpu_only=True),
     "arx-shm-ll64k": bj.arx_config(bj.SHM, {"cuda_ll_max_bytes": 64 << 10}, gpu_only=True),
-    "arx-shm-proxy-noll": bj.arx_config(dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_ll_max_bytes": 0},
-                                        gpu_only=True),
-    **{f"arx-shm-piece{k}k": bj.arx_config(bj.SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
-       for k in (4, 8, 16, 32, 64)},
-    **{f"arx-shm-proxy-piece{k}k": bj.arx_config(dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_chunk_bytes": k << 10},
-                                                 gpu_only=True)
-       for k in (8, 16, 32)},
+    "arx-shm-proxy-noll": bj.arx_config(dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_ll_max_bytes": 0}, gpu_only=True),
+    **{
+        f"arx-shm-piece{k}k": bj.arx_config(bj.SHM, {"cuda_chunk_bytes": k << 10}, gpu_only=True)
+        for k in (4, 8, 16, 32, 64)
+    },
+    **{
+        f"arx-shm-proxy-piece{k}k": bj.arx_config(
+            dict(bj.SHM, JAX_ARX_CUDA_DIRECT="0"), {"cuda_chunk_bytes": k << 10}, gpu_only=True
+        )
+        for k in (8, 16, 32)
+    },
     "floor": bj.floor_config(),
     **bj.NCCL_CONFIGS,
-    "nccl-socket": bj.lax_config({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
-                                 gpu_only=True),
+    "nccl-socket": bj.lax_config(
+        {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}, gpu_only=True
+    ),
     "xla-oneshot": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, watch=XLA_WATCH),
     "xla-oneshot-1proc": bj.lax_config({"XLA_FLAGS": XLA_ONESHOT}, gpu_only=True, one_process=True, watch=XLA_WATCH),
 }
-DEFAULT = ("arx-shm", "arx-shm-host", "arx-shm-proxy", "arx-tcp", "arx-shm-ring", "floor", "nccl", "nccl-p2p-off",
-           "nccl-socket", "xla-oneshot", "xla-oneshot-1proc")
+DEFAULT = (
+    "arx-shm",
+    "arx-shm-host",
+    "arx-shm-proxy",
+    "arx-tcp",
+    "arx-shm-ring",
+    "floor",
+    "nccl",
+    "nccl-p2p-off",
+    "nccl-socket",
+    "xla-oneshot",
+    "xla-oneshot-1proc",
+)
 ALGORITHMS = ("jax_arx.psum", "one-shot", "two-shot")
 # What each algorithm series may run (stats' names), and the LL ceiling a
 # configuration sets: a cell that ran anything else is not "as_intended".
@@ -153,15 +169,27 @@ LL_CEILING = {"arx-shm-noll": 0, "arx-shm-proxy-noll": 0, "arx-shm-ll32k": 32 <<
 LAX = "jax.lax.psum"
 FLOOR = "pinned round trip"
 RATIOS = [
-    ("proxy route over the pinned round trip (target: <= 4 at 8 KB)", ("arx-shm-proxy", "jax_arx.psum"),
-     ("floor", FLOOR), None),
+    (
+        "proxy route over the pinned round trip (target: <= 4 at 8 KB)",
+        ("arx-shm-proxy", "jax_arx.psum"),
+        ("floor", FLOOR),
+        None,
+    ),
     ("host inboxes over the pinned round trip", ("arx-shm-host", "jax_arx.psum"), ("floor", FLOOR), None),
     ("jax_arx.psum over NCCL as it comes", ("arx-shm", "jax_arx.psum"), ("nccl", LAX), 0.5),
     ("jax_arx.psum over XLA's one-shot kernel", ("arx-shm", "jax_arx.psum"), ("xla-oneshot", LAX), None),
-    ("jax_arx.psum over XLA's one-shot kernel, one process", ("arx-shm", "jax_arx.psum"),
-     ("xla-oneshot-1proc", LAX), None),
-    ("host inboxes: jax_arx.psum over NCCL with P2P disabled", ("arx-shm-host", "jax_arx.psum"),
-     ("nccl-p2p-off", LAX), None),
+    (
+        "jax_arx.psum over XLA's one-shot kernel, one process",
+        ("arx-shm", "jax_arx.psum"),
+        ("xla-oneshot-1proc", LAX),
+        None,
+    ),
+    (
+        "host inboxes: jax_arx.psum over NCCL with P2P disabled",
+        ("arx-shm-host", "jax_arx.psum"),
+        ("nccl-p2p-off", LAX),
+        None,
+    ),
     ("two-shot over one-shot (below 1: two-shot is faster)", ("arx-shm", "two-shot"), ("arx-shm", "one-shot"), None),
     ("host inboxes: two-shot over one-shot", ("arx-shm-host", "two-shot"), ("arx-shm-host", "one-shot"), None),
 ]
@@ -193,8 +221,9 @@ def algorithm_env(algorithm, max_bytes, world, host_inboxes=False):
     elif algorithm == "two-shot":
         env["JAX_ARX_ONESHOT_MAX_BYTES"] = "16"
     elif algorithm == "jax_arx.psum" and slot > d.slot_bytes:
-        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(min(d.slot_bytes, HOST_INBOX_ONESHOT_MAX) if host_inboxes
-                                                        else d.slot_bytes)
+        env["JAX_ARX_ONESHOT_MAX_BYTES"] = size_setting(
+            min(d.slot_bytes, HOST_INBOX_ONESHOT_MAX) if host_inboxes else d.slot_bytes
+        )
     return env
 
 
@@ -209,6 +238,7 @@ def as_intended(config, algorithm, nbytes, planned, ran):
 
 
 # --- the worker: one job, every configuration of it --------------------------------
+
 
 class Worker(bw.BenchWorker):
     configs = CONFIGS
@@ -225,8 +255,14 @@ class Worker(bw.BenchWorker):
                 continue
             host = not self.job["cpu"] and spec["env"].get("JAX_ARX_CUDA_PEER_MEMORY") == "0"
             env = algorithm_env(algorithm, max(self.job["sizes"]), self.world, host_inboxes=host)
-            self.phase(config, spec, env, run, f"{config} {algorithm}",
-                       lambda comm, a=algorithm: self.series(config, a, lambda y: self.jax_arx.psum(y, bw.AXIS), comm))
+            self.phase(
+                config,
+                spec,
+                env,
+                run,
+                f"{config} {algorithm}",
+                lambda comm, a=algorithm: self.series(config, a, lambda y: self.jax_arx.psum(y, bw.AXIS), comm),
+            )
 
     def other(self, config, spec):
         if spec["kind"] == "floor":
@@ -255,10 +291,20 @@ class Worker(bw.BenchWorker):
         (None: jax.lax, checked within rounding)."""
         for nbytes in self.job["sizes"]:
             x, want, tolerance = self.inputs(nbytes)
-            self.cell(config, series, nbytes, call, (x,), lambda rank, w=want: w, comm=comm, plan_op="psum",
-                      tolerance=None if comm is not None else lambda rank, t=tolerance: t, chain=self.chain,
-                      baseline=nbytes, intended=lambda planned, ran, n=nbytes: as_intended(config, series, n,
-                                                                                          planned, ran))
+            self.cell(
+                config,
+                series,
+                nbytes,
+                call,
+                (x,),
+                lambda rank, w=want: w,
+                comm=comm,
+                plan_op="psum",
+                tolerance=None if comm is not None else lambda rank, t=tolerance: t,
+                chain=self.chain,
+                baseline=nbytes,
+                intended=lambda planned, ran, n=nbytes: as_intended(config, series, n, planned, ran),
+            )
 
     def inputs(self, nbytes):
         """The sharded input of a size, the reference sum (the same on every
@@ -268,7 +314,7 @@ class Worker(bw.BenchWorker):
             n = nbytes // 2
             x = bw.sharded(self.jax, self.mesh, (n,), lambda r: pattern_bf16(SEED, r, 0, n))
             parts = np.stack([pattern_bf16(SEED, r, 0, n) for r in range(self.world)])
-            tolerance = 2.0 ** -6 * rank_order_sum(np.abs(parts.astype(np.float32)))
+            tolerance = 2.0**-6 * rank_order_sum(np.abs(parts.astype(np.float32)))
             self._inputs[nbytes] = (x, rank_order_sum(parts), tolerance)
         return self._inputs[nbytes]
 
@@ -282,10 +328,12 @@ class Worker(bw.BenchWorker):
             for _ in range(k):
                 y = self.jax.lax.optimization_barrier((y if call is None else call(y)) * scale)
             return y
+
         return self.smap(body)
 
 
 # --- the driver ------------------------------------------------------------------------
+
 
 def table_rows(doc, names, algorithms):
     rows = []
@@ -306,8 +354,11 @@ def plot(doc, rows, path, title):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bj.add_arguments(ap, f"configurations (default {','.join(DEFAULT)}; all: every one)",
-                     "partials per rank, e.g. 8KB,4MB (default 8 KB to 4 MB; --cpu: 8 and 64 KB)")
+    bj.add_arguments(
+        ap,
+        f"configurations (default {','.join(DEFAULT)}; all: every one)",
+        "partials per rank, e.g. 8KB,4MB (default 8 KB to 4 MB; --cpu: 8 and 64 KB)",
+    )
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="series of each jax_arx configuration")
     args = ap.parse_args(argv)
     if args.worker:
@@ -319,10 +370,17 @@ def parse_args(argv):
 
 
 def bench(args, world):
-    return dict(name="psum", script=THIS, configs=CONFIGS, job=dict(algorithms=args.algorithms),
-                meta=dict(algorithms={a: algorithm_env(a, max(args.sizes), world) for a in args.algorithms}),
-                rows=lambda doc: table_rows(doc, args.names, args.algorithms), ratios=RATIOS, plot=plot,
-                label_width=30)
+    return dict(
+        name="psum",
+        script=THIS,
+        configs=CONFIGS,
+        job=dict(algorithms=args.algorithms),
+        meta=dict(algorithms={a: algorithm_env(a, max(args.sizes), world) for a in args.algorithms}),
+        rows=lambda doc: table_rows(doc, args.names, args.algorithms),
+        ratios=RATIOS,
+        plot=plot,
+        label_width=30,
+    )
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ def _at(doc, part, config, size, series):
 def latency_table(doc, sizes, rows, label_width=30):
     """Per-call us, a row per (config, series, label) of ``rows``; a value
     is followed by its cell's mark ('!', '?')."""
+
     def cell(config, series, s):
         v = _at(doc, "results", config, s, series)
         return "-" if v is None else f"{v:.1f}{cell_mark(_at(doc, 'checks', config, s, series)) or ' '}"
+
     return _table(sizes, rows, label_width, cell)
 
 
@@ -73,6 +75,7 @@ def check_table(doc, sizes, rows, label_width=30):
     ('LL', '1-shot/4': in 4 pieces, '2-shot', 'bulk'; 'ok' for jax.lax),
     then the mark ('!', '?'); 'skip' where the cell did not run (the JSON's
     "skipped" says why), '-' where nothing was asked."""
+
     def cell(config, series, s):
         check = _at(doc, "checks", config, s, series)
         if check is None:
@@ -85,6 +88,7 @@ def check_table(doc, sizes, rows, label_width=30):
             if planned["pieces"] > 1 and planned["algorithm"] == "one_shot":
                 text += f"/{planned['pieces']}"
         return text + (cell_mark(check) or " ")
+
     return _table(sizes, rows, label_width, cell)
 
 
@@ -106,8 +110,12 @@ def ratio_tables(doc, sizes, specs):
         if not row:
             continue
         ratios[title] = row
-        lines += ["", title + (f" (target <= {target})" if target is not None else ""),
-                  "".join(f"{size_label(s):>11}" for s in sizes), "".join(cells)]
+        lines += [
+            "",
+            title + (f" (target <= {target})" if target is not None else ""),
+            "".join(f"{size_label(s):>11}" for s in sizes),
+            "".join(cells),
+        ]
     return "\n".join(lines), ratios
 
 
@@ -138,6 +146,7 @@ def plot_latencies(doc, panels, sizes, path, title, xlabel):
     skipped, saying so, without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -59,8 +59,9 @@ def main():
         n = kb * 1024 // 2
         parts = np.random.default_rng(kb).standard_normal((world, n)).astype(jnp.bfloat16)
         inputs[kb] = (parts, jax.make_array_from_callback(parts.shape, sharded, lambda idx, p=parts: p[idx]))
-    once = jax.jit(jax.shard_map(lambda v: jax_arx.psum(v, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
-                                 check_vma=False))
+    once = jax.jit(
+        jax.shard_map(lambda v: jax_arx.psum(v, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)
+    )
     chain = lambda psum: chain_program(mesh, psum, args.calls)  # noqa: E731
     times = {t: {kb: [] for kb in sizes} for t in TOPOLOGIES}
     what = ""
@@ -76,15 +77,20 @@ def main():
                         raise SystemExit(f"{topology}: psum of {kb} KB differs from the fp32 rank-order sum")
                 times[topology][kb].append(per_call_us(chain, jax_arx.psum, x, args.calls, args.repeats))
                 if rank0:
-                    print(f"round {r + 1} of {args.rounds}, {topology}, {kb} KB: "
-                          f"{times[topology][kb][-1]:.1f} us per call", flush=True)
+                    print(
+                        f"round {r + 1} of {args.rounds}, {topology}, {kb} KB: "
+                        f"{times[topology][kb][-1]:.1f} us per call",
+                        flush=True,
+                    )
             jax_arx.check()
             jax_arx.shutdown()
     if rank0:
-        print(f"\nper-call psum latency, bf16, {what}; {world} ranks as a mesh and as a ring "
-              f"({'the rank two away through a relay' if world == 4 else 'every rank a neighbour'}); median of "
-              f"{args.rounds} rounds of the median of {args.repeats} runs of {args.calls} dependent calls minus "
-              f"the same program without them; every result checked bit for bit in both:")
+        print(
+            f"\nper-call psum latency, bf16, {what}; {world} ranks as a mesh and as a ring "
+            f"({'the rank two away through a relay' if world == 4 else 'every rank a neighbour'}); median of "
+            f"{args.rounds} rounds of the median of {args.repeats} runs of {args.calls} dependent calls minus "
+            f"the same program without them; every result checked bit for bit in both:"
+        )
         print(f"{'KB':>6} {'mesh us':>10} {'ring us':>10} {'ring/mesh':>10}")
         for kb in sizes:
             m, g = (statistics.median(times[t][kb]) for t in TOPOLOGIES)

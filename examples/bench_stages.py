@@ -106,8 +106,9 @@ def chain(mesh, calls):
     def body(i, x):
         return (jax_arx.psum(x, AXIS) * (1.0 / world)).astype(x.dtype) + x[0, 0] * 0
 
-    return jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh,
-                                 in_specs=P(AXIS), out_specs=P(AXIS)))
+    return jax.jit(
+        jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    )
 
 
 def my_rows(endpoint, offset_ns):
@@ -137,8 +138,10 @@ def main():
     from jax_arx import _comm, _core
 
     if not hasattr(_core, "trace"):
-        sys.exit("bench_stages: this jax_arx is not a trace build; install it with "
-                 "-C cmake.define.JAX_ARX_TRACE=ON (see this file's docstring)")
+        sys.exit(
+            "bench_stages: this jax_arx is not a trace build; install it with "
+            "-C cmake.define.JAX_ARX_TRACE=ON (see this file's docstring)"
+        )
     rank0 = jax.process_index() == 0
     (le,) = [e for e in _comm.communicators()[AXIS].endpoints]
     endpoint = le.endpoint
@@ -147,8 +150,11 @@ def main():
         rtt = _core.pinned_round_trip(endpoint.device_ordinal)
         offset, error = rtt["offset_ns"], rtt["error_ns"]
     if rank0:
-        print(f"bench_stages: {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
-              f"GPU clock onto the host's within {error / 1e3:.2f} us", flush=True)
+        print(
+            f"bench_stages: {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
+            f"GPU clock onto the host's within {error / 1e3:.2f} us",
+            flush=True,
+        )
     from jax_arx import _compat
 
     client = _compat.distributed_client()
@@ -171,12 +177,18 @@ def main():
         key = f"bench_stages/{kb}"
         client.key_value_set_bytes(f"{key}/{jax.process_index()}", json.dumps(rows).encode())
         if rank0:
-            every = [{int(k): v for k, v in json.loads(bytes(client.blocking_key_value_get_bytes(
-                f"{key}/{r}", 60_000))).items()} for r in range(world)]
+            every = [
+                {
+                    int(k): v
+                    for k, v in json.loads(bytes(client.blocking_key_value_get_bytes(f"{key}/{r}", 60_000))).items()
+                }
+                for r in range(world)
+            ]
             common = sorted(set.intersection(*[set(r) for r in every]))
-            seqs = common[-min(len(common), args.calls * args.repeats):][1:-1]
-            table[kb] = {f"rank {me} <- rank {(me + 1) % world}": spans(every, me, (me + 1) % world, seqs)
-                         for me in range(world)}
+            seqs = common[-min(len(common), args.calls * args.repeats) :][1:-1]
+            table[kb] = {
+                f"rank {me} <- rank {(me + 1) % world}": spans(every, me, (me + 1) % world, seqs) for me in range(world)
+            }
             table[kb]["raw"] = {r: {s: every[r][s] for s in seqs[:40]} for r in range(world)}
             print(f"\n{kb} KB ({len(seqs)} calls)")
             names = [name for name, _, _ in SPANS]

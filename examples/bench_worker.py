@@ -46,8 +46,6 @@ def place_rank(job):
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / share:.3f}")
 
 
-
-
 class Exchange:
     """What the processes of a job tell process 0, through jax.distributed's
     key-value store: no device collective (on GPUs that would be NCCL,
@@ -71,8 +69,10 @@ class Exchange:
         if self.rank != 0:
             self.client.key_value_set_bytes(f"{key}/{self.rank}", json.dumps(value).encode())
             return None
-        return [value] + [json.loads(bytes(self.client.blocking_key_value_get_bytes(f"{key}/{r}", self.timeout_ms)))
-                          for r in range(1, self.n)]
+        return [value] + [
+            json.loads(bytes(self.client.blocking_key_value_get_bytes(f"{key}/{r}", self.timeout_ms)))
+            for r in range(1, self.n)
+        ]
 
     def barrier(self):
         self.seq += 1
@@ -87,8 +87,16 @@ class Recorder:
 
     def __init__(self, job, jax):
         self.job, self.rank0 = job, jax.process_index() == 0
-        self.doc = dict(device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
-                        processes=jax.process_count(), results={}, checks={}, skipped={}, baselines={}, runs={})
+        self.doc = dict(
+            device=jax.devices()[0].device_kind,
+            platform=jax.devices()[0].platform,
+            processes=jax.process_count(),
+            results={},
+            checks={},
+            skipped={},
+            baselines={},
+            runs={},
+        )
 
     def run(self, config):
         return self.doc["runs"].setdefault(config, {"errors": []})
@@ -133,7 +141,7 @@ class BenchWorker:
 
         jax_arx.distributed_initialize()
         self.jax, self.jax_arx, self.job, self.world = jax, jax_arx, job, job["world"]
-        self.mesh = Mesh(np.array(jax.devices()[:self.world]), (AXIS,))
+        self.mesh = Mesh(np.array(jax.devices()[: self.world]), (AXIS,))
         self.ex, self.rec = Exchange(jax), Recorder(job, jax)
         self.rank0 = jax.process_index() == 0
         self._baselines = {}
@@ -157,17 +165,33 @@ class BenchWorker:
         """``body(comm)`` in a jax_arx phase (run_phase) with the
         configuration's settings, ``env`` and JAX_ARX_FALLBACK=error; the
         configuration's route noted once."""
+
         def with_route(comm):
             if "route" not in run:
                 run.update(describe_route(comm))
                 if self.rank0:
                     print(f"{config}: jax_arx over {run['transport']}, route '{run['route']}'", flush=True)
             body(comm)
+
         env = dict(env, **spec["env"], JAX_ARX_FALLBACK="error")
         run_phase(self.jax_arx, self.mesh, env, spec["tuning"], run["errors"], label, with_route)
 
-    def cell(self, config, series, nbytes, call, args, want, *, comm=None, plan_op=None, tolerance=None,
-             chain=None, baseline=None, intended=None):
+    def cell(
+        self,
+        config,
+        series,
+        nbytes,
+        call,
+        args,
+        want,
+        *,
+        comm=None,
+        plan_op=None,
+        tolerance=None,
+        chain=None,
+        baseline=None,
+        intended=None,
+    ):
         """One cell: ``call(*args)`` (sharded over AXIS) checked against
         ``want(rank)`` (bit for bit, or within ``tolerance(rank)``), then,
         unless --check, timed in ``chain(call)`` against ``chain(None)``
@@ -188,15 +212,31 @@ class BenchWorker:
         ok = self.checked(twice, args, want, tolerance)
         us = None if self.job["check_only"] else self.per_call_us(chain, call, args, baseline)
         ran = ran_since(comm, plan_op, before) if comm is not None else None
-        self.record(config, nbytes, series, check, ok, exact=tolerance is None, us=us, ran=ran,
-                    intended=ran is not None and intended(check["planned"]["algorithm"], ran))
+        self.record(
+            config,
+            nbytes,
+            series,
+            check,
+            ok,
+            exact=tolerance is None,
+            us=us,
+            ran=ran,
+            intended=ran is not None and intended(check["planned"]["algorithm"], ran),
+        )
 
     def smap(self, body, n_in=1, n_out=1):
         from jax.sharding import PartitionSpec as P
 
         spec = P(AXIS)
-        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=(spec,) * n_in,
-                                               out_specs=spec if n_out == 1 else (spec,) * n_out, check_vma=False))
+        return self.jax.jit(
+            self.jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(spec,) * n_in,
+                out_specs=spec if n_out == 1 else (spec,) * n_out,
+                check_vma=False,
+            )
+        )
 
     def checked(self, f, args, want, tolerance=None):
         """``f(*args)`` (a tuple of results, each sharded over AXIS) run
@@ -223,6 +263,7 @@ class BenchWorker:
 
         def time(program):
             return median_seconds(lambda a: program(*a), args, samples, reps) * 1e6
+
         if key not in self._baselines:
             self._baselines[key] = time(chain(None))
         return max(0.0, (time(chain(call)) - self._baselines[key]) / self.job["k"])
@@ -281,8 +322,10 @@ def run_phase(jax_arx, mesh, env, tuning, errors, label, body):
 def describe_route(comm):
     """{"transport": ..., "route": ...} of this process's endpoints."""
     eps = comm.endpoints
-    return dict(transport=", ".join(sorted({le.transport for le in eps})),
-                route=", ".join(sorted({le.endpoint.route for le in eps})))
+    return dict(
+        transport=", ".join(sorted({le.transport for le in eps})),
+        route=", ".join(sorted({le.endpoint.route for le in eps})),
+    )
 
 
 def axis_endpoints(comm):
@@ -328,8 +371,8 @@ def sharded(jax, mesh, block_shape, make_block):
     world = mesh.shape[AXIS]
     shape = (world * rows, *block_shape[1:])
     return jax.make_array_from_callback(
-        shape, NamedSharding(mesh, P(AXIS)),
-        lambda idx: make_block((idx[0].start or 0) // rows))
+        shape, NamedSharding(mesh, P(AXIS)), lambda idx: make_block((idx[0].start or 0) // rows)
+    )
 
 
 def shards_by_rank(out):

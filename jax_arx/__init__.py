@@ -99,10 +99,17 @@ __all__ = [
 # jax_arx.initialize() registers the C++ handlers with XLA and jax.grad's
 # sums (_comm.py), before anything that uses them is traced.
 _LAZY = {
-    "check": "_comm", "initialize": "_comm", "shutdown": "_comm", "transport": "_comm",
-    "all_gather": "_bulk", "psum_scatter": "_bulk",
-    "moe_combine": "_moe", "moe_combine_psum_scatter": "_moe",
-    "psum": "_psum", "psum_add_norm": "_norm", "stats": "_stats",
+    "check": "_comm",
+    "initialize": "_comm",
+    "shutdown": "_comm",
+    "transport": "_comm",
+    "all_gather": "_bulk",
+    "psum_scatter": "_bulk",
+    "moe_combine": "_moe",
+    "moe_combine_psum_scatter": "_moe",
+    "psum": "_psum",
+    "psum_add_norm": "_norm",
+    "stats": "_stats",
 }
 
 

@@ -46,6 +46,7 @@ SCATTER_DTYPES = _policy.REDUCING_DTYPES  # the reducing ops: float32, bfloat16,
 
 ### public functions
 
+
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
     """Gathers ``x`` from every device along the mesh axis ``axis_name``, run
     by jax_arx: a drop-in replacement for ``jax.lax.all_gather`` inside
@@ -83,12 +84,22 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     if to != "varying":
         return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to)
     return _per_leaf(
-        "all_gather", x, axis_name, axis_index_groups,
+        "all_gather",
+        x,
+        axis_name,
+        axis_index_groups,
         lambda leaf: jax.lax.all_gather(leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled),
         lambda aval: _canonical_axis(axis, aval.ndim if tiled else aval.ndim + 1),
         lambda leaf, dim, axes, decision: all_gather_p.bind(
-            leaf, all_gather_dimension=dim, axis_name=axes, axis_index_groups=None, axis_size=decision.world,
-            tiled=bool(tiled), comm_id=decision.comm_id))
+            leaf,
+            all_gather_dimension=dim,
+            axis_name=axes,
+            axis_index_groups=None,
+            axis_size=decision.world,
+            tiled=bool(tiled),
+            comm_id=decision.comm_id,
+        ),
+    )
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
@@ -121,13 +132,24 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
       Each device's block of the sum.
     """
     return _per_leaf(
-        "psum_scatter", x, axis_name, axis_index_groups,
-        lambda leaf: jax.lax.psum_scatter(leaf, axis_name, scatter_dimension=scatter_dimension,
-                                          axis_index_groups=axis_index_groups, tiled=tiled),
+        "psum_scatter",
+        x,
+        axis_name,
+        axis_index_groups,
+        lambda leaf: jax.lax.psum_scatter(
+            leaf, axis_name, scatter_dimension=scatter_dimension, axis_index_groups=axis_index_groups, tiled=tiled
+        ),
         lambda aval: _canonical_axis(scatter_dimension, aval.ndim),
         lambda leaf, dim, axes, decision: psum_scatter_p.bind(
-            leaf, scatter_dimension=dim, axis_name=axes, axis_index_groups=None, axis_size=decision.world,
-            tiled=bool(tiled), comm_id=decision.comm_id))
+            leaf,
+            scatter_dimension=dim,
+            axis_name=axes,
+            axis_index_groups=None,
+            axis_size=decision.world,
+            tiled=bool(tiled),
+            comm_id=decision.comm_id,
+        ),
+    )
 
 
 def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
@@ -173,6 +195,7 @@ def _canonical_axis(axis, ndim) -> int | None:
 
 ### what jax_arx runs, and what it leaves to jax.lax
 
+
 class Decision(NamedTuple):
     comm_id: int
     world: int
@@ -195,8 +218,11 @@ def decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decis
         return None
 
     def lane_bytes(world):
-        total = nbytes if nbytes is not None else int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(
-            aval.dtype).itemsize * (world if gathered else 1)
+        total = (
+            nbytes
+            if nbytes is not None
+            else int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize * (world if gathered else 1)
+        )
         return total // world
 
     comm = _policy.decide(op, aval, axes, axis_index_groups, dtype_refusal=dtype_refusal, lane_bytes=lane_bytes)
@@ -209,6 +235,7 @@ def decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decis
 
 
 ### rules
+
 
 def _lax_params(params):
     """The params of jax's own primitive: ours without the communicator."""
@@ -232,8 +259,11 @@ def _collective_lowering(target, lax_prim, dimension_param, op, ctx, x, **params
     if why is not None:
         _policy.fallback(op, *why)
         return _compat.lax_collective_lowering(lax_prim, ctx, x, **_lax_params(params))
-    attributes = dict(comm_id=params["comm_id"], site=_ordering.call_site_tag(ctx, op, params[dimension_param]),
-                      dimension=params[dimension_param])
+    attributes = dict(
+        comm_id=params["comm_id"],
+        site=_ordering.call_site_tag(ctx, op, params[dimension_param]),
+        dimension=params[dimension_param],
+    )
     return _ordering.emit_ordered_call(ctx, target, [x], attributes)
 
 
@@ -251,6 +281,7 @@ def _batcher(op, lax_p, dim_name, gathered):
     """The vmap rule of all_gather (``gathered``) or psum_scatter: the
     batched dimension moves the op's own dimension, and the bigger input is
     decided again."""
+
     def batcher(axis_data, vals_in, dims_in, **params):
         own_p = all_gather_p if gathered else psum_scatter_p
         (x,), (d,) = vals_in, dims_in
@@ -282,17 +313,25 @@ def _batcher(op, lax_p, dim_name, gathered):
 all_gather_p = _compat.Primitive("jax_arx_all_gather")
 all_gather_p.def_impl(partial(_compat.apply_primitive, all_gather_p))
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
-_compat.register_lowering(all_gather_p, partial(_collective_lowering, ALL_GATHER_TARGET, _compat.lax_all_gather_p,
-                                                "all_gather_dimension", "all_gather"), cacheable=False)
+_compat.register_lowering(
+    all_gather_p,
+    partial(_collective_lowering, ALL_GATHER_TARGET, _compat.lax_all_gather_p, "all_gather_dimension", "all_gather"),
+    cacheable=False,
+)
 _compat.deflinear2(all_gather_p, _all_gather_transpose)
 _compat.register_batcher(all_gather_p, _batcher("all_gather", _compat.lax_all_gather_p, "all_gather_dimension", True))
 
 psum_scatter_p = _compat.Primitive("jax_arx_psum_scatter")
 psum_scatter_p.def_impl(partial(_compat.apply_primitive, psum_scatter_p))
 psum_scatter_p.def_effectful_abstract_eval(_psum_scatter_abstract_eval)
-_compat.register_lowering(psum_scatter_p, partial(_collective_lowering, PSUM_SCATTER_TARGET,
-                                                  _compat.lax_reduce_scatter_p, "scatter_dimension", "psum_scatter"),
-                          cacheable=False)
+_compat.register_lowering(
+    psum_scatter_p,
+    partial(
+        _collective_lowering, PSUM_SCATTER_TARGET, _compat.lax_reduce_scatter_p, "scatter_dimension", "psum_scatter"
+    ),
+    cacheable=False,
+)
 _compat.deflinear2(psum_scatter_p, _psum_scatter_transpose)
-_compat.register_batcher(psum_scatter_p, _batcher("psum_scatter", _compat.lax_reduce_scatter_p, "scatter_dimension",
-                                                   False))
+_compat.register_batcher(
+    psum_scatter_p, _batcher("psum_scatter", _compat.lax_reduce_scatter_p, "scatter_dimension", False)
+)

@@ -85,7 +85,8 @@ def communicator_for(comm: _registry.Communicator, op: str) -> _registry.Communi
         if _registry.communicator(comm.axis_name) is not comm:
             raise InitializationError(
                 f"jax_arx.{op}: mesh axis {comm.axis_name!r} was shut down (jax_arx.shutdown()) while this "
-                "collective was traced; call jax_arx.initialize(mesh) again, then trace it again")
+                "collective was traced; call jax_arx.initialize(mesh) again, then trace it again"
+            )
         return _make(comm, f"jax_arx.{op}")
 
 
@@ -103,14 +104,17 @@ def _make(comm: _registry.Communicator, what: str) -> _registry.Communicator:
     key = bulk_id(comm.comm_id)
     counter = (_registry.generation(), comm.comm_id)
     attempt = _attempts[counter] = _attempts.get(counter, 0) + 1
-    plans = [dataclasses.replace(p, comm_id=key, name=f"{p.name}/bulk", secret=_bulk_secret(p.secret))
-             for p in setup.plans]
-    hint = (f"{what} makes the bulk collectives' endpoints of mesh axis {comm.axis_name!r} on every process, while "
-            "each traces its first all_gather, psum_scatter or MoE combine on that axis: every process must trace "
-            "the same program (the same bulk collectives on the same axes, in the same order). A process that traced "
-            "something else fails within JAX_ARX_TIMEOUT_S too. Restart the job (or call jax_arx.shutdown() and "
-            "jax_arx.initialize() on every process); if a process only got there late (a slow compile), raise "
-            "JAX_ARX_TIMEOUT_S.")
+    plans = [
+        dataclasses.replace(p, comm_id=key, name=f"{p.name}/bulk", secret=_bulk_secret(p.secret)) for p in setup.plans
+    ]
+    hint = (
+        f"{what} makes the bulk collectives' endpoints of mesh axis {comm.axis_name!r} on every process, while "
+        "each traces its first all_gather, psum_scatter or MoE combine on that axis: every process must trace "
+        "the same program (the same bulk collectives on the same axes, in the same order). A process that traced "
+        "something else fails within JAX_ARX_TIMEOUT_S too. Restart the job (or call jax_arx.shutdown() and "
+        "jax_arx.initialize() on every process); if a process only got there late (a slow compile), raise "
+        "JAX_ARX_TIMEOUT_S."
+    )
     prefix = f"jax_arx/{_registry.generation()}/bulk/{comm.comm_id}/{attempt}/"
     store = _store.Store(_compat.distributed_client(), prefix, setup.cfg.timeout_s, what=what, hint=hint)
     made = _endpoints.connect_endpoints(_native.core(), store, plans, bulk_options(setup.options), what)
@@ -118,8 +122,13 @@ def _make(comm: _registry.Communicator, what: str) -> _registry.Communicator:
     bulk = dataclasses.replace(comm, comm_id=key, endpoints=tuple(le for _, le in made), setup=None)
     _registry.add_bulk(comm.axis_name, bulk)
     _made.add(comm.comm_id)
-    _endpoints.debug(setup.cfg, "process %d: the bulk collectives' endpoints of axis %r are set up (%d "
-                     "endpoint(s))", jax.process_index(), comm.axis_name, len(bulk.endpoints))
+    _endpoints.debug(
+        setup.cfg,
+        "process %d: the bulk collectives' endpoints of axis %r are set up (%d endpoint(s))",
+        jax.process_index(),
+        comm.axis_name,
+        len(bulk.endpoints),
+    )
     return bulk
 
 

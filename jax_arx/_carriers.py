@@ -60,17 +60,23 @@ def rdma_available(cfg, core=None, sysfs: str = "/sys/class/infiniband") -> tupl
     else:
         found = rdma_devices_found(sysfs)
         if not found:
-            return False, ("no RDMA device configured (JAX_ARX_IB_HCA) or found with an active port "
-                           "(soft-RoCE and siw devices count only when configured)")
+            return False, (
+                "no RDMA device configured (JAX_ARX_IB_HCA) or found with an active port "
+                "(soft-RoCE and siw devices count only when configured)"
+            )
         source, configured = f"RDMA devices found ({', '.join(found)})", False
     problem = None
     has_verbs = getattr(core, "has_verbs", None)
     if has_verbs is not None and not has_verbs():
-        problem = ("this jax_arx build has no verbs carrier (it was built without rdma-core's headers; install "
-                   "libibverbs-dev and reinstall jax_arx)")
+        problem = (
+            "this jax_arx build has no verbs carrier (it was built without rdma-core's headers; install "
+            "libibverbs-dev and reinstall jax_arx)"
+        )
     elif not _libibverbs_loads(cfg.ibverbs_lib):
-        problem = (f"libibverbs cannot be loaded ({cfg.ibverbs_lib or 'libibverbs.so.1'}; install libibverbs1 and "
-                   "ibverbs-providers, or set JAX_ARX_IBVERBS_LIB)")
+        problem = (
+            f"libibverbs cannot be loaded ({cfg.ibverbs_lib or 'libibverbs.so.1'}; install libibverbs1 and "
+            "ibverbs-providers, or set JAX_ARX_IBVERBS_LIB)"
+        )
     if problem is None:
         return True, source
     if configured:
@@ -159,8 +165,10 @@ def exchange_hosts(store, processes, rdma: bool) -> tuple[dict[int, str], dict[i
     me = jax.process_index()
     mine = f"{int(rdma)}{host_identity()}"
     store.set(f"host/{me}", mine.encode())
-    got = {p: (mine if p == me else store.get(f"host/{p}", f"process {p} to publish its host").decode())
-           for p in sorted(processes)}
+    got = {
+        p: (mine if p == me else store.get(f"host/{p}", f"process {p} to publish its host").decode())
+        for p in sorted(processes)
+    }
     return {p: v[1:] for p, v in got.items()}, {p: v[:1] == "1" for p, v in got.items()}
 
 
@@ -185,4 +193,5 @@ def default_tcp_addr(coordinator: str | None) -> str:
         raise InitializationError(
             f"jax_arx.initialize: could not find this host's IPv4 address towards the coordinator "
             f"{coordinator!r} ({e}); set JAX_ARX_TCP_ADDR to an IPv4 address of this host that the other "
-            "hosts can reach.") from e
+            "hosts can reach."
+        ) from e

@@ -55,8 +55,15 @@ def communicator_id(mesh, axis_name: Hashable) -> int:
     """The id of ``axis_name``'s communicator on ``mesh``: the same in every
     process (it depends only on what every process knows about the mesh),
     different for a different mesh, and a positive int64."""
-    key = repr(("jax_arx/1", axis_name, tuple(mesh.axis_names), tuple(mesh.devices.shape),
-                tuple(int(i) for i in mesh.device_ids.flat)))
+    key = repr(
+        (
+            "jax_arx/1",
+            axis_name,
+            tuple(mesh.axis_names),
+            tuple(mesh.devices.shape),
+            tuple(int(i) for i in mesh.device_ids.flat),
+        )
+    )
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -71,6 +78,7 @@ def groups(mesh, axis_name: Hashable) -> list[list[Any]]:
 
 
 # --- initialize -------------------------------------------------------------
+
 
 def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
     """Sets up jax_arx's communicators for ``mesh``; call it on every process.
@@ -141,7 +149,8 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
                 raise InitializationError(
                     f"jax_arx.initialize: mesh axis {axis!r} is already set up as a {known.topology}; this call "
                     f"asks for a {cfg.topology} (topology argument or JAX_ARX_TOPOLOGY). Call jax_arx.shutdown() on "
-                    "every process first.")
+                    "every process first."
+                )
             if known is None:
                 _check_ring_size(cfg, axis, size)
                 wanted[axis] = comm_id
@@ -152,7 +161,8 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
                     f"{_abbrev(known.device_ids)}); this mesh is "
                     f"{_describe_mesh(mesh.axis_names, mesh.devices.shape)}, devices "
                     f"{_abbrev(tuple(int(i) for i in mesh.device_ids.flat))}. Call jax_arx.shutdown() "
-                    "on every process first, or name this mesh's axes differently.")
+                    "on every process first, or name this mesh's axes differently."
+                )
         if not wanted:
             return
         core = _native.core(required=True)
@@ -173,7 +183,8 @@ def _check_ring_size(cfg, axis, size) -> None:
             f"jax_arx.initialize: mesh axis {axis!r} has {size} devices, but a ring (topology='ring' or "
             f"JAX_ARX_TOPOLOGY=ring) takes 2 to {_config.MAX_RING_WORLD}: past that, data for a rank further "
             "away would go through more than one relay. Cable the boxes through a switch and use "
-            "topology='mesh', or make the axis smaller.")
+            "topology='mesh', or make the axis smaller."
+        )
 
 
 def _resolve_mesh(mesh):
@@ -182,11 +193,13 @@ def _resolve_mesh(mesh):
         if mesh is None or mesh.empty:
             raise InitializationError(
                 "jax_arx.initialize() needs the mesh your shard_map calls run over: pass it, "
-                "jax_arx.initialize(mesh), or set it first with jax.set_mesh(mesh).")
+                "jax_arx.initialize(mesh), or set it first with jax.set_mesh(mesh)."
+            )
     if isinstance(mesh, jax.sharding.AbstractMesh) or not hasattr(mesh, "devices"):
         raise InitializationError(
             f"jax_arx.initialize needs a concrete jax.sharding.Mesh (with devices), got {type(mesh).__name__}; "
-            "build one with jax.make_mesh(...).")
+            "build one with jax.make_mesh(...)."
+        )
     return mesh
 
 
@@ -203,13 +216,16 @@ def _check_same_mesh_everywhere(store, mesh, wanted):
                 f"jax_arx.initialize: process {me} and process 0 were given different meshes:\n"
                 f"  process 0: {first.decode()}\n  process {me}: {mine.decode()}\n"
                 "Every process must call jax_arx.initialize() with the same mesh (same axis names, shape "
-                "and device order).")
+                "and device order)."
+            )
 
 
 def _describe_setup(mesh, wanted):
     axes = ", ".join(f"{axis!r}" for axis in wanted)
-    return (f"{_describe_mesh(mesh.axis_names, mesh.devices.shape)}, devices "
-            f"{tuple(int(i) for i in mesh.device_ids.flat)}, setting up axes {axes}")
+    return (
+        f"{_describe_mesh(mesh.axis_names, mesh.devices.shape)}, devices "
+        f"{tuple(int(i) for i in mesh.device_ids.flat)}, setting up axes {axes}"
+    )
 
 
 def _describe_mesh(names, shape):
@@ -233,12 +249,18 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, _regi
         axis_groups = groups(mesh, axis)
         for g, members in enumerate(axis_groups):
             if any(d.process_index == me for d in members):
-                transport = _carriers.choose_transport(cfg, [hosts[d.process_index] for d in members],
-                                             [rdma_of[d.process_index] for d in members])
+                transport = _carriers.choose_transport(
+                    cfg, [hosts[d.process_index] for d in members], [rdma_of[d.process_index] for d in members]
+                )
                 name = str(axis) if len(axis_groups) == 1 else f"{axis}[{g}]"
                 plans.append(_endpoints.Plan(axis, comm_id, g, members, transport, name))
-    _endpoints.debug(cfg, "process %d: %d group(s) with local devices: %s", me, len(plans),
-           ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans))
+    _endpoints.debug(
+        cfg,
+        "process %d: %d group(s) with local devices: %s",
+        me,
+        len(plans),
+        ", ".join(f"{p.axis!r}[{p.group}] via {p.transport}" for p in plans),
+    )
 
     # Every process publishes all it owns before waiting for anything, so no
     # process waits on one that is itself waiting. The nonce is public.
@@ -248,9 +270,10 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, _regi
             store.set(f"{p.comm_id}/{p.group}/nonce", p.nonce)
     for p in plans:
         if not p.nonce:
-            p.nonce = store.get(f"{p.comm_id}/{p.group}/nonce",
-                                f"the set-up nonce of axis {p.axis!r} group {p.group} from process "
-                                f"{p.members[0].process_index}")
+            p.nonce = store.get(
+                f"{p.comm_id}/{p.group}/nonce",
+                f"the set-up nonce of axis {p.axis!r} group {p.group} from process {p.members[0].process_index}",
+            )
         p.secret = _endpoints.group_secret(cfg.secret, p.nonce, p.comm_id, p.group)
 
     tcp_addr = None
@@ -264,15 +287,21 @@ def _set_up(core, cfg, store, mesh, wanted, tuning=None) -> dict[Hashable, _regi
     comms = {}
     for axis, comm_id in wanted.items():
         comms[axis] = _registry.Communicator(
-            axis_name=axis, comm_id=comm_id, mesh_axis_names=tuple(mesh.axis_names),
-            mesh_shape=tuple(mesh.devices.shape), device_ids=tuple(int(i) for i in mesh.device_ids.flat),
-            endpoints=tuple(le for p, le in made if p.axis == axis), topology=cfg.topology,
-            setup=_registry.Setup(tuple(p for p in plans if p.axis == axis), options, cfg))
+            axis_name=axis,
+            comm_id=comm_id,
+            mesh_axis_names=tuple(mesh.axis_names),
+            mesh_shape=tuple(mesh.devices.shape),
+            device_ids=tuple(int(i) for i in mesh.device_ids.flat),
+            endpoints=tuple(le for p, le in made if p.axis == axis),
+            topology=cfg.topology,
+            setup=_registry.Setup(tuple(p for p in plans if p.axis == axis), options, cfg),
+        )
     _endpoints.debug(cfg, "process %d: jax_arx ready on axes %s", me, ", ".join(repr(a) for a in wanted))
     return comms
 
 
 # --- shutdown and check -----------------------------------------------------
+
 
 def shutdown() -> None:
     """Closes every jax_arx communicator of this process; call it on every
@@ -302,9 +331,13 @@ def shutdown() -> None:
             try:
                 client.wait_at_barrier(f"jax_arx/{_registry.generation()}/shutdown", max(1, int(timeout_s * 1000)))
             except Exception as e:
-                logger.warning("jax_arx.shutdown: not every process reached shutdown() within %g s; closing this "
-                               "process's endpoints anyway (a peer still in a collective with this process will "
-                               "fail it within JAX_ARX_TIMEOUT_S). jax said: %s", timeout_s, errors.first_line(e))
+                logger.warning(
+                    "jax_arx.shutdown: not every process reached shutdown() within %g s; closing this "
+                    "process's endpoints anyway (a peer still in a collective with this process will "
+                    "fail it within JAX_ARX_TIMEOUT_S). jax said: %s",
+                    timeout_s,
+                    errors.first_line(e),
+                )
         for comm in comms:
             for le in comm.endpoints:
                 _endpoints.close_quietly(le.endpoint)
@@ -339,8 +372,11 @@ def check() -> None:
         if not issubclass(kind, CollectiveError):
             kind = CollectiveError
         raise kind(
-            "jax_arx: " + ("a communicator has" if len(failures) == 1 else f"{len(failures)} communicators have")
-            + " failed:\n  " + "\n  ".join(failures)
+            "jax_arx: "
+            + ("a communicator has" if len(failures) == 1 else f"{len(failures)} communicators have")
+            + " failed:\n  "
+            + "\n  ".join(failures)
             + "\nA failed communicator stays failed; restart the job (or call jax_arx.shutdown() and "
-            "jax_arx.initialize() again on every process, if all are alive).")
+            "jax_arx.initialize() again on every process, if all are alive)."
+        )
     return None

@@ -107,10 +107,10 @@ def lax_psum_batcher(axis_data, vals_in, dims_in, *, axes: tuple, invariant: boo
     """jax's batching rule for its psum, for a vmap over the reduced axis
     itself, where only jax knows what to do."""
     if invariant:
-        return _batching.fancy_primitive_batchers[lax_psum_invariant_p](
-            axis_data, vals_in, dims_in, axes=axes)
+        return _batching.fancy_primitive_batchers[lax_psum_invariant_p](axis_data, vals_in, dims_in, axes=axes)
     return _batching.fancy_primitive_batchers[lax_psum_p](
-        axis_data, vals_in, dims_in, axes=axes, axis_index_groups=None)
+        axis_data, vals_in, dims_in, axes=axes, axis_index_groups=None
+    )
 
 
 def lax_psum_bind(x, *, axes: tuple, invariant: bool):
@@ -153,11 +153,13 @@ def lax_collective_batcher(prim, axis_data, vals_in, dims_in, **params):
 def aval_like(aval, shape, dtype, varying: frozenset):
     """``aval`` with another shape and dtype, typed as varying over
     ``varying`` (the mesh axes): a collective's output type."""
-    return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False,
-                       manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+    return aval.update(
+        shape=tuple(shape), dtype=dtype, weak_type=False, manual_axis_type=aval.mat.update(varying=frozenset(varying))
+    )
 
 
 # --- varying manual axes (vma) ----------------------------------------------
+
 
 def bound_axis_names() -> tuple:
     """The axis names collectives can name where this is traced: the
@@ -252,12 +254,18 @@ def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int | f
         return tuple(range(rank - 1, -1, -1))
 
     op = _mlir.custom_call(
-        target, result_types=result_types, operands=list(operands),
-        backend_config={k: ir.FloatAttr.get(ir.F32Type.get(), v) if isinstance(v, float) else _mlir.i64_attr(v)
-                        for k, v in attributes.items()},
-        has_side_effect=has_side_effect, api_version=4,
+        target,
+        result_types=result_types,
+        operands=list(operands),
+        backend_config={
+            k: ir.FloatAttr.get(ir.F32Type.get(), v) if isinstance(v, float) else _mlir.i64_attr(v)
+            for k, v in attributes.items()
+        },
+        has_side_effect=has_side_effect,
+        api_version=4,
         operand_layouts=[row_major(v.type) for v in operands],
-        result_layouts=[row_major(t) for t in result_types])
+        result_layouts=[row_major(t) for t in result_types],
+    )
     return list(op.results)
 
 
@@ -295,13 +303,15 @@ def call_site(ctx, skip_dir: str) -> str:
     between hosts), line and function. Frames further out are left out:
     they include whatever called the jitted function first, which may
     differ between processes."""
-    frame = next((f for f in _source_info_util.user_frames(ctx.traceback)
-                  if not f.file_name.startswith(skip_dir)), None)
+    frame = next(
+        (f for f in _source_info_util.user_frames(ctx.traceback) if not f.file_name.startswith(skip_dir)), None
+    )
     where = f"{os.path.basename(frame.file_name)}:{frame.start_line}:{frame.function_name}" if frame else ""
     return f"{ctx.name_stack}|{where}"
 
 
 # --- lowering context -------------------------------------------------------
+
 
 def lowering_mesh_device_ids(ctx) -> tuple[int, ...] | None:
     """The flat device ids of the concrete mesh a ``shard_map`` body is
@@ -317,6 +327,7 @@ def lowering_mesh_device_ids(ctx) -> tuple[int, ...] | None:
 
 
 # --- devices ----------------------------------------------------------------
+
 
 def xla_device_ordinal(device) -> int:
     """The number XLA passes to an FFI handler as ``DeviceOrdinal`` when it
@@ -337,6 +348,7 @@ def xla_device_ordinal(device) -> int:
 
 
 # --- jax.distributed --------------------------------------------------------
+
 
 def distributed_client() -> Any | None:
     """jax.distributed's client (key-value store and barriers), or None

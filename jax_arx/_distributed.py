@@ -63,17 +63,20 @@ def initialize_distributed() -> bool:
     if missing:
         raise ValueError(
             f"jax_arx.distributed_initialize: {', '.join(missing)} not set while "
-            f"{', '.join(present)} is; set all three (python -m jax_arx.launch does) or none.")
+            f"{', '.join(present)} is; set all three (python -m jax_arx.launch does) or none."
+        )
     try:
         num_processes = int(values[_ENV_NUM])
         process_id = int(values[_ENV_ID])
     except ValueError:
         raise ValueError(
             f"jax_arx.distributed_initialize: {_ENV_NUM}={values[_ENV_NUM]!r} and {_ENV_ID}={values[_ENV_ID]!r} "
-            "must be integers") from None
+            "must be integers"
+        ) from None
     if not 0 <= process_id < num_processes:
         raise ValueError(
-            f"jax_arx.distributed_initialize: {_ENV_ID}={process_id} must be in [0, {_ENV_NUM}={num_processes})")
+            f"jax_arx.distributed_initialize: {_ENV_ID}={process_id} must be in [0, {_ENV_NUM}={num_processes})"
+        )
 
     import jax
 
@@ -89,9 +92,12 @@ def initialize_distributed() -> bool:
     _select_cpu_collectives(jax)
     # Every process has arrived: jax's connection is quick, and a process
     # lost between the two fails the others within this bound, not jax's 5 minutes.
-    jax.distributed.initialize(coordinator_address=values[_ENV_ADDRESS], num_processes=num_processes,
-                               process_id=process_id,
-                               initialization_timeout=int(max(30.0, settings.join_timeout_s)))
+    jax.distributed.initialize(
+        coordinator_address=values[_ENV_ADDRESS],
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=int(max(30.0, settings.join_timeout_s)),
+    )
     _end_at_once_on_exit_or_sigterm()
     return True
 
@@ -108,7 +114,9 @@ def _end_at_once_on_exit_or_sigterm() -> None:
     # Python reports a handler installed in C (jax's preemption notifier) as
     # None: replaced; one the program installed from Python is kept.
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
-            signal.SIG_DFL, None):
+        signal.SIG_DFL,
+        None,
+    ):
         signal.signal(signal.SIGTERM, _end_on_sigterm)
 
 
@@ -189,7 +197,8 @@ def refuse_if_not_joined() -> None:
         f"jax_arx.initialize: {_ENV_NUM}={num_processes} says this process is one of {num_processes} (python -m "
         "jax_arx.launch sets it), but jax.distributed is not initialized in it, so it would run alone and every "
         "collective would return this process's value only. Call jax_arx.distributed_initialize() first thing in "
-        "the program, before any other jax call.")
+        "the program, before any other jax call."
+    )
 
 
 _warned_alone = []
@@ -212,7 +221,8 @@ def warn_if_alone(mesh) -> None:
         "mesh has one device, so jax_arx's collectives have nothing to reduce over. For N processes: call "
         "jax_arx.distributed_initialize() first thing in the program and start it with `python -m "
         "jax_arx.launch -n N program.py` (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, "
-        "or run it as a SLURM or Open MPI job of several tasks)")
+        "or run it as a SLURM or Open MPI job of several tasks)"
+    )
 
 
 _warned_cpu = []
@@ -250,9 +260,11 @@ def warn_if_cpu_beside_a_gpu(mesh, marks=_NVIDIA_MARKS) -> bool:
 
     logging.getLogger("jax_arx").warning(
         "jax_arx.initialize: this machine has an NVIDIA GPU, but jax %s runs on the CPU, so jax_arx does too. "
-        "Install jax for CUDA in this environment (`pip install \"jax[cuda13]\"`, or the CUDA 12 build for an "
+        'Install jax for CUDA in this environment (`pip install "jax[cuda13]"`, or the CUDA 12 build for an '
         "older driver; `nvidia-smi` shows the driver's CUDA version), then check that jax.devices() lists a "
-        "CudaDevice; set JAX_PLATFORMS=cpu to run on the CPU on purpose", jax.__version__)
+        "CudaDevice; set JAX_PLATFORMS=cpu to run on the CPU on purpose",
+        jax.__version__,
+    )
     return True
 
 

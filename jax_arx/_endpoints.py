@@ -59,8 +59,12 @@ def group_secret(user_secret: str | None, nonce: bytes, comm_id: int, group: int
     pair keys stay secret through their Diffie-Hellman half; with it, even
     someone who rewrites the store cannot make a key a rank accepts."""
     key = user_secret.encode() if user_secret else b""
-    msg = (b"jax_arx group secret v2\0" + bytes(nonce) + int(comm_id).to_bytes(8, "little")
-           + int(group).to_bytes(4, "little"))
+    msg = (
+        b"jax_arx group secret v2\0"
+        + bytes(nonce)
+        + int(comm_id).to_bytes(8, "little")
+        + int(group).to_bytes(4, "little")
+    )
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
@@ -80,12 +84,22 @@ def connect_endpoints(core, store, plans, options, what: str) -> list[tuple[Plan
                     continue
                 ordinal = _compat.xla_device_ordinal(device)
                 try:
-                    ep = core.Endpoint(p.comm_id, ordinal, rank, len(p.members), p.transport,
-                                       platform(device), p.name, p.secret, options)
+                    ep = core.Endpoint(
+                        p.comm_id,
+                        ordinal,
+                        rank,
+                        len(p.members),
+                        p.transport,
+                        platform(device),
+                        p.name,
+                        p.secret,
+                        options,
+                    )
                 except RuntimeError as e:
                     raise InitializationError(
                         f"{what}: could not create the endpoint of axis {p.axis!r} group {p.group} "
-                        f"rank {rank} on {device}: {e}") from e
+                        f"rank {rank} on {device}: {e}"
+                    ) from e
                 made.append((p, LocalEndpoint(p.group, rank, len(p.members), device, ordinal, p.transport, ep)))
                 store.set(f"{p.comm_id}/{p.group}/details/{rank}", ep.details())
 
@@ -95,10 +109,15 @@ def connect_endpoints(core, store, plans, options, what: str) -> list[tuple[Plan
             details = []
             for rank, device in enumerate(p.members):
                 key = (p.comm_id, p.group, rank)
-                details.append(local_details[key] if key in local_details else store.get(
-                    f"{p.comm_id}/{p.group}/details/{rank}",
-                    f"the connection details of axis {p.axis!r} group {p.group} rank {rank} from process "
-                    f"{device.process_index}"))
+                details.append(
+                    local_details[key]
+                    if key in local_details
+                    else store.get(
+                        f"{p.comm_id}/{p.group}/details/{rank}",
+                        f"the connection details of axis {p.axis!r} group {p.group} rank {rank} from process "
+                        f"{device.process_index}",
+                    )
+                )
             jobs.append((p, le, details))
         connect_all(jobs, what)
         store.barrier("connected", "every process to connect its endpoints")
@@ -122,13 +141,15 @@ def connect_all(jobs, what) -> None:
         except RuntimeError as e:
             raise InitializationError(
                 f"{what}: axis {p.axis!r} group {p.group} rank {le.rank} on {le.device} could not "
-                f"connect over {p.transport}: {e}") from e
+                f"connect over {p.transport}: {e}"
+            ) from e
 
     if len(jobs) == 1:
         connect(jobs[0])
         return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(jobs)),
-                                               thread_name_prefix="jax_arx_connect") as pool:
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, len(jobs)), thread_name_prefix="jax_arx_connect"
+    ) as pool:
         futures = [pool.submit(connect, job) for job in jobs]
         errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
@@ -145,7 +166,8 @@ def platform(device) -> str:
         return "cuda"
     raise InitializationError(
         f"jax_arx runs on CPU and NVIDIA GPU devices; {device} is a {device.platform} device "
-        f"({version or 'unknown platform version'}). Use jax.lax collectives there.")
+        f"({version or 'unknown platform version'}). Use jax.lax collectives there."
+    )
 
 
 def close_quietly(endpoint) -> None:

@@ -39,8 +39,9 @@ from jax_arx import config as _config
 from jax_arx._psum import psum
 
 # Appended to a gradient sum's fallback message (jax_arx/_policy.py).
-FALLBACK_NOTE = ("the sum of a gradient: the transpose of jax's pvary; JAX_ARX_GRAD_SUMS=lax leaves those to "
-                 "jax.lax.psum")
+FALLBACK_NOTE = (
+    "the sum of a gradient: the transpose of jax's pvary; JAX_ARX_GRAD_SUMS=lax leaves those to jax.lax.psum"
+)
 
 
 def _runs_axis(axis) -> bool:

@@ -58,7 +58,8 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InitializationError(
             f"jax_arx.distributed_initialize: JAX_COORDINATOR_ADDRESS={address!r} is not host:port (a host name or "
-            "address of rank 0's machine, then a free TCP port, e.g. 10.0.0.1:12355)")
+            "address of rank 0's machine, then a free TCP port, e.g. 10.0.0.1:12355)"
+        )
     return host, int(port)
 
 
@@ -82,7 +83,8 @@ def join(address: str, num_processes: int, process_id: int, timeout_s: float, se
         raise InitializationError(
             f"jax_arx.distributed_initialize: the coordinator's host {host!r} (JAX_COORDINATOR_ADDRESS={address}) "
             f"does not resolve on this machine: {e.strerror}. Use rank 0's IP address, or a name this machine "
-            "resolves (/etc/hosts)") from None
+            "resolves (/etc/hosts)"
+        ) from None
     mac_key = secret.encode() if secret else None
     if process_id == 0:
         _host(address, port, found, num_processes, timeout_s, mac_key)
@@ -117,7 +119,8 @@ def _listen(address: str, port: int) -> socket.socket:
         raise InitializationError(
             f"jax_arx.distributed_initialize: rank 0 cannot listen on port {port} (JAX_COORDINATOR_ADDRESS="
             f"{address}): {e.strerror}. Another program holds it (`ss -ltnp 'sport = :{port}'` names it): stop it, "
-            "or give every rank another port") from None
+            "or give every rank another port"
+        ) from None
 
 
 class _Peer:
@@ -130,7 +133,9 @@ def _host(address, port, found, n, timeout_s, key) -> None:
         logging.getLogger("jax_arx").warning(
             "jax_arx.distributed_initialize: JAX_COORDINATOR_ADDRESS=%s is not an address of this machine, but rank "
             "0 hosts the coordinator there: unless a NAT forwards it here, the other ranks will not find it (use "
-            "an address `hostname -I` lists)", address)
+            "an address `hostname -I` lists)",
+            address,
+        )
     listener = _listen(address, port)
     sel = selectors.DefaultSelector()
     peers: dict[socket.socket, _Peer] = {}
@@ -143,8 +148,10 @@ def _host(address, port, found, n, timeout_s, key) -> None:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [r for r in range(1, n) if r not in arrived]
-                failure = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {n} did not "
-                           f"arrive at the coordinator {address} within {timeout_s:g} s (JAX_ARX_JOIN_TIMEOUT_S)")
+                failure = (
+                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {n} did not "
+                    f"arrive at the coordinator {address} within {timeout_s:g} s (JAX_ARX_JOIN_TIMEOUT_S)"
+                )
                 break
             for sk, _ in sel.select(min(left, 1.0)):
                 if sk.fileobj is listener:
@@ -169,9 +176,11 @@ def _host(address, port, found, n, timeout_s, key) -> None:
             return
         for peer in peers.values():
             _say(peer.conn, f"fail {failure}")
-        raise InitializationError(f"jax_arx.distributed_initialize: {failure}. Start every rank with the same "
-                                  "JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, each with its own JAX_PROCESS_ID, "
-                                  "within the join timeout of each other")
+        raise InitializationError(
+            f"jax_arx.distributed_initialize: {failure}. Start every rank with the same "
+            "JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, each with its own JAX_PROCESS_ID, "
+            "within the join timeout of each other"
+        )
     finally:
         for conn in peers:
             conn.close()
@@ -182,6 +191,7 @@ def _host(address, port, found, n, timeout_s, key) -> None:
 def _read_hello(peer: _Peer, n, key, arrived, sel, peers) -> str | None:
     """Reads what ``peer`` sent; a complete valid hello counts its rank.
     Returns the job's failure, if this hello shows one."""
+
     def drop():
         sel.unregister(peer.conn)
         peers.pop(peer.conn).conn.close()
@@ -201,20 +211,29 @@ def _read_hello(peer: _Peer, n, key, arrived, sel, peers) -> str | None:
             drop()
         return None
     words = peer.buf.split(b"\n", 1)[0].decode(errors="replace").split()
-    if len(words) != 5 or words[0] != "rank" or words[2] != "of" or not words[1].isdigit() or \
-            not words[3].isdigit() or not hmac.compare_digest(words[4], _mac(key, peer.nonce, int(words[1]),
-                                                                             int(words[3]))):
+    if (
+        len(words) != 5
+        or words[0] != "rank"
+        or words[2] != "of"
+        or not words[1].isdigit()
+        or not words[3].isdigit()
+        or not hmac.compare_digest(words[4], _mac(key, peer.nonce, int(words[1]), int(words[3])))
+    ):
         drop()  # a stranger, or a process without the job's secret
         return None
     rank, their_n = int(words[1]), int(words[3])
     if their_n != n:
-        return (f"the process at {peer.where} says it is rank {rank} of {their_n} (JAX_NUM_PROCESSES={their_n}), "
-                f"rank 0 has JAX_NUM_PROCESSES={n}")
+        return (
+            f"the process at {peer.where} says it is rank {rank} of {their_n} (JAX_NUM_PROCESSES={their_n}), "
+            f"rank 0 has JAX_NUM_PROCESSES={n}"
+        )
     if not 0 < rank < n:
         return f"the process at {peer.where} says it is rank {rank}, which is not one of ranks 1..{n - 1}"
     if rank in arrived:
-        return (f"two processes say they are rank {rank} (from {arrived[rank].where} and {peer.where}): give each "
-                "its own JAX_PROCESS_ID")
+        return (
+            f"two processes say they are rank {rank} (from {arrived[rank].where} and {peer.where}): give each "
+            "its own JAX_PROCESS_ID"
+        )
     peer.rank = rank
     arrived[rank] = peer
     return None
@@ -224,7 +243,7 @@ def _say(conn: socket.socket, line: str) -> None:
     try:
         conn.setblocking(True)
         conn.settimeout(1.0)
-        conn.sendall(line.encode()[:_MAX_ANSWER - 1] + b"\n")
+        conn.sendall(line.encode()[: _MAX_ANSWER - 1] + b"\n")
     except OSError:
         pass  # it left; it fails on its own, naming rank 0's address
 
@@ -250,7 +269,8 @@ def _arrive(address, found, n, rank, timeout_s, key) -> None:
                     f"jax_arx.distributed_initialize: rank {rank} could not reach the coordinator at {address} "
                     f"within {timeout_s:g} s (JAX_ARX_JOIN_TIMEOUT_S; last: {last}). Check that rank 0 "
                     "(JAX_PROCESS_ID=0) runs, that the address is its machine's and reachable from this one, and "
-                    "that no firewall closes the port")
+                    "that no firewall closes the port"
+                )
             time.sleep(_RETRY_S)
     with conn:
         conn.settimeout(max(1.0, deadline - time.monotonic()))
@@ -260,7 +280,8 @@ def _arrive(address, found, n, rank, timeout_s, key) -> None:
             raise InitializationError(
                 f"jax_arx.distributed_initialize: rank {rank} reached {address}, but what listens there is not "
                 "jax_arx's rank 0 (another program holds the port, or rank 0 runs another version of jax_arx): "
-                "pick a free port for JAX_COORDINATOR_ADDRESS on every rank")
+                "pick a free port for JAX_COORDINATOR_ADDRESS on every rank"
+            )
         conn.settimeout(timeout_s + 5.0)
         try:
             conn.sendall(f"rank {rank} of {n} {_mac(key, words[3], rank, n)}\n".encode())
@@ -270,11 +291,13 @@ def _arrive(address, found, n, rank, timeout_s, key) -> None:
     if answer == "ok":
         return
     if answer and answer.startswith("fail "):
-        raise InitializationError(f"jax_arx.distributed_initialize: rank {rank}: rank 0 at {address} says: "
-                                  f"{answer[5:]}")
+        raise InitializationError(
+            f"jax_arx.distributed_initialize: rank {rank}: rank 0 at {address} says: {answer[5:]}"
+        )
     raise InitializationError(
         f"jax_arx.distributed_initialize: rank {rank}: rank 0 at {address} ended the join without an answer "
-        "(it failed: its own error says why; with JAX_ARX_SECRET set, check that every rank has the same one)")
+        "(it failed: its own error says why; with JAX_ARX_SECRET set, check that every rank has the same one)"
+    )
 
 
 def _read_line(conn: socket.socket, limit: int) -> str | None:

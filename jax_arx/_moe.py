@@ -122,8 +122,14 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     if decision is None:
         return unfused()  # a fallback, or the plan's choice of the unfused pair (_policy.planned)
     operands = [y] + ([y_scale] if y_scale is not None else []) + [pos, w, shared]
-    return moe_combine_p.bind(*[_compat.pvary_to(v, axes) for v in operands], axis_name=axes, axis_size=decision.world,
-                              padded_tokens=tpad, scaled=y_scale is not None, comm_id=decision.comm_id)
+    return moe_combine_p.bind(
+        *[_compat.pvary_to(v, axes) for v in operands],
+        axis_name=axes,
+        axis_size=decision.world,
+        padded_tokens=tpad,
+        scaled=y_scale is not None,
+        comm_id=decision.comm_id,
+    )
 
 
 def moe_combine(y, pos, w, shared, *, y_scale=None, padded_tokens=None):
@@ -161,34 +167,46 @@ def _split_weights(f):
 
 def _check_moe_shapes(y, pos, w, shared, y_scale):
     """Raises ValueError / TypeError naming the numbers, as jax's shape errors do."""
+
     def shape(v):
         return tuple(int(d) for d in np.shape(v))
+
     if len(shape(y)) != 2 or len(shape(pos)) != 2:
-        raise ValueError(f"moe_combine_psum_scatter: y must be [R, H] and pos [T, topk]; got y {shape(y)}, "
-                         f"pos {shape(pos)}")
+        raise ValueError(
+            f"moe_combine_psum_scatter: y must be [R, H] and pos [T, topk]; got y {shape(y)}, pos {shape(pos)}"
+        )
     (R, H), (T, topk) = shape(y), shape(pos)
     if shape(w) != (T, topk) or shape(shared) != (T, H):
-        raise ValueError(f"moe_combine_psum_scatter: with y {shape(y)} and pos {shape(pos)}, w must be "
-                         f"{(T, topk)} and shared {(T, H)}; got w {shape(w)}, shared {shape(shared)}")
+        raise ValueError(
+            f"moe_combine_psum_scatter: with y {shape(y)} and pos {shape(pos)}, w must be "
+            f"{(T, topk)} and shared {(T, H)}; got w {shape(w)}, shared {shape(shared)}"
+        )
     dt = {n: np.dtype(jax.typeof(v).dtype) for n, v in (("y", y), ("pos", pos), ("w", w), ("shared", shared))}
     want_y = np.dtype(jnp.float8_e4m3fn) if y_scale is not None else np.dtype(jnp.bfloat16)
     want = {"y": want_y, "pos": np.dtype(np.int32), "w": np.dtype(np.float32), "shared": np.dtype(jnp.bfloat16)}
     wrong = [f"{n} is {dt[n]} (want {want[n]})" for n in want if dt[n] != want[n]]
     if wrong:
-        raise TypeError("moe_combine_psum_scatter: " + ", ".join(wrong)
-                        + ("" if y_scale is not None else "; float8_e4m3fn y needs y_scale"))
+        raise TypeError(
+            "moe_combine_psum_scatter: "
+            + ", ".join(wrong)
+            + ("" if y_scale is not None else "; float8_e4m3fn y needs y_scale")
+        )
     if y_scale is not None:
         if H % 128 or shape(y_scale) != (R, H // 128) or np.dtype(jax.typeof(y_scale).dtype) != np.float32:
-            raise ValueError(f"moe_combine_psum_scatter: e4m3 y {shape(y)} needs H a multiple of 128 and y_scale "
-                             f"float32 {(R, H // 128 if H % 128 == 0 else None)}; "
-                             f"got {jax.typeof(y_scale).str_short()}")
+            raise ValueError(
+                f"moe_combine_psum_scatter: e4m3 y {shape(y)} needs H a multiple of 128 and y_scale "
+                f"float32 {(R, H // 128 if H % 128 == 0 else None)}; "
+                f"got {jax.typeof(y_scale).str_short()}"
+            )
 
 
 def _padded(T, world, padded_tokens):
     tpad = -(-T // world) * world if padded_tokens is None else int(padded_tokens)
     if tpad < T or tpad % world:
-        raise ValueError(f"moe_combine_psum_scatter: padded_tokens {tpad} must be at least T = {T} and a multiple "
-                         f"of the {world} devices along the axis")
+        raise ValueError(
+            f"moe_combine_psum_scatter: padded_tokens {tpad} must be at least T = {T} and a multiple "
+            f"of the {world} devices along the axis"
+        )
     return tpad
 
 

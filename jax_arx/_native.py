@@ -50,8 +50,10 @@ def core_missing_hint(package_path: list[str], search_path: list[str]) -> str:
     folder (or ``python -m``/``-c`` run there) puts that folder first on
     ``sys.path``, so Python imports the source folder ``jax_arx/``, which
     holds no built module, ahead of the installed package."""
-    build = ("Build and install it from the jax_arx source tree with `pip install .` (needs CMake >= 3.24, a "
-             "C++20 compiler, and nvcc for GPUs).")
+    build = (
+        "Build and install it from the jax_arx source tree with `pip install .` (needs CMake >= 3.24, a "
+        "C++20 compiler, and nvcc for GPUs)."
+    )
     package = pathlib.Path(package_path[0])
     root = package.parent
     checkout = (root / "pyproject.toml").is_file() and (root / "ffi").is_dir()
@@ -59,13 +61,15 @@ def core_missing_hint(package_path: list[str], search_path: list[str]) -> str:
         return build  # not shadowed: the module is not built, or does not load
     elsewhere = [p for p in search_path if pathlib.Path(p or os.getcwd()).resolve() != root.resolve()]
     spec = importlib.machinery.PathFinder.find_spec("jax_arx", elsewhere)
-    installed = (f", not the installed one ({pathlib.Path(spec.origin).parent})"
-                 if spec is not None and spec.origin else "")
-    return (f"Python imported jax_arx from its source tree ({package}){installed}, because {root} comes first "
-            "on sys.path: it is the folder of the script, or the current folder under `python -m` or "
-            "`python -c`. Save scripts outside that folder (a subfolder such as examples/ is fine), and run "
-            "`python -m` and `python -c` from another folder" + ("." if installed else "; and install "
-                                                                 "jax_arx: " + build))
+    installed = (
+        f", not the installed one ({pathlib.Path(spec.origin).parent})" if spec is not None and spec.origin else ""
+    )
+    return (
+        f"Python imported jax_arx from its source tree ({package}){installed}, because {root} comes first "
+        "on sys.path: it is the folder of the script, or the current folder under `python -m` or "
+        "`python -c`. Save scripts outside that folder (a subfolder such as examples/ is fine), and run "
+        "`python -m` and `python -c` from another folder" + ("." if installed else "; and install jax_arx: " + build)
+    )
 
 
 def register_ffi_targets() -> bool:

@@ -30,6 +30,7 @@ KINDS = {"rms": 0, "layer": 1}
 
 ### public function
 
+
 def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=1e-6):
     """``jax_arx.psum(x, axis_name) + residual``, then its norm over the last
     axis, in one collective: the all-reduce, residual add and RMSNorm /
@@ -101,8 +102,7 @@ def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=
     if axes:
         _policy.check_axes_bound("psum_add_norm", axes)
     operands = (x, residual, weight) + (() if bias is None else (bias,))
-    decision = (_decide(jax.typeof(x), axes)
-                if axes and isinstance(x, _compat.Tracer) else None)
+    decision = _decide(jax.typeof(x), axes) if axes and isinstance(x, _compat.Tracer) else None
     if decision is None:
         return tuple(_unfused(*operands, axes=axes, kind=kind, eps=eps, psum=_lax_psum))
     if decision is _policy.UNFUSED:
@@ -117,22 +117,31 @@ def _check_operands(x, residual, weight, bias):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"jax_arx.psum_add_norm: {name} must be an array, got {type(a).__name__}")
     if np.dtype(x.dtype) not in _policy.REDUCING_DTYPES:
-        raise TypeError(f"jax_arx.psum_add_norm: x has dtype {x.dtype}; it takes float32, bfloat16 or float16: "
-                        f"cast x, residual, weight and bias to one of them")
+        raise TypeError(
+            f"jax_arx.psum_add_norm: x has dtype {x.dtype}; it takes float32, bfloat16 or float16: "
+            f"cast x, residual, weight and bias to one of them"
+        )
     for name, a in named[1:]:
         if a.dtype != x.dtype:
-            raise TypeError(f"jax_arx.psum_add_norm: {name} has dtype {a.dtype}, x has {x.dtype}: pass {name} "
-                            f"as {x.dtype} (.astype)")
+            raise TypeError(
+                f"jax_arx.psum_add_norm: {name} has dtype {a.dtype}, x has {x.dtype}: pass {name} "
+                f"as {x.dtype} (.astype)"
+            )
     if len(x.shape) < 1 or x.shape[-1] == 0:
-        raise ValueError(f"jax_arx.psum_add_norm: x of shape {tuple(x.shape)} has no last axis to norm over: give "
-                         f"x and residual at least one axis, of at least one element")
+        raise ValueError(
+            f"jax_arx.psum_add_norm: x of shape {tuple(x.shape)} has no last axis to norm over: give "
+            f"x and residual at least one axis, of at least one element"
+        )
     if tuple(residual.shape) != tuple(x.shape):
-        raise ValueError(f"jax_arx.psum_add_norm: residual has shape {tuple(residual.shape)}, x has "
-                         f"{tuple(x.shape)}: they must be equal")
+        raise ValueError(
+            f"jax_arx.psum_add_norm: residual has shape {tuple(residual.shape)}, x has "
+            f"{tuple(x.shape)}: they must be equal"
+        )
     for name, a in named[2:]:
         if tuple(a.shape) != (x.shape[-1],):
-            raise ValueError(f"jax_arx.psum_add_norm: {name} has shape {tuple(a.shape)}; it must be "
-                             f"({x.shape[-1]},), x's last axis")
+            raise ValueError(
+                f"jax_arx.psum_add_norm: {name} has shape {tuple(a.shape)}; it must be ({x.shape[-1]},), x's last axis"
+            )
 
 
 def _lax_psum(x, axes):
@@ -163,6 +172,7 @@ def _norm(hidden, weight, bias, *, kind, eps):
 
 ### what jax_arx runs
 
+
 class _Decision(NamedTuple):
     comm_id: int
 
@@ -172,8 +182,14 @@ def _decide(aval, axes) -> _Decision | str | None:
     fused, ``_policy.UNFUSED`` (jax_arx.psum, then the add and the norm in
     jax), or None (jax.lax)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    comm = _policy.decide("psum_add_norm", aval, axes, None, dtype_refusal=_policy.reducing_dtype_refusal,
-                          lane_bytes=lambda world: partial_bytes)
+    comm = _policy.decide(
+        "psum_add_norm",
+        aval,
+        axes,
+        None,
+        dtype_refusal=_policy.reducing_dtype_refusal,
+        lane_bytes=lambda world: partial_bytes,
+    )
     return comm if comm is None or comm is _policy.UNFUSED else _Decision(comm.comm_id)
 
 
@@ -188,6 +204,7 @@ def _bind(operands, params):
 
 
 ### rules
+
 
 def _psum_add_norm_abstract_eval(x, residual, *rest, axes, comm_id, kind, eps, bias, invariant):
     # psum's own type for the sum (shape checks, effects, vma), then the
@@ -204,10 +221,10 @@ def _psum_add_norm_lowering(ctx, *operands, axes, comm_id, kind, eps, bias, inva
     why = _policy.lowering_refusal(ctx, comm_id, axes)
     if why is not None:
         _policy.fallback("psum_add_norm", *why)
-        return _compat.lower_fun(
-            lambda *o: _unfused(*o, axes=axes, kind=kind, eps=eps, psum=_lax_psum), ctx, *operands)
-    attributes = dict(comm_id=comm_id, site=_ordering.call_site_tag(ctx), kind=KINDS[kind],
-                      eps=float(np.float32(eps)), bias=int(bias))
+        return _compat.lower_fun(lambda *o: _unfused(*o, axes=axes, kind=kind, eps=eps, psum=_lax_psum), ctx, *operands)
+    attributes = dict(
+        comm_id=comm_id, site=_ordering.call_site_tag(ctx), kind=KINDS[kind], eps=float(np.float32(eps)), bias=int(bias)
+    )
     return _ordering.emit_ordered_call(ctx, FFI_TARGET, list(operands), attributes)
 
 
@@ -217,12 +234,15 @@ def _psum_add_norm_jvp(primals, tangents, *, axes, comm_id, kind, eps, bias, inv
     # (one call for x's tangent), the norm's derivative in jax ops.
     from jax_arx._psum import psum
 
-    outs = psum_add_norm_p.bind(*primals, axes=axes, comm_id=comm_id, kind=kind, eps=eps, bias=bias,
-                                invariant=invariant)
+    outs = psum_add_norm_p.bind(
+        *primals, axes=axes, comm_id=comm_id, kind=kind, eps=eps, bias=bias, invariant=invariant
+    )
     normed, hidden = outs
     x, residual, weight, *b = primals
-    dx, dres, dw, *db = [jnp.zeros(jax.typeof(p).shape, jax.typeof(p).dtype) if type(t) is _compat.Zero else t
-                         for p, t in zip(primals, tangents, strict=True)]
+    dx, dres, dw, *db = [
+        jnp.zeros(jax.typeof(p).shape, jax.typeof(p).dtype) if type(t) is _compat.Zero else t
+        for p, t in zip(primals, tangents, strict=True)
+    ]
     dhidden = psum(dx, axes) + dres
     if bias:
         f = lambda h, w, bb: _norm(h, w, bb, kind=kind, eps=eps)  # noqa: E731
@@ -240,22 +260,36 @@ def _psum_add_norm_batcher(axis_data, vals_in, dims_in, *, axes, comm_id, kind, 
         # decided again for its size.
         size = axis_data.size
         x = jnp.moveaxis(x, dx, 0) if dx is not None else jnp.broadcast_to(x, (size, *x.shape))
-        residual = (jnp.moveaxis(residual, dr, 0) if dr is not None
-                    else jnp.broadcast_to(residual, (size, *residual.shape)))
+        residual = (
+            jnp.moveaxis(residual, dr, 0) if dr is not None else jnp.broadcast_to(residual, (size, *residual.shape))
+        )
         decision = _decide(jax.typeof(x), axes)
         if decision is _policy.UNFUSED:
             return list(_unfused(x, residual, *rest, axes=axes, kind=kind, eps=eps, psum=_arx_psum)), [0, 0]
         if decision is not None:
-            outs = psum_add_norm_p.bind(x, residual, *rest, axes=axes, comm_id=decision.comm_id, kind=kind,
-                                        eps=eps, bias=bias, invariant=invariant)
+            outs = psum_add_norm_p.bind(
+                x,
+                residual,
+                *rest,
+                axes=axes,
+                comm_id=decision.comm_id,
+                kind=kind,
+                eps=eps,
+                bias=bias,
+                invariant=invariant,
+            )
             return list(outs), [0, 0]
         vals_in, dims_in = [x, residual, *rest], [0, 0, *drest]
     # A vmap over the summed axis (jax.lax's semantics, silently, as for
     # psum), or a batched weight: the unfused formula under the same vmap.
     if axis_data.name not in axes and any(d is not None for d in drest):
         _policy.fallback("psum_add_norm", ("vmap_weight",), "a weight or bias batched by jax.vmap is not supported")
-    outs = jax.vmap(lambda *o: _unfused(*o, axes=axes, kind=kind, eps=eps, psum=_lax_psum), in_axes=tuple(dims_in),
-                    axis_name=axis_data.name, axis_size=axis_data.size)(*vals_in)
+    outs = jax.vmap(
+        lambda *o: _unfused(*o, axes=axes, kind=kind, eps=eps, psum=_lax_psum),
+        in_axes=tuple(dims_in),
+        axis_name=axis_data.name,
+        axis_size=axis_data.size,
+    )(*vals_in)
     return list(outs), [0, 0]
 
 

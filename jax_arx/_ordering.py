@@ -133,8 +133,7 @@ def emit_ordered_call(ctx, target: str, xs, attributes: dict[str, int | float], 
         v = _ordering_value(op, ctx, a)
         if v is not None and v not in deps and v not in xs:
             deps.append(v)
-    results = _compat.ffi_custom_call(ctx, target, [*xs, *deps, *trailing], has_side_effect=True,
-                                      attributes=attributes)
+    results = _compat.ffi_custom_call(ctx, target, [*xs, *deps, *trailing], has_side_effect=True, attributes=attributes)
     if ip.ref_operation is None:
         b.last_call, b.nested, b.seen = results[0].owner.operation, [], len(ops)
     return results
@@ -197,8 +196,11 @@ def _ordering_value(op, ctx, a: _Analysis):
     if op in a.values:
         return a.values[op]
     a.values[op] = None  # while computing (a function cannot reach itself)
-    blocks = [_callee(op, ctx)] if op.name == "func.call" else [r.blocks[len(r.blocks) - 1] for r in op.regions
-                                                                if len(r.blocks)]
+    blocks = (
+        [_callee(op, ctx)]
+        if op.name == "func.call"
+        else [r.blocks[len(r.blocks) - 1] for r in op.regions if len(r.blocks)]
+    )
     results = list(op.results)
     tensor = {i for i, r in enumerate(results) if isinstance(r.type, _compat.ir.RankedTensorType)}
     good = None  # indices of results computed after the last call of every block that has one
@@ -223,8 +225,11 @@ def _ordering_value(op, ctx, a: _Analysis):
         # writes is available only after the whole of it.
         if op.name == "stablehlo.while":
             body = op.regions[1].blocks[0]
-            written = [i for i, v in enumerate(list(body.operations)[-1].operation.operands)
-                       if i in tensor and v != body.arguments[i]]
+            written = [
+                i
+                for i, v in enumerate(list(body.operations)[-1].operation.operands)
+                if i in tensor and v != body.arguments[i]
+            ]
             value = results[written[0]] if written else None
         else:
             value = results[min(tensor)]
@@ -256,8 +261,10 @@ def _reaches(value, target, block) -> bool:
         if len(op.regions):
             # What ops nested in its regions use from this block.
             def visit(o):
-                stack.extend(x for x in o.operands if not isinstance(x.owner, ir.Block)
-                             and x.owner.operation.block == block)
+                stack.extend(
+                    x for x in o.operands if not isinstance(x.owner, ir.Block) and x.owner.operation.block == block
+                )
                 return ir.WalkResult.ADVANCE
+
             op.walk(visit)
     return False

@@ -44,8 +44,10 @@ logger = logging.getLogger("jax_arx")
 REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
 # What a fallback computes, where it is not jax.lax's op of the same name.
-_LAX_NAMES = {"moe_combine_psum_scatter": "jax.lax.psum_scatter",
-              "psum_add_norm": "jax.lax.psum, then the add and the norm in jax"}
+_LAX_NAMES = {
+    "moe_combine_psum_scatter": "jax.lax.psum_scatter",
+    "psum_add_norm": "jax.lax.psum, then the add and the norm in jax",
+}
 
 _logged_reasons: set = set()
 _fallbacks: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced that fell back (jax_arx.stats())
@@ -81,8 +83,9 @@ def fallback(op: str, key: tuple, why: str) -> None:
     if note:
         why, key = f"{why} ({note})", (*key, note)
     if _config.load().fallback == "error":
-        raise JaxArxFallbackError(f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to "
-                                  f"{lax_name} (unset it to fall back)")
+        raise JaxArxFallbackError(
+            f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to {lax_name} (unset it to fall back)"
+        )
     with _logged_lock:
         first = (op, key) not in _logged_reasons
         _logged_reasons.add((op, key))
@@ -128,11 +131,19 @@ def check_axes_bound(op: str, axes: tuple) -> None:
             raise NameError(
                 f"jax_arx.{op}: axis name {axis!r} is not bound here: the mesh's axes are {mesh_axes}, and the names "
                 f"bound where it is called are {tuple(bound)}. Name an axis of the mesh the enclosing jax.shard_map "
-                "runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map.")
+                "runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map."
+            )
 
 
-def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Callable[[object], str | None],
-           lane_bytes: Callable[[int], int]) -> _registry.Communicator | str | None:
+def decide(
+    op: str,
+    aval,
+    axes: tuple,
+    axis_index_groups,
+    *,
+    dtype_refusal: Callable[[object], str | None],
+    lane_bytes: Callable[[int], int],
+) -> _registry.Communicator | str | None:
     """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
     None for jax.lax (after ``fallback`` for a reason the user should know
     about), or ``UNFUSED``, after ``planned``, where the plan runs a fused
@@ -151,11 +162,14 @@ def decide(op: str, aval, axes: tuple, axis_index_groups, *, dtype_refusal: Call
         return fallback(op, ("axis_index_groups",), "axis_index_groups is not supported")
     if len(axes) != 1:
         other = [a for a in axes if a not in manual]
-        why = (f"a collective over several mesh axes at once {tuple(ours)} is not supported (call jax_arx.{op} "
-               "once per axis to run each with jax_arx)" if len(ours) > 1 else
-               f"mesh axis {ours[0]!r} together with names bound by jax.vmap {tuple(other)} is not supported")
+        why = (
+            f"a collective over several mesh axes at once {tuple(ours)} is not supported (call jax_arx.{op} "
+            "once per axis to run each with jax_arx)"
+            if len(ours) > 1
+            else f"mesh axis {ours[0]!r} together with names bound by jax.vmap {tuple(other)} is not supported"
+        )
         return fallback(op, ("axes", axes), why)
-    axis, = axes
+    (axis,) = axes
     world = mesh.shape[axis]
     if world == 1:
         return None  # nothing to communicate
@@ -189,23 +203,35 @@ def _axis_communicator(op: str, axis, mesh, aval) -> _registry.Communicator | No
     unreduced."""
     comm = _registry.communicator(axis)
     if comm is None:
-        return fallback(op, ("uninitialized", axis),
-                        f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
-                        f"process before tracing functions that use jax_arx.{op}")
+        return fallback(
+            op,
+            ("uninitialized", axis),
+            f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
+            f"process before tracing functions that use jax_arx.{op}",
+        )
     if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (comm.mesh_axis_names, comm.mesh_shape):
-        return fallback(op, ("mesh", axis),
-                        f"this shard_map's mesh {_describe(mesh.axis_names, mesh.axis_sizes)} is not the mesh "
-                        f"jax_arx.initialize set axis {axis!r} up for, "
-                        f"{_describe(comm.mesh_axis_names, comm.mesh_shape)}")
+        return fallback(
+            op,
+            ("mesh", axis),
+            f"this shard_map's mesh {_describe(mesh.axis_names, mesh.axis_sizes)} is not the mesh "
+            f"jax_arx.initialize set axis {axis!r} up for, "
+            f"{_describe(comm.mesh_axis_names, comm.mesh_shape)}",
+        )
     manual = set(mesh.manual_axes)
     auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1 and n not in manual]
     if auto:
-        return fallback(op, ("partial_manual", axis),
-                        f"the shard_map is not manual over mesh axes {auto}; jax_arx runs in shard_maps manual "
-                        "over every mesh axis of size > 1")
+        return fallback(
+            op,
+            ("partial_manual", axis),
+            f"the shard_map is not manual over mesh axes {auto}; jax_arx runs in shard_maps manual "
+            "over every mesh axis of size > 1",
+        )
     if axis in _compat.unreduced_axes(aval):
-        return fallback(op, ("unreduced", axis),
-                        f"the input is typed unreduced or reduced over {axis!r}, which only jax.lax handles")
+        return fallback(
+            op,
+            ("unreduced", axis),
+            f"the input is typed unreduced or reduced over {axis!r}, which only jax.lax handles",
+        )
     return comm
 
 
@@ -214,12 +240,18 @@ def lowering_refusal(ctx, comm_id: int, axes: tuple) -> tuple[tuple, str] | None
     found at lowering time: (key, why) for ``fallback``, or None."""
     comm = _registry.communicator_by_id(comm_id)
     if comm is None:
-        return (("lowering_uninitialized", axes), f"mesh axis {axes[0]!r} was shut down (jax_arx.shutdown()) "
-                "between tracing and lowering; call jax_arx.initialize(mesh) again")
+        return (
+            ("lowering_uninitialized", axes),
+            f"mesh axis {axes[0]!r} was shut down (jax_arx.shutdown()) "
+            "between tracing and lowering; call jax_arx.initialize(mesh) again",
+        )
     device_ids = _compat.lowering_mesh_device_ids(ctx)
     if device_ids is not None and device_ids != comm.device_ids:
-        return (("lowering_devices", axes), f"this shard_map's mesh has devices {device_ids} where "
-                f"jax_arx.initialize set axis {axes[0]!r} up for devices {comm.device_ids}")
+        return (
+            ("lowering_devices", axes),
+            f"this shard_map's mesh has devices {device_ids} where "
+            f"jax_arx.initialize set axis {axes[0]!r} up for devices {comm.device_ids}",
+        )
     return None
 
 

@@ -60,6 +60,7 @@ MAX_PREFETCH = 8
 
 ### public function
 
+
 def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
     """All-reduce sum of ``x`` over the mesh axis ``axis_name``, run by
     jax_arx: a drop-in replacement for ``jax.lax.psum`` inside ``jax.jit`` +
@@ -137,8 +138,7 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
     for i, leaf in enumerate(leaves):
         # A constant is the same on every device: jax.lax.psum turns it into
         # size * x without communicating.
-        decision = (_decide(jax.typeof(leaf), axes, axis_index_groups)
-                    if isinstance(leaf, _compat.Tracer) else None)
+        decision = _decide(jax.typeof(leaf), axes, axis_index_groups) if isinstance(leaf, _compat.Tracer) else None
         if decision is None:
             out[i] = jax.lax.psum(leaf, axes, axis_index_groups=axis_index_groups)
         else:
@@ -160,14 +160,20 @@ def _prefetch_operands(prefetch) -> tuple:
         return ()
     leaves = jax.tree.leaves(prefetch)
     if len(leaves) > MAX_PREFETCH:
-        raise ValueError(f"jax_arx.psum: prefetch has {len(leaves)} arrays; a call prefetches at most "
-                         f"{MAX_PREFETCH} (MAX_PREFETCH, the CUDA handler's limit): pass the largest ones")
+        raise ValueError(
+            f"jax_arx.psum: prefetch has {len(leaves)} arrays; a call prefetches at most "
+            f"{MAX_PREFETCH} (MAX_PREFETCH, the CUDA handler's limit): pass the largest ones"
+        )
     for leaf in leaves:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise TypeError(f"jax_arx.psum: prefetch takes arrays or pytrees of arrays, got a leaf of type "
-                            f"{type(leaf).__name__}")
-    return tuple(leaf for leaf in leaves if isinstance(leaf, _compat.Tracer)
-                 and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended))
+            raise TypeError(
+                f"jax_arx.psum: prefetch takes arrays or pytrees of arrays, got a leaf of type {type(leaf).__name__}"
+            )
+    return tuple(
+        leaf
+        for leaf in leaves
+        if isinstance(leaf, _compat.Tracer) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+    )
 
 
 def _bind(leaves, axes, decision, prefetch=()):
@@ -184,6 +190,7 @@ def _bind(leaves, axes, decision, prefetch=()):
 
 ### what jax_arx runs, and what it leaves to jax.lax
 
+
 class _Decision(NamedTuple):
     comm_id: int
 
@@ -192,8 +199,14 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | None:
     """How to run a psum of ``aval`` over ``axes``: a decision to run it with
     jax_arx, or None for jax.lax.psum (``_policy.decide``)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    comm = _policy.decide("psum", aval, axes, axis_index_groups, dtype_refusal=_policy.reducing_dtype_refusal,
-                          lane_bytes=lambda world: partial_bytes)
+    comm = _policy.decide(
+        "psum",
+        aval,
+        axes,
+        axis_index_groups,
+        dtype_refusal=_policy.reducing_dtype_refusal,
+        lane_bytes=lambda world: partial_bytes,
+    )
     return None if comm is None else _Decision(comm.comm_id)
 
 
@@ -202,6 +215,7 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | None:
 # Every rule takes the bind's operands: the leaves to sum, then the
 # `prefetch` operands (the last `prefetch` of them), which have no results
 # and no cotangents and are never read for a result.
+
 
 def _split(operands, prefetch):
     """(leaves, prefetch operands) of a bind's operands."""
@@ -274,8 +288,9 @@ def _psum_transpose_rule(cts, *args, axes, comm_id, prefetch):
     # pass reads next is not what the forward pass read.
     xs, pf = _split(args, prefetch)
     out = [_no_ct(a) for a in xs]
-    live = [i for i, (ct, a) in enumerate(zip(cts, xs))
-            if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)]
+    live = [
+        i for i, (ct, a) in enumerate(zip(cts, xs)) if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)
+    ]
     if live:
         summed = psum_p.bind(*[cts[i] for i in live], axes=axes, comm_id=comm_id, prefetch=0)
         for i, y in zip(live, summed):
@@ -287,8 +302,10 @@ def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, prefetch):
     # As jax: the cotangent of an invariant result is itself invariant, i.e.
     # already the same on every device; it only has to be typed as varying.
     xs, pf = _split(args, prefetch)
-    return [_compat.pvary(ct, axes) if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)
-            else _no_ct(a) for ct, a in zip(cts, xs)] + [_no_ct(a) for a in pf]
+    return [
+        _compat.pvary(ct, axes) if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a) else _no_ct(a)
+        for ct, a in zip(cts, xs)
+    ] + [_no_ct(a) for a in pf]
 
 
 def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch):
@@ -299,8 +316,10 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
         # A vmap over the very axis being summed: jax's rule sums the batch
         # dimension locally; there is nothing of ours to keep (the prefetch
         # hint included).
-        pairs = [_compat.lax_psum_batcher(axis_data, [v], [d], axes=axes, invariant=invariant)
-                 for v, d in zip(vals_in, dims_in)]
+        pairs = [
+            _compat.lax_psum_batcher(axis_data, [v], [d], axes=axes, invariant=invariant)
+            for v, d in zip(vals_in, dims_in)
+        ]
         return [o for o, _ in pairs], [d for _, d in pairs]
     # A prefetch operand batched by this vmap is another array per batch
     # member, not the one the next kernels read: its hint is dropped. The
@@ -318,8 +337,7 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
         else:
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():
-        summed = prim.bind(*[vals_in[i] for i in idx], *pf, axes=axes, comm_id=decision.comm_id,
-                           prefetch=len(pf))
+        summed = prim.bind(*[vals_in[i] for i in idx], *pf, axes=axes, comm_id=decision.comm_id, prefetch=len(pf))
         for i, y in zip(idx, summed):
             out[i] = y
         pf = []
@@ -327,6 +345,7 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
 
 
 ### registration
+
 
 # Params of both primitives: axes, comm_id, and prefetch (how many of the
 # operands, the last ones, are prefetch operands).

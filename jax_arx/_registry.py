@@ -17,6 +17,7 @@ from typing import Any
 
 from jax_arx import _endpoints
 
+
 @dataclasses.dataclass(frozen=True)
 class Communicator:
     """What jax_arx set up for one mesh axis, in this process."""

@@ -89,12 +89,18 @@ def stats() -> dict:
         endpoints = []
         for le in sorted(comm.endpoints, key=lambda le: (le.group, le.rank)):
             raws = [e.endpoint.stats() for e in (le, bulk_of.get((le.group, le.rank))) if e is not None]
-            endpoints.append({"rank": le.rank, "group": le.group, "device": str(le.device),
-                              "ops": {op: _summed([_op(r["ops"][op]) for r in raws]) for op in OPS},
-                              "stalls": sum(int(r["stalls"]) for r in raws),
-                              "last_stall": next((r["last_stall"] for r in reversed(raws) if r["last_stall"]), None),
-                              "relayed_puts": sum(int(r["relayed_puts"]) for r in raws),
-                              "failure": next((r["failure"] for r in raws if r["failure"]), None)})
+            endpoints.append(
+                {
+                    "rank": le.rank,
+                    "group": le.group,
+                    "device": str(le.device),
+                    "ops": {op: _summed([_op(r["ops"][op]) for r in raws]) for op in OPS},
+                    "stalls": sum(int(r["stalls"]) for r in raws),
+                    "last_stall": next((r["last_stall"] for r in reversed(raws) if r["last_stall"]), None),
+                    "relayed_puts": sum(int(r["relayed_puts"]) for r in raws),
+                    "failure": next((r["failure"] for r in raws if r["failure"]), None),
+                }
+            )
         comms[axis] = {
             "transport": _registry.transport(axis),
             "world": comm.mesh_shape[comm.mesh_axis_names.index(axis)],
@@ -107,8 +113,12 @@ def stats() -> dict:
 
 
 def _op(raw: dict) -> dict:
-    return {"calls": int(raw["calls"]), "bytes": int(raw["bytes"]), "failed": int(raw["failed"]),
-            "algorithms": {name: int(n) for name, n in raw["algorithms"].items()}}
+    return {
+        "calls": int(raw["calls"]),
+        "bytes": int(raw["bytes"]),
+        "failed": int(raw["failed"]),
+        "algorithms": {name: int(n) for name, n in raw["algorithms"].items()},
+    }
 
 
 def _summed(ops: list[dict]) -> dict:

@@ -18,8 +18,10 @@ from jax_arx.errors import InitializationError
 logger = logging.getLogger("jax_arx")
 
 
-INITIALIZE_HINT = ("Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
-                    "than others, raise JAX_ARX_TIMEOUT_S.")
+INITIALIZE_HINT = (
+    "Every process must call jax_arx.initialize() with the same mesh; if some get there much later "
+    "than others, raise JAX_ARX_TIMEOUT_S."
+)
 
 
 class Store:
@@ -28,8 +30,9 @@ class Store:
     ``what`` and ``hint`` begin and end the message of a wait that gives
     up: the call that sets up, and what the user should check."""
 
-    def __init__(self, client, prefix: str, timeout_s: float, what: str = "jax_arx.initialize",
-                 hint: str = INITIALIZE_HINT):
+    def __init__(
+        self, client, prefix: str, timeout_s: float, what: str = "jax_arx.initialize", hint: str = INITIALIZE_HINT
+    ):
         self._client = client
         self._prefix = prefix
         self._timeout_s = timeout_s
@@ -86,5 +89,5 @@ class Store:
     def _timed_out(self, waiting_for, e):
         return InitializationError(
             f"{self._what}: process {jax.process_index()} gave up after {self._timeout_s:g} s waiting for "
-            f"{waiting_for} ({type(e).__name__}: {errors.first_line(e)}). {self._hint}")
-
+            f"{waiting_for} ({type(e).__name__}: {errors.first_line(e)}). {self._hint}"
+        )

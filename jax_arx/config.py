@@ -117,19 +117,39 @@ MAX_RING_WORLD = 4
 # moe_fused=1: the fused MoE combine runs wherever it fits (the plan would
 # otherwise run its unfused pair: ffi/comm/plan.cc, plan_moe_combine);
 # norm_fused=1: psum_add_norm's fused kernels, likewise (plan_add_norm).
-TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "moe_fused",
-               "norm_fused")
+TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "moe_fused", "norm_fused")
 # Variables of earlier releases whose settings benchmarks have decided.
 RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
 # Every variable load() reads (tests/test_config_unit.py checks this against
 # what it asks the environment for): a JAX_ARX_* variable that is in none of
 # VARIABLES, RETIRED and OTHER_READERS is a typo, refused by load().
-VARIABLES = ("JAX_ARX_TIMEOUT_S", "JAX_ARX_JOIN_TIMEOUT_S", "JAX_ARX_IDLE_SPIN_MS", "JAX_ARX_IDLE_NAP_US",
-             "JAX_ARX_TRANSPORT", "JAX_ARX_TOPOLOGY", "JAX_ARX_FALLBACK", "JAX_ARX_GRAD_SUMS", "JAX_ARX_ON_FAILURE",
-             "JAX_ARX_SLOT_BYTES", "JAX_ARX_SEND_BYTES", "JAX_ARX_ONESHOT_MAX_BYTES", "JAX_ARX_PREFILL_SLOT_BYTES",
-             "JAX_ARX_TCP_ADDR", "JAX_ARX_SECRET", "JAX_ARX_IB_HCA", "JAX_ARX_IB_GID_INDEX", "JAX_ARX_IB_TIMEOUT",
-             "JAX_ARX_IB_RETRY_CNT", "JAX_ARX_IB_TC", "JAX_ARX_IB_SL", "JAX_ARX_IBVERBS_LIB", "JAX_ARX_CUDA_DIRECT",
-             "JAX_ARX_CUDA_PEER_MEMORY", "JAX_ARX_DEBUG")
+VARIABLES = (
+    "JAX_ARX_TIMEOUT_S",
+    "JAX_ARX_JOIN_TIMEOUT_S",
+    "JAX_ARX_IDLE_SPIN_MS",
+    "JAX_ARX_IDLE_NAP_US",
+    "JAX_ARX_TRANSPORT",
+    "JAX_ARX_TOPOLOGY",
+    "JAX_ARX_FALLBACK",
+    "JAX_ARX_GRAD_SUMS",
+    "JAX_ARX_ON_FAILURE",
+    "JAX_ARX_SLOT_BYTES",
+    "JAX_ARX_SEND_BYTES",
+    "JAX_ARX_ONESHOT_MAX_BYTES",
+    "JAX_ARX_PREFILL_SLOT_BYTES",
+    "JAX_ARX_TCP_ADDR",
+    "JAX_ARX_SECRET",
+    "JAX_ARX_IB_HCA",
+    "JAX_ARX_IB_GID_INDEX",
+    "JAX_ARX_IB_TIMEOUT",
+    "JAX_ARX_IB_RETRY_CNT",
+    "JAX_ARX_IB_TC",
+    "JAX_ARX_IB_SL",
+    "JAX_ARX_IBVERBS_LIB",
+    "JAX_ARX_CUDA_DIRECT",
+    "JAX_ARX_CUDA_PEER_MEMORY",
+    "JAX_ARX_DEBUG",
+)
 # JAX_ARX_* variables that other parts of the project read, and who reads
 # each: a build's or a test run's environment may hold them while jax_arx
 # runs, so load() takes them for no typo (and reads nothing from them).
@@ -252,9 +272,11 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     slot_bytes = _size(env, "JAX_ARX_SLOT_BYTES", defaults.slot_bytes)
     send_bytes = _size(env, "JAX_ARX_SEND_BYTES", defaults.send_bytes)
     if send_bytes < slot_bytes:
-        raise ConfigError(f"JAX_ARX_SEND_BYTES ({send_bytes}) must be at least JAX_ARX_SLOT_BYTES ({slot_bytes}): a "
-                          "one-shot partial is staged in a send buffer; raise JAX_ARX_SEND_BYTES or lower "
-                          "JAX_ARX_SLOT_BYTES")
+        raise ConfigError(
+            f"JAX_ARX_SEND_BYTES ({send_bytes}) must be at least JAX_ARX_SLOT_BYTES ({slot_bytes}): a "
+            "one-shot partial is staged in a send buffer; raise JAX_ARX_SEND_BYTES or lower "
+            "JAX_ARX_SLOT_BYTES"
+        )
     return Config(
         timeout_s=_positive_float(env, "JAX_ARX_TIMEOUT_S", defaults.timeout_s),
         join_timeout_s=_positive_float(env, "JAX_ARX_JOIN_TIMEOUT_S", defaults.join_timeout_s),
@@ -297,8 +319,10 @@ def with_topology(cfg: Config, topology: str | None) -> Config:
     if topology is None:
         return cfg
     if not isinstance(topology, str) or topology.lower() not in TOPOLOGIES:
-        raise ConfigError(f"jax_arx.initialize(topology={topology!r}) is not accepted: use one of "
-                          f"{', '.join(repr(t) for t in TOPOLOGIES)}, or None for JAX_ARX_TOPOLOGY")
+        raise ConfigError(
+            f"jax_arx.initialize(topology={topology!r}) is not accepted: use one of "
+            f"{', '.join(repr(t) for t in TOPOLOGIES)}, or None for JAX_ARX_TOPOLOGY"
+        )
     return dataclasses.replace(cfg, topology=topology.lower())
 
 
@@ -320,7 +344,8 @@ def _refuse_unknown(env) -> None:
     raise ConfigError(
         f"{', '.join(lines)} {'is' if one else 'are'} set, but jax_arx has no such "
         f"{'variable' if one else 'variables'}: rename {'it' if one else 'each'} to the variable meant, or unset "
-        f"{'it' if one else 'each'} if not meant for jax_arx (docs/configuration.md lists the variables it reads)")
+        f"{'it' if one else 'each'} if not meant for jax_arx (docs/configuration.md lists the variables it reads)"
+    )
 
 
 def _closest(name: str) -> str | None:
@@ -337,7 +362,8 @@ def _warn_retired(env) -> None:
         if _raw(env, name) is not None and name not in _warned:
             _warned.add(name)
             logging.getLogger("jax_arx").warning(
-                "%s is no longer a setting (a benchmark decided it); it is ignored: unset it", name)
+                "%s is no longer a setting (a benchmark decided it); it is ignored: unset it", name
+            )
 
 
 def _raw(env: Mapping[str, str], name: str) -> str | None:
@@ -362,7 +388,8 @@ def _secret(env, name):
         raise ConfigError(
             f"{name} is {len(value)} characters long; use at least {_MIN_SECRET_CHARS} random ones (e.g. "
             "python3 -c 'import secrets; print(secrets.token_hex(32))'), the same on every process: someone "
-            "who can reach the ranks could otherwise guess it")
+            "who can reach the ranks could otherwise guess it"
+        )
     return value
 
 
@@ -413,12 +440,14 @@ def _size(env, name, default, alignment=_SIZE_ALIGNMENT, minimum=1):
     if not m or unit is None:
         raise ConfigError(
             f"{name}={value!r} is not accepted: use a byte count, optionally with a binary suffix "
-            f"(K, KiB, M, MiB, G, GiB), e.g. {name}=1MiB")
+            f"(K, KiB, M, MiB, G, GiB), e.g. {name}=1MiB"
+        )
     n = int(m.group(1)) * unit
     if alignment > 1 and (n <= 0 or n % alignment):
         raise ConfigError(
             f"{name}={value!r} is not accepted: {n} bytes is not a positive multiple of "
-            f"{alignment} bytes; use one, e.g. {name}=1MiB")
+            f"{alignment} bytes; use one, e.g. {name}=1MiB"
+        )
     if n < minimum:
         raise ConfigError(f"{name}={value!r} is not accepted: use at least {minimum} bytes, e.g. {name}=64KiB")
     return n
@@ -477,4 +506,5 @@ def _ipv4(env, name):
         # The tcp carrier speaks IPv4 only (ffi/transport/tcp.cc).
         raise ConfigError(
             f"{name}={value!r} is not accepted: use an IPv4 address of this host that its peers can reach, "
-            f"e.g. {name}=198.51.100.1") from None
+            f"e.g. {name}=198.51.100.1"
+        ) from None

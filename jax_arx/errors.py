@@ -165,7 +165,7 @@ def from_runtime_error(e: BaseException) -> JaxArxError | None:
     m = _MESSAGE.search(text)
     if m is None:
         return None
-    message = text[m.start():]
+    message = text[m.start() :]
     err = classify(message)(message)
     err.__cause__ = e
     return err

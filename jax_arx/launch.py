@@ -70,7 +70,7 @@ def _split_argv(argv):
     while i < len(argv):
         a = argv[i]
         if a == "--":
-            return argv[:i], argv[i + 1:]
+            return argv[:i], argv[i + 1 :]
         if a == "-m":
             return argv[:i], argv[i:]
         if a in _VALUED:
@@ -90,14 +90,20 @@ def _parser():
     p = argparse.ArgumentParser(
         prog="python -m jax_arx.launch",
         description="Run N local processes of a JAX program with jax.distributed wired up.",
-        epilog="The program follows the options: script.py [args...] or -m module [args...].")
+        epilog="The program follows the options: script.py [args...] or -m module [args...].",
+    )
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p.add_argument("--cpu-devices", type=int, metavar="K",
-                   help="run on the CPU backend with K devices per process")
-    p.add_argument("--gpus-per-process", type=int, metavar="G",
-                   help="give rank k the GPUs k*G .. k*G+G-1 (JAX_LOCAL_DEVICE_IDS)")
-    p.add_argument("--grace-s", type=float, default=2.0, metavar="S",
-                   help="after a rank fails, how long the others get before they are terminated (default 2)")
+    p.add_argument("--cpu-devices", type=int, metavar="K", help="run on the CPU backend with K devices per process")
+    p.add_argument(
+        "--gpus-per-process", type=int, metavar="G", help="give rank k the GPUs k*G .. k*G+G-1 (JAX_LOCAL_DEVICE_IDS)"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="after a rank fails, how long the others get before they are terminated (default 2)",
+    )
     return p
 
 
@@ -171,8 +177,7 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     for rank in range(args.nprocs):
         env = dict(os.environ)
-        env.update({_ENV_ADDRESS: address, _ENV_NUM: str(args.nprocs), _ENV_ID: str(rank),
-                    "PYTHONUNBUFFERED": "1"})
+        env.update({_ENV_ADDRESS: address, _ENV_NUM: str(args.nprocs), _ENV_ID: str(rank), "PYTHONUNBUFFERED": "1"})
         if secret is not None:
             env["JAX_ARX_SECRET"] = secret
         if args.cpu_devices is not None:
@@ -183,8 +188,15 @@ def main(argv=None) -> int:
             env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(rank * g + i) for i in range(g))
         # Each rank leads its own process group, so terminating a rank also
         # reaches whatever it started.
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_launcher)
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_launcher,
+        )
         procs.append(proc)
         prefix = f"[rank {rank}] ".encode()
         stderr_pumps.append(_Pump(proc.stderr, sys.stderr.buffer, prefix, lock))
@@ -209,7 +221,7 @@ def main(argv=None) -> int:
                     if running:
                         stop_at = time.monotonic() + args.grace_s
                     stderr_pumps[rank].join(timeout=1)  # the rank's last lines, read to the end
-                    then = (f"; stopping the other ranks in {args.grace_s:g} s" if running else "")
+                    then = f"; stopping the other ranks in {args.grace_s:g} s" if running else ""
                     note(_first_failure(rank, p.returncode, then, stderr_pumps[rank].tail))
             if not running:
                 break

@@ -22,8 +22,16 @@ from functools import partial
 import numpy as np
 
 import launched
-from bulk_reference import (_dtypes, _moe_inputs, random_array,  # noqa: F401 (importers take them from here)
-                            reference_combine, reference_gather, reference_scatter, reference_sum, tie_token)
+from bulk_reference import (
+    _dtypes,
+    _moe_inputs,
+    random_array,  # noqa: F401 (importers take them from here)
+    reference_combine,
+    reference_gather,
+    reference_scatter,
+    reference_sum,
+    tie_token,
+)
 
 RESULT = launched.RESULT
 PREFILL_SLOT_BYTES = 256 * 1024  # JAX_ARX_PREFILL_SLOT_BYTES in the workers (tests/test_prefill_cpu.py)
@@ -34,6 +42,7 @@ MOE_FUSED = {"moe_fused": 1}
 
 
 # --- the worker -------------------------------------------------------------------
+
 
 class _Worker(launched.MeshWorker):
     def __init__(self):
@@ -57,9 +66,13 @@ class _Worker(launched.MeshWorker):
     def check(self, case, got, want, what):
         got, want = np.asarray(got), np.asarray(want)
         same = got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
-        self.record(case, None if same else
-                    f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
-                    + (f", {int((got != want).sum())} elements differ" if got.shape == want.shape else ""))
+        self.record(
+            case,
+            None
+            if same
+            else f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+            + (f", {int((got != want).sum())} elements differ" if got.shape == want.shape else ""),
+        )
 
     def close(self, case, got, want, what, rtol, atol):
         near = np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol)
@@ -69,9 +82,11 @@ class _Worker(launched.MeshWorker):
 def _lift(fn):
     """fn on the unstacked per-device value (the shard_map body sees a
     leading axis of 1) and back."""
+
     def body(*xs):
         out = fn(*[x[0] for x in xs])
         return tuple(o[None] for o in out) if isinstance(out, tuple) else out[None]
+
     return body
 
 
@@ -105,11 +120,19 @@ def case_first_use(w: _Worker):
     shm = _comm.transport("sp") == "shm"
     region = sum(w.world * le.endpoint.region_bytes for le in psum_eps) if shm else 0
     mapped = _shm_mapped_bytes()
-    w.record("first_use", None if all(le.endpoint.bulk_lane_bytes == 0 for le in psum_eps) else
-             f"initialize()'s endpoints hold bulk lanes of {[le.endpoint.bulk_lane_bytes for le in psum_eps]} bytes")
-    w.record("first_use", None if mapped == region else
-             f"before any bulk collective this process maps {mapped} bytes of /dev/shm/jax_arx-*, not the {region} "
-             "of its lane-less regions")
+    w.record(
+        "first_use",
+        None
+        if all(le.endpoint.bulk_lane_bytes == 0 for le in psum_eps)
+        else f"initialize()'s endpoints hold bulk lanes of {[le.endpoint.bulk_lane_bytes for le in psum_eps]} bytes",
+    )
+    w.record(
+        "first_use",
+        None
+        if mapped == region
+        else f"before any bulk collective this process maps {mapped} bytes of /dev/shm/jax_arx-*, not the {region} "
+        "of its lane-less regions",
+    )
     rng = np.random.default_rng(1)
     parts = [random_array(rng, (1000,), np.dtype(np.float32)) for _ in range(w.world)]
     f = w.smap(_lift(lambda v: jax_arx.psum(v, "sp")), P("sp"), P("sp"))
@@ -125,14 +148,24 @@ def case_first_use(w: _Worker):
         w.fail("first_use", "the first all_gather made no bulk endpoints")
         return
     lane = -(-PREFILL_SLOT_BYTES // w.world // 16) * 16
-    w.record("first_use", None if all(le.endpoint.bulk_lane_bytes == lane and le.endpoint.region_bytes
-                                      >= 4 * w.world * lane for le in bulk.endpoints) else
-             f"bulk endpoints of lanes {[le.endpoint.bulk_lane_bytes for le in bulk.endpoints]} bytes, regions "
-             f"{[le.endpoint.region_bytes for le in bulk.endpoints]}; want lanes of {lane}")
+    w.record(
+        "first_use",
+        None
+        if all(
+            le.endpoint.bulk_lane_bytes == lane and le.endpoint.region_bytes >= 4 * w.world * lane
+            for le in bulk.endpoints
+        )
+        else f"bulk endpoints of lanes {[le.endpoint.bulk_lane_bytes for le in bulk.endpoints]} bytes, regions "
+        f"{[le.endpoint.region_bytes for le in bulk.endpoints]}; want lanes of {lane}",
+    )
     grown = _shm_mapped_bytes() - mapped
     want = sum(w.world * le.endpoint.region_bytes for le in bulk.endpoints) if shm else 0
-    w.record("first_use", None if grown == want else
-             f"the bulk endpoints added {grown} bytes of /dev/shm mappings, not their regions' {want}")
+    w.record(
+        "first_use",
+        None
+        if grown == want
+        else f"the bulk endpoints added {grown} bytes of /dev/shm mappings, not their regions' {want}",
+    )
     for r, got in w.mine(f(w.put(parts))).items():
         w.check("first_use", got, reference_sum(parts), f"psum after the first bulk collective, rank {r}")
 
@@ -163,9 +196,16 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
 
 def _scatter_shapes(world):
     # (per-rank input shape, dimension, tiled)
-    return [((world * 3, 5, 7), 0, True), ((3, world * 5, 7), 1, True), ((3, 5, world * 7), 2, True),
-            ((world, 5, 7), 0, False), ((3, world, 7), 1, False), ((3, 5, world), -1, False),
-            ((world * 37, 129), 0, True), ((world,), 0, False)]
+    return [
+        ((world * 3, 5, 7), 0, True),
+        ((3, world * 5, 7), 1, True),
+        ((3, 5, world * 7), 2, True),
+        ((world, 5, 7), 0, False),
+        ((3, world, 7), 1, False),
+        ((3, 5, world), -1, False),
+        ((world * 37, 129), 0, True),
+        ((world,), 0, False),
+    ]
 
 
 def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), specs=None):
@@ -183,8 +223,10 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
         def body(*xs, scatter=jax_arx.psum_scatter):
             # jax.lax.psum_scatter refuses a negative dimension at lowering;
             # jax_arx takes it, as the numpy reference does.
-            return tuple(scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim,
-                                 tiled=t) for x, (_, d, t) in zip(xs, specs))
+            return tuple(
+                scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim, tiled=t)
+                for x, (_, d, t) in zip(xs, specs)
+            )
 
         f = w.smap(_lift(body), (P("sp"),) * len(xs), (P("sp"),) * len(xs))
         n = len(w.calls(f, *xs, target="jax_arx_psum_scatter"))
@@ -221,8 +263,14 @@ def case_sizes(w: _Worker):
             if ours:
                 w.check("sizes", got, reference_scatter(parts, 0, True, r), f"psum_scatter {n} rank {r}")
             else:  # jax.lax's own sum, in its own order
-                w.close("sizes", got, reference_scatter(parts, 0, True, r), f"psum_scatter {n} rank {r} (jax.lax)",
-                        rtol=1e-5, atol=1e-5)
+                w.close(
+                    "sizes",
+                    got,
+                    reference_scatter(parts, 0, True, r),
+                    f"psum_scatter {n} rank {r} (jax.lax)",
+                    rtol=1e-5,
+                    atol=1e-5,
+                )
 
 
 def case_mixed(w: _Worker, iters=20):
@@ -254,8 +302,14 @@ def case_mixed(w: _Worker, iters=20):
     xs = (w.put(a), w.put(b), w.put(c))
     s1 = {r: reference_scatter(b, 0, True, r) for r in range(n)}
     s1_all = np.concatenate([s1[r] for r in range(n)])
-    wants = lambda r: (np.concatenate(a, axis=1), s1[r], reference_sum(c), np.stack(c), reference_sum(a),
-                       reference_scatter([s1_all] * n, 0, True, r))
+    wants = lambda r: (
+        np.concatenate(a, axis=1),
+        s1[r],
+        reference_sum(c),
+        np.stack(c),
+        reference_sum(a),
+        reference_scatter([s1_all] * n, 0, True, r),
+    )
     for it in range(iters):
         outs = f(*xs)
         for k, out in enumerate(outs):
@@ -276,6 +330,7 @@ def case_loop(w: _Worker, steps=1000):
             x, t = carry
             s = jax_arx.psum_scatter(jax_arx.all_gather(x, "sp", tiled=True), "sp", tiled=True)  # n * x
             return s - (n - 1) * x + 1, t + jax_arx.psum(x[:1], "sp")
+
         return jax.lax.fori_loop(0, steps, step, (x, jnp.zeros((1,), jnp.float32)))
 
     f = w.smap(_lift(body), P("sp"), (P("sp"), P("sp")), check_vma=False)
@@ -291,8 +346,13 @@ def case_python_loop(w: _Worker, calls=200):
     """Back-to-back jitted calls, none waited for until the last."""
     jax_arx, P = w.jax_arx, w.P
     n = w.world
-    f = w.smap(_lift(lambda v: jax_arx.psum_scatter(jax_arx.all_gather(v, "sp", tiled=True), "sp", tiled=True)
-                     - (n - 1) * v + 1), P("sp"), P("sp"))
+    f = w.smap(
+        _lift(
+            lambda v: jax_arx.psum_scatter(jax_arx.all_gather(v, "sp", tiled=True), "sp", tiled=True) - (n - 1) * v + 1
+        ),
+        P("sp"),
+        P("sp"),
+    )
     x = w.put([np.full((9,), r + 1, np.float32) for r in range(n)])
     outs = []
     for _ in range(calls):
@@ -317,20 +377,20 @@ def case_grad(w: _Worker):
     def whole(xs):  # xs [n, 2n, 3]: the sum over ranks of what each rank's body returns
         g = jnp.concatenate([jnp.sin(xs[r]) for r in range(n)], axis=1)  # every rank's gather, [2n, 3n]
         s = n * g * g  # the sum over ranks of g * g, which is the same on every rank
-        return sum((s[2 * r:2 * r + 2] ** 2).sum() + xs.sum() for r in range(n))
+        return sum((s[2 * r : 2 * r + 2] ** 2).sum() + xs.sum() for r in range(n))
 
     ref = np.asarray(jax.jit(jax.grad(whole))(jnp.asarray(np.stack(parts))))
     for check_vma in (True, False):
+
         def body(x):
             g = jax_arx.all_gather(jnp.sin(x), "sp", axis=1, tiled=True)  # [2n, 3n]
             s = jax_arx.psum_scatter(g * g, "sp", scatter_dimension=0, tiled=True)  # [2, 3n]
             return (s * s).sum(keepdims=True) + jax_arx.all_gather(x, "sp").sum(keepdims=True)
+
         f = w.smap(_lift(body), P("sp"), P("sp"), check_vma=check_vma)
         got = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
         for r, g in w.mine(got).items():
             w.close("grad", g, ref[r], f"check_vma={check_vma} rank {r}", rtol=1e-5, atol=1e-5)
-
-
 
 
 MOE_SHAPES = ((5, 9, 128, 1), (13, 40, 256, 3), (37, 64, 128, 8), (2, 16, 128, 16), (20, 30, 128, 17))
@@ -360,7 +420,7 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
             promises to equal: scatter(moe_combine(...))."""
             outs = []
             for i in range(len(cases)):
-                y, *rest = flat[i * per:(i + 1) * per]
+                y, *rest = flat[i * per : (i + 1) * per]
                 scale = rest.pop(0) if e4m3 else None
                 pos, wt, shared = rest
                 if scatter is None:
@@ -382,8 +442,10 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         unfused = g(*args)
         for k, (T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
             tpad = -(-T // n) * n
-            combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
-                        for r in range(n)]
+            combined = [
+                reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
+                for r in range(n)
+            ]
             for r, got in w.mine(outs[k]).items():
                 what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
                 w.check("moe", got, reference_scatter(combined, 0, True, r), what)
@@ -420,7 +482,7 @@ def case_moe_plan(w: _Worker):
     def body(*flat):
         outs, i = [], 0
         for e4m3, *_ in cases:
-            y, *rest = flat[i:i + (5 if e4m3 else 4)]
+            y, *rest = flat[i : i + (5 if e4m3 else 4)]
             i += 5 if e4m3 else 4
             scale = rest.pop(0) if e4m3 else None
             pos, wt, shared = rest
@@ -432,8 +494,10 @@ def case_moe_plan(w: _Worker):
 
     f = program()
     fused_calls = len(w.calls(f, *args, target="jax_arx_moe_combine_psum_scatter"))
-    w.record("moe_plan", None if fused_calls == len(cases) else
-             f"with {MOE_FUSED}: {fused_calls} fused calls, expected {len(cases)}")
+    w.record(
+        "moe_plan",
+        None if fused_calls == len(cases) else f"with {MOE_FUSED}: {fused_calls} fused calls, expected {len(cases)}",
+    )
     fused = [w.mine(out) for out in f(*args)]
 
     jax_arx.shutdown()
@@ -453,28 +517,45 @@ def case_moe_plan(w: _Worker):
         return
     finally:
         logging.getLogger("jax_arx").removeHandler(handler)
-    lowered = {t: text.count(f"custom_call @{t}(") for t in ("jax_arx_moe_combine_psum_scatter",
-                                                              "jax_arx_psum_scatter")}
-    w.record("moe_plan", None if lowered == {"jax_arx_moe_combine_psum_scatter": 0,
-                                             "jax_arx_psum_scatter": len(cases)} else
-             f"by default the program lowered {lowered}; want the unfused pair's {len(cases)} psum_scatters")
+    lowered = {
+        t: text.count(f"custom_call @{t}(") for t in ("jax_arx_moe_combine_psum_scatter", "jax_arx_psum_scatter")
+    }
+    w.record(
+        "moe_plan",
+        None
+        if lowered == {"jax_arx_moe_combine_psum_scatter": 0, "jax_arx_psum_scatter": len(cases)}
+        else f"by default the program lowered {lowered}; want the unfused pair's {len(cases)} psum_scatters",
+    )
     op = "moe_combine_psum_scatter"
     was = before["plans"].get(op, {})
     plans = {k: v - was.get(k, 0) for k, v in traced["plans"].get(op, {}).items() if v != was.get(k, 0)}
     w.extra["plans"] = plans
-    w.record("moe_plan", None if sum(plans.values()) == len(cases) and set(traced["plans"]) == {op} else
-             f"stats()['plans'] counted {traced['plans']} (before: {before['plans']}); want {len(cases)} for {op}")
-    w.record("moe_plan", None if traced["fallbacks"] == before["fallbacks"] and not logged else
-             f"a fallback: counted {traced['fallbacks']} (before: {before['fallbacks']}), logged {logged}")
+    w.record(
+        "moe_plan",
+        None
+        if sum(plans.values()) == len(cases) and set(traced["plans"]) == {op}
+        else f"stats()['plans'] counted {traced['plans']} (before: {before['plans']}); want {len(cases)} for {op}",
+    )
+    w.record(
+        "moe_plan",
+        None
+        if traced["fallbacks"] == before["fallbacks"] and not logged
+        else f"a fallback: counted {traced['fallbacks']} (before: {before['fallbacks']}), logged {logged}",
+    )
     ops = jax_arx.stats()["communicators"]["sp"]["ops"]
     local = len(w.jax.local_devices())
-    w.record("moe_plan", None if ops[op]["calls"] == 0 and ops["psum_scatter"]["calls"] == len(cases) * local else
-             f"the endpoints ran {ops[op]['calls']} fused calls and {ops['psum_scatter']['calls']} psum_scatters; "
-             f"want 0 and {len(cases) * local}")
+    w.record(
+        "moe_plan",
+        None
+        if ops[op]["calls"] == 0 and ops["psum_scatter"]["calls"] == len(cases) * local
+        else f"the endpoints ran {ops[op]['calls']} fused calls and {ops['psum_scatter']['calls']} psum_scatters; "
+        f"want 0 and {len(cases) * local}",
+    )
     for k, (e4m3, T, R, H, topk, (ys, scales, poss, ws, shareds)) in enumerate(cases):
         tpad = -(-T // n) * n
-        combined = [reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
-                    for r in range(n)]
+        combined = [
+            reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad) for r in range(n)
+        ]
         for r, got in w.mine(outs[k]).items():
             what = f"e4m3={e4m3} T={T} R={R} H={H} topk={topk} rank {r}"
             w.check("moe_plan", got, reference_scatter(combined, 0, True, r), what)
@@ -486,8 +567,17 @@ QUICK_CASES = ["first_use", "gather", "scatter", "mixed", "loop", "moe"]
 
 
 def _suite_full(w):
-    for case in (case_first_use, case_gather, case_scatter, case_sizes, case_mixed, case_loop, case_python_loop,
-                 case_grad, case_moe):
+    for case in (
+        case_first_use,
+        case_gather,
+        case_scatter,
+        case_sizes,
+        case_mixed,
+        case_loop,
+        case_python_loop,
+        case_grad,
+        case_moe,
+    ):
         w.timed(case)
 
 
@@ -504,6 +594,7 @@ def _suite_failures(w):
     """Run with JAX_ARX_TIMEOUT_S=3 and two processes."""
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     from jax_arx import _compat
+
     me = jax.process_index()
     out = {}
 
@@ -557,8 +648,11 @@ def _suite_failures(w):
     f = f.lower(x).compile()  # the call alone is timed, not its compilation
     # No result at all (an exception) is as good as NaN: nothing wrong was returned.
     out["missing_peer"] = launched.alone_call_report(
-        lambda: {"nan": bool(np.isnan(list(w.mine(f(x)).values())[0]).all())}, jax_arx,
-        "bulk_cases/rank0_done", on_error={"nan": True})
+        lambda: {"nan": bool(np.isnan(list(w.mine(f(x)).values())[0]).all())},
+        jax_arx,
+        "bulk_cases/rank0_done",
+        on_error={"nan": True},
+    )
     return out
 
 
@@ -571,8 +665,7 @@ def run_worker(suite, suites=SUITES):
     prints the RESULT line. ``suite``: "failures", or names of ``suites``
     joined by "+", run in that order in one launch."""
     w = _Worker()
-    report = {"world": w.world, "local_devices": len(w.jax.local_devices()),
-              "platform": w.jax.devices()[0].platform}
+    report = {"world": w.world, "local_devices": len(w.jax.local_devices()), "platform": w.jax.devices()[0].platform}
     if suite == "failures":
         report.update(_suite_failures(w))
     else:

@@ -19,11 +19,19 @@ import numpy as np
 def _dtypes():
     import ml_dtypes
 
-    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-            "float16": np.dtype(np.float16), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-            "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16),
-            "int32": np.dtype(np.int32), "uint32": np.dtype(np.uint32), "bool": np.dtype(np.bool_),
-            "complex64": np.dtype(np.complex64)}
+    return {
+        "float32": np.dtype(np.float32),
+        "bfloat16": np.dtype(ml_dtypes.bfloat16),
+        "float16": np.dtype(np.float16),
+        "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+        "int8": np.dtype(np.int8),
+        "uint8": np.dtype(np.uint8),
+        "int16": np.dtype(np.int16),
+        "int32": np.dtype(np.int32),
+        "uint32": np.dtype(np.uint32),
+        "bool": np.dtype(np.bool_),
+        "complex64": np.dtype(np.complex64),
+    }
 
 
 def random_array(rng, shape, dt):
@@ -96,7 +104,7 @@ def reference_combine(y, pos, w, shared, y_scale, tpad):
 # low bits lift w * y just above it. Added in two roundings (hi, then lo) the
 # row is 1 + 109 * 2^-8, a bfloat16 tie that rounds down to 1.421875; in one,
 # just above it, which rounds up to 1.4296875.
-TIE_Y, TIE_W = 145 * 2.0 ** -7, 49265 * 2.0 ** -17 + 2.0 ** -25
+TIE_Y, TIE_W = 145 * 2.0**-7, 49265 * 2.0**-17 + 2.0**-25
 
 
 def tie_token(y, pos, wt, shared):

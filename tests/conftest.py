@@ -118,12 +118,16 @@ def core_built(tmp_path_factory):
 def pytest_terminal_summary(terminalreporter, config):
     if _fast_tier(config) and not hasattr(config, "workerinput"):
         # Under xdist the workers collect, so the count is theirs alone.
-        count = f"{_deselected_slow[0]} tests of the slow suites were" if _deselected_slow else \
-            "the slow suites' tests were"
+        count = (
+            f"{_deselected_slow[0]} tests of the slow suites were"
+            if _deselected_slow
+            else "the slow suites' tests were"
+        )
         terminalreporter.write_line(
             f"jax_arx: the fast tier; {count} not run "
             f"(pytest -m 'slow or tsan or aarch64 or verbs or netns or soak' tests runs them; "
-            f"docs/development.md)")
+            f"docs/development.md)"
+        )
     if _SUMMARY:
         terminalreporter.section("jax_arx: what the long tests did")
         for line in _SUMMARY:

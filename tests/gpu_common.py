@@ -69,8 +69,12 @@ BUILD = "JAX_ARX_CUDA=ON pip install --no-build-isolation -C cmake.define.JAX_AR
 
 # The collectives the stats count (Endpoint.stats()["calls"]), by the FFI
 # target a lowering names.
-KINDS = {"jax_arx_psum": "psum", "jax_arx_all_gather": "all_gather", "jax_arx_psum_scatter": "psum_scatter",
-         "jax_arx_moe_combine_psum_scatter": "moe_combine_psum_scatter"}
+KINDS = {
+    "jax_arx_psum": "psum",
+    "jax_arx_all_gather": "all_gather",
+    "jax_arx_psum_scatter": "psum_scatter",
+    "jax_arx_moe_combine_psum_scatter": "moe_combine_psum_scatter",
+}
 
 # Endpoint.route's values, and the one line the core logs when GPU inboxes
 # were asked for by default but cannot be mapped (ffi/cuda/peer_memory.cc).
@@ -79,6 +83,7 @@ NO_GPU_INBOXES_LINE = "psum inboxes in pinned host memory, not in GPU memory:"
 
 
 # --- when to run (the pytest side) ----------------------------------------------
+
 
 @functools.cache
 def visible_gpus() -> tuple[str, ...]:
@@ -98,17 +103,20 @@ def visible_gpus() -> tuple[str, ...]:
         if not entry or entry.startswith("-"):
             break
         chosen.append(entry)
-    return tuple(chosen[:len(listed)])
+    return tuple(chosen[: len(listed)])
 
 
 @functools.cache
 def _core_probe() -> dict:
     """What the installed jax_arx is, asked in a fresh interpreter with a clean
     environment: {"cuda": bool, "hooks": bool}, or {"error": why not}."""
-    code = ("import ctypes, json; from jax_arx import _core as c; "
-            "print(json.dumps({'cuda': c.has_cuda(), 'hooks': hasattr(ctypes.CDLL(c.__file__), 'arx_testing_open')}))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
-                       env=launched.clean_env(), timeout=300)
+    code = (
+        "import ctypes, json; from jax_arx import _core as c; "
+        "print(json.dumps({'cuda': c.has_cuda(), 'hooks': hasattr(ctypes.CDLL(c.__file__), 'arx_testing_open')}))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=launched.clean_env(), timeout=300
+    )
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -123,14 +131,20 @@ def require_gpus(n: int = 1, *, hooks: bool = False, why: str = "") -> tuple[str
         pytest.skip("no NVIDIA GPU here (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)")
     probe = _core_probe()
     if "error" in probe:
-        pytest.fail(f"this machine has {len(gpus)} GPU(s), but jax_arx's C++ module does not import "
-                    f"({probe['error']}); build it with CUDA and the test hooks: {BUILD}")
+        pytest.fail(
+            f"this machine has {len(gpus)} GPU(s), but jax_arx's C++ module does not import "
+            f"({probe['error']}); build it with CUDA and the test hooks: {BUILD}"
+        )
     if not probe["cuda"]:
-        pytest.fail(f"this machine has {len(gpus)} GPU(s), but jax_arx was built without CUDA (no nvcc at build "
-                    f"time); rebuild it with CUDA and the test hooks: {BUILD}")
+        pytest.fail(
+            f"this machine has {len(gpus)} GPU(s), but jax_arx was built without CUDA (no nvcc at build "
+            f"time); rebuild it with CUDA and the test hooks: {BUILD}"
+        )
     if hooks and not probe["hooks"]:
-        pytest.fail("jax_arx was built without the test hooks these tests drive (tests/gpu/hooks_cuda.cc, CMake "
-                    f"option JAX_ARX_TESTING); rebuild it with them: {BUILD}")
+        pytest.fail(
+            "jax_arx was built without the test hooks these tests drive (tests/gpu/hooks_cuda.cc, CMake "
+            f"option JAX_ARX_TESTING); rebuild it with them: {BUILD}"
+        )
     if len(gpus) < n:
         pytest.skip(f"needs {n} GPUs{' (' + why + ')' if why else ''}; this machine shows {len(gpus)}")
     return gpus
@@ -138,17 +152,26 @@ def require_gpus(n: int = 1, *, hooks: bool = False, why: str = "") -> tuple[str
 
 # --- launching (the pytest side) --------------------------------------------------
 
+
 def gpu_env(gpus, ranks: int, env: dict | None = None, devices_per_process: int = 1) -> dict:
     """A worker's environment for ``ranks`` ranks placed on ``gpus`` (see the
     module doc), with ``env`` on top (its XLA_FLAGS added to the defaults)."""
     env = dict(env or {})
     share = math.ceil(ranks / len(gpus))  # processes on the busiest GPU
     flags = " ".join(f for f in ("--xla_gpu_autotune_level=0", env.pop("XLA_FLAGS", "")) if f)
-    return launched.clean_env({
-        "JAX_PLATFORMS": "cuda", "ARX_TEST_GPUS": ",".join(gpus),
-        "ARX_TEST_DEVICES_PER_PROCESS": str(devices_per_process),
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.8 / share:.3f}",
-        "JAX_ARX_FALLBACK": "error", "JAX_ARX_TIMEOUT_S": "30", "XLA_FLAGS": flags, **env})
+    return launched.clean_env(
+        {
+            "JAX_PLATFORMS": "cuda",
+            "ARX_TEST_GPUS": ",".join(gpus),
+            "ARX_TEST_DEVICES_PER_PROCESS": str(devices_per_process),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.8 / share:.3f}",
+            "JAX_ARX_FALLBACK": "error",
+            "JAX_ARX_TIMEOUT_S": "30",
+            "XLA_FLAGS": flags,
+            **env,
+        }
+    )
 
 
 def cpu_env(env: dict | None = None) -> dict:
@@ -176,8 +199,9 @@ class Run:
         return by_rank
 
 
-def run_workers(script: str, args: list[str], nprocs: int | None, env: dict, *, timeout: float,
-                cpu_devices: int | None = None) -> Run:
+def run_workers(
+    script: str, args: list[str], nprocs: int | None, env: dict, *, timeout: float, cpu_devices: int | None = None
+) -> Run:
     """Runs ``script --worker *args`` on ``nprocs`` processes under the launcher
     (None: one process, without it), from the tests' directory so that the
     installed jax_arx is imported; fails the test unless every process
@@ -186,8 +210,19 @@ def run_workers(script: str, args: list[str], nprocs: int | None, env: dict, *, 
         cmd = [sys.executable, script, "--worker", *args]
     else:
         devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices else []
-        cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices, "--grace-s", "20", script,
-               "--worker", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jax_arx.launch",
+            "-n",
+            str(nprocs),
+            *devices,
+            "--grace-s",
+            "20",
+            script,
+            "--worker",
+            *args,
+        ]
     start = time.monotonic()
     p = launched.run_launcher(cmd, env, HERE, timeout)
     seconds = time.monotonic() - start
@@ -195,12 +230,14 @@ def run_workers(script: str, args: list[str], nprocs: int | None, env: dict, *, 
     for line in p.stdout.splitlines():
         process = 0
         if line.startswith("[rank "):
-            process, line = int(line[len("[rank "):line.index("]")]), line[line.index("]") + 2:]
+            process, line = int(line[len("[rank ") : line.index("]")]), line[line.index("]") + 2 :]
         if line.startswith(RESULT):
-            report = json.loads(line[len(RESULT):])
+            report = json.loads(line[len(RESULT) :])
             reports.setdefault(process, {})[report["phase"]] = report
-    detail = (f"{' '.join(args)} on {nprocs or 1} process(es): status {p.returncode} after {seconds:.0f} s\n"
-              f"--- stdout\n{p.stdout[-8000:]}\n--- stderr\n{p.stderr[-8000:]}")
+    detail = (
+        f"{' '.join(args)} on {nprocs or 1} process(es): status {p.returncode} after {seconds:.0f} s\n"
+        f"--- stdout\n{p.stdout[-8000:]}\n--- stderr\n{p.stderr[-8000:]}"
+    )
     assert p.returncode == 0, detail
     assert sorted(reports) == list(range(nprocs or 1)), detail
     return Run(reports, p.stdout, p.stderr, seconds)
@@ -235,8 +272,10 @@ def world_launch(script: str, worker: str, world: int, phases: tuple[str, ...] =
     gpus = require_gpus(1)
     flags = CMDBUF_OFF if world == 3 else CMDBUF_ON
     args = [worker, "--phases", ",".join(phases)] if phases else [worker]
-    return launch_once((script, worker, world, phases), lambda: run_workers(
-        script, args, world, gpu_env(gpus, world, {"XLA_FLAGS": flags}), timeout=480))
+    return launch_once(
+        (script, worker, world, phases),
+        lambda: run_workers(script, args, world, gpu_env(gpus, world, {"XLA_FLAGS": flags}), timeout=480),
+    )
 
 
 RING_PHASES = ("ring", "ring_tcp")  # a launch of their own
@@ -253,6 +292,7 @@ def phase_tests(script: str, worker: str, phases, check_phase):
     another. ``check_phase(run, phase, world, summary_line)`` asserts one
     phase of a launch. Assign them to ``test_<worker>`` and
     ``test_<worker>_ring`` in the suite's module."""
+
     @pytest.mark.parametrize("phase", mesh_phases(phases))
     @pytest.mark.parametrize("world", WORLDS)
     def test_mesh(world, phase, summary_line):
@@ -273,6 +313,7 @@ def worker_phases(argv: list[str], default) -> list[str]:
 
 
 # --- what the tests assert --------------------------------------------------------
+
 
 def assert_correct(reports: dict, expect=None, same_everywhere=True) -> None:
     """Every rank checked something in each case (exactly the cases in
@@ -301,8 +342,9 @@ def expected_routes(env: dict, platform: str) -> set[str]:
         return {PROXY if proxy else HOST_INBOXES}
     if proxy or env.get("JAX_ARX_CUDA_DIRECT") == "0":
         return {PROXY}
-    return {"0": {HOST_INBOXES}, "1": {GPU_INBOXES}}.get(env.get("JAX_ARX_CUDA_PEER_MEMORY"),
-                                                          {GPU_INBOXES, HOST_INBOXES})
+    return {"0": {HOST_INBOXES}, "1": {GPU_INBOXES}}.get(
+        env.get("JAX_ARX_CUDA_PEER_MEMORY"), {GPU_INBOXES, HOST_INBOXES}
+    )
 
 
 def assert_route(run: Run, reports: dict, env: dict, summary_line) -> str:
@@ -365,6 +407,7 @@ def assert_graph_calls(graph: dict, xla_flags: str, platform: str) -> None:
 
 # --- the worker's side ------------------------------------------------------------
 
+
 def place_rank() -> None:
     """This process's GPU(s), before jax starts: with ARX_TEST_GPUS = the G
     GPUs of the test, process p with k devices (ARX_TEST_DEVICES_PER_PROCESS)
@@ -386,8 +429,10 @@ def signed_inputs(dtype, count: int, world: int, seed: int) -> list[np.ndarray]:
     combination of the ranks' signs (all negative: -0.0, since the sum starts
     from rank 0's element, not from +0.0)."""
     rng = np.random.default_rng(seed)
-    parts = [(rng.standard_normal(count) * 2.0 ** rng.integers(-6, 7, count)).astype(np.float32).astype(dtype)
-             for _ in range(world)]
+    parts = [
+        (rng.standard_normal(count) * 2.0 ** rng.integers(-6, 7, count)).astype(np.float32).astype(dtype)
+        for _ in range(world)
+    ]
     zeros = min(count, 1 << world)
     for r, p in enumerate(parts):
         p[:zeros] = np.where((np.arange(zeros) >> r) & 1, -0.0, 0.0).astype(dtype)
@@ -466,8 +511,13 @@ class GpuWorker(suites._Worker):
         before = self.stats()
         fn(*args, **kwargs)
         after = self.stats()
-        return {rank: {group: {k: after[rank][group][k] - before[rank][group][k] for k in after[rank][group]}
-                       for group in ("calls", "algorithms")} for rank in after}
+        return {
+            rank: {
+                group: {k: after[rank][group][k] - before[rank][group][k] for k in after[rank][group]}
+                for group in ("calls", "algorithms")
+            }
+            for rank in after
+        }
 
     def calls(self, f, *args, target="jax_arx_"):
         found = super().calls(f, *args, target=target)
@@ -489,7 +539,15 @@ class GpuWorker(suites._Worker):
                 relayed[le.rank] = relayed.get(le.rank, 0) + le.endpoint.stats()["relayed_puts"]
             routes = {str(le.rank): le.endpoint.route for le in self.endpoints()}
             routes.update({f"{le.rank}/bulk": le.endpoint.route for le in self.endpoints(bulk=True)})
-        emit(phase=self.phase_name, platform=self.platform, world=self.world,
-             ranks=[self.rank_of(d) for d in self.jax.local_devices()],
-             routes=routes, cases=self.cases, digest=self.crc, relayed=relayed,
-             xla_flags=os.environ.get("XLA_FLAGS", ""), **extra)
+        emit(
+            phase=self.phase_name,
+            platform=self.platform,
+            world=self.world,
+            ranks=[self.rank_of(d) for d in self.jax.local_devices()],
+            routes=routes,
+            cases=self.cases,
+            digest=self.crc,
+            relayed=relayed,
+            xla_flags=os.environ.get("XLA_FLAGS", ""),
+            **extra,
+        )

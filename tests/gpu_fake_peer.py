@@ -27,9 +27,23 @@ DTYPE_CODE = {"float32": 1, "bfloat16": 2, "float16": 3}  # layout.h, DType
 ALGORITHM = {1: "one_shot", 2: "two_shot", 3: "ll"}  # comm/plan.h, Algorithm
 EVERY_PEER = M64  # layout.h, kEveryPeer
 # Control's 32 words (layout.h): name -> index.
-CONTROL = {"begun": 0, "begun_bulk": 1, "done": 2, "done_bulk": 3, "failed_seq": 8, "failed_kind": 9,
-           "failed_missing": 10, "failed_flag": 11, "failed_src": 12, "failed_desc": 13, "failed_family": 14,
-           "failed_op": 15, "abort": 16, "ring_published": 24, "ring_consumed": 25}
+CONTROL = {
+    "begun": 0,
+    "begun_bulk": 1,
+    "done": 2,
+    "done_bulk": 3,
+    "failed_seq": 8,
+    "failed_kind": 9,
+    "failed_missing": 10,
+    "failed_flag": 11,
+    "failed_src": 12,
+    "failed_desc": 13,
+    "failed_family": 14,
+    "failed_op": 15,
+    "abort": 16,
+    "ring_published": 24,
+    "ring_consumed": 25,
+}
 TRIGGER = ("src", "len", "dst", "flag", "value", "dest", "family", "tag")  # layout.h, Trigger
 RING = 256  # layout.h, kRing: the trigger ring's entries
 TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
@@ -110,13 +124,34 @@ class FakePeer:
         lib.arx_testing_describe.restype = ctypes.c_uint64
         self.comm_id, self.rank, self.world, self.timeout_s = comm_id, rank, world, timeout_s
         err = ctypes.create_string_buffer(2048)
-        rc = lib.arx_testing_open(ctypes.c_int64(comm_id), 0, rank, world, ctypes.c_double(timeout_s), int(direct),
-                                  ctypes.c_int64(ll_max_bytes), err, len(err))
+        rc = lib.arx_testing_open(
+            ctypes.c_int64(comm_id),
+            0,
+            rank,
+            world,
+            ctypes.c_double(timeout_s),
+            int(direct),
+            ctypes.c_int64(ll_max_bytes),
+            err,
+            len(err),
+        )
         assert rc == 0, err.value.decode()
         out = (ctypes.c_uint64 * 12)()
         assert lib.arx_testing_layout(self._id, 0, out) == 0
-        (self.base, self.flags, self.recv, self.send, self.ring, self.ll_recv, self.slot, self.send_bytes, self.total,
-         self.roots, self.stride, self.pieces_per_src) = list(out)
+        (
+            self.base,
+            self.flags,
+            self.recv,
+            self.send,
+            self.ring,
+            self.ll_recv,
+            self.slot,
+            self.send_bytes,
+            self.total,
+            self.roots,
+            self.stride,
+            self.pieces_per_src,
+        ) = list(out)
         # ll_recv is [2 parities][world sources][an LL slot], right before the staging buffer.
         self.ll_slot = (self.send - self.ll_recv) // (2 * world)
 
@@ -133,8 +168,11 @@ class FakePeer:
         return ALGORITHM[out[0]], out[1]
 
     def describe(self, op, dtype, count, tag):
-        hashed = int(self.lib.arx_testing_describe(op, ctypes.c_uint64(DTYPE_CODE[dtype]), ctypes.c_uint64(count),
-                                                   ctypes.c_uint64(tag & M64)))
+        hashed = int(
+            self.lib.arx_testing_describe(
+                op, ctypes.c_uint64(DTYPE_CODE[dtype]), ctypes.c_uint64(count), ctypes.c_uint64(tag & M64)
+            )
+        )
         return Desc(hashed, (op, DTYPE_CODE[dtype], count, tag))
 
     def oneshot_desc(self, dtype, count, pieces, tag=0):
@@ -166,8 +204,12 @@ class FakePeer:
         self.write(self.flags + 8 * header_word(0, seq & 1, src), words.tobytes())
         for piece in pieces:
             for root in range(self.roots):
-                assert self.lib.arx_testing_store_flag(self._id, 0, self.word(src, piece, root),
-                                                       ctypes.c_uint64(flag_word(seq, desc))) == 0
+                assert (
+                    self.lib.arx_testing_store_flag(
+                        self._id, 0, self.word(src, piece, root), ctypes.c_uint64(flag_word(seq, desc))
+                    )
+                    == 0
+                )
 
     def lines_at(self, seq, src):
         return self.ll_recv + ((seq & 1) * self.world + src) * self.ll_slot
@@ -178,8 +220,9 @@ class FakePeer:
         copy is not 8-byte atomic as a kernel's stores are, and the kernel
         must never see a flag before its data."""
         self.write(self.lines_at(seq, src), raw(lines_of(data, 0, 0, hi_garbage)))
-        self.write(self.lines_at(seq, src),
-                   raw(lines_of(data, flag if halves[0] else 0, flag if halves[1] else 0, hi_garbage)))
+        self.write(
+            self.lines_at(seq, src), raw(lines_of(data, flag if halves[0] else 0, flag if halves[1] else 0, hi_garbage))
+        )
 
     def fail(self, message):
         assert self.lib.arx_testing_fail(self._id, 0, message.encode()) == 0

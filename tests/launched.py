@@ -31,18 +31,31 @@ def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None,
     backend (GPUs, where the worker picks its own)."""
     full_env = clean_env({"JAX_ARX_TRANSPORT": transport, **(env or {})})
     devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices is not None else []
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices,
-           "--grace-s", "20", worker, "--worker", suite]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_arx.launch",
+        "-n",
+        str(nprocs),
+        *devices,
+        "--grace-s",
+        "20",
+        worker,
+        "--worker",
+        suite,
+    ]
     start = time.monotonic()
     p = run_launcher(cmd, full_env, cwd, timeout)
     elapsed = time.monotonic() - start
     results = {}
     for line in p.stdout.splitlines():
         if line.startswith("[rank ") and RESULT in line:
-            rank = int(line[len("[rank "):line.index("]")])
-            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT):])
-    detail = f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n" \
-             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+            rank = int(line[len("[rank ") : line.index("]")])
+            results[rank] = json.loads(line[line.index(RESULT) + len(RESULT) :])
+    detail = (
+        f"suite {suite!r}, {nprocs} processes, {transport}: status {p.returncode} after {elapsed:.1f} s\n"
+        f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+    )
     assert p.returncode == 0, detail
     assert sorted(results) == list(range(nprocs)), detail
     if "JAX_ARX_DEBUG" not in full_env:
@@ -89,8 +102,9 @@ def assert_all_correct(results, expect):
 def core_is_installed(cwd):
     """None when jax_arx with its C++ module imports in a fresh interpreter
     (outside the source tree), else the reason it does not."""
-    probe = subprocess.run([sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True,
-                           cwd=cwd, env=clean_env())
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax_arx._core"], capture_output=True, text=True, cwd=cwd, env=clean_env()
+    )
     if probe.returncode == 0:
         return None
     return "jax_arx is not installed with its C++ module (pip install .): " + probe.stderr.strip().splitlines()[-1]
@@ -135,8 +149,10 @@ class MeshWorker:
         return compiled(*args)
 
     def smap(self, body, in_specs, out_specs, check_vma=True, **jit_kwargs):
-        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                                               check_vma=check_vma), **jit_kwargs)
+        return self.jax.jit(
+            self.jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma),
+            **jit_kwargs,
+        )
 
     def record(self, case, bad=None):
         """One more result checked in ``case``; ``bad``: what was wrong with it."""
@@ -153,7 +169,7 @@ class MeshWorker:
         ``record_as``, or its name without the ``case_`` prefix."""
         start = time.monotonic()
         case(self, *args, **kwargs)
-        self.seconds[record_as or case.__name__[len("case_"):]] = round(time.monotonic() - start, 2)
+        self.seconds[record_as or case.__name__[len("case_") :]] = round(time.monotonic() - start, 2)
 
     def calls(self, f, *args, target="jax_arx_"):
         """The custom calls to ``target*`` in ``f``'s lowering for ``args``."""

@@ -24,8 +24,9 @@ def missing(reason: str) -> None:
     """This test cannot run here, for ``reason`` (which says what to
     install or do): skips it, or in CI fails it."""
     if in_ci():
-        pytest.fail(f"CI=true and a suite CI must run cannot: {reason} (.ci/run installs what the suites need)",
-                    pytrace=False)
+        pytest.fail(
+            f"CI=true and a suite CI must run cannot: {reason} (.ci/run installs what the suites need)", pytrace=False
+        )
     pytest.skip(reason)
 
 

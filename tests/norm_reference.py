@@ -37,8 +37,7 @@ def dtypes():
     """The reducing dtypes by name."""
     import ml_dtypes
 
-    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-            "float16": np.dtype(np.float16)}
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 
 def hidden(parts, residual, dtype):
@@ -70,7 +69,7 @@ def lane_sum(t):
         acc = acc + m[:, i]
     s = LANES // 2
     while s:
-        acc[:, :s] = acc[:, :s] + acc[:, s:2 * s]
+        acc[:, :s] = acc[:, :s] + acc[:, s : 2 * s]
         s //= 2
     return acc[:, 0]
 
@@ -106,14 +105,16 @@ def close_report(got, ref, dtype, *, ulps=0.5, row_ulps=ROW_ULPS):
     units of the row's largest |ref|; else what is wrong, and where."""
     got64 = got.astype(np.float64)
     row_max = np.abs(ref).max(-1, keepdims=True)
-    tol = ulps * ulp(ref, dtype) + row_ulps * 2.0 ** -23 * row_max
+    tol = ulps * ulp(ref, dtype) + row_ulps * 2.0**-23 * row_max
     err = np.abs(got64 - ref)
     bad = ~(err <= tol)
     if not bad.any():
         return None
     i = np.unravel_index(np.argmax(np.where(bad, err / np.maximum(tol, 1e-300), 0)), bad.shape)
-    return (f"{int(bad.sum())} of {got.size} beyond tolerance; worst at {tuple(int(k) for k in i)}: "
-            f"got {got64[i]!r}, ref {ref[i]!r}, tol {tol[i]:.3g}")
+    return (
+        f"{int(bad.sum())} of {got.size} beyond tolerance; worst at {tuple(int(k) for k in i)}: "
+        f"got {got64[i]!r}, ref {ref[i]!r}, tol {tol[i]:.3g}"
+    )
 
 
 def inputs(world, spec):

@@ -42,8 +42,10 @@ except RuntimeError:
 @pytest.fixture
 def four_devices():
     if jax.device_count() < 4:
-        needs.missing(f"needs 4 CPU devices; jax started with {jax.device_count()} before this module could ask "
-                      "for 4 (run it in a pytest process of its own)")
+        needs.missing(
+            f"needs 4 CPU devices; jax started with {jax.device_count()} before this module could ask "
+            "for 4 (run it in a pytest process of its own)"
+        )
 
 
 needs_4_devices = pytest.mark.usefixtures("four_devices")
@@ -96,7 +98,7 @@ def lax_lowering():
         count["n"] += 1
         # jax's own all-reduce in place of the FFI call: these tests check
         # jax_arx's rules (typing, autodiff, batching, caching), not its sums.
-        leaves = xs[:len(xs) - params.get("prefetch", 0)]
+        leaves = xs[: len(xs) - params.get("prefetch", 0)]
         return _compat.lax_psum_lowering(ctx, leaves, axes=params["axes"])
 
     for prim in (_psum.psum_p, _psum.psum_invariant_p):
@@ -111,15 +113,21 @@ def bulk_lax_lowering():
     """all_gather and psum_scatter lowered as jax's own (what
     ``_collective_lowering`` does where it falls back), counting lowerings."""
     count = {"n": 0}
-    prims = {_bulk.all_gather_p: (_bulk.ALL_GATHER_TARGET, _compat.lax_all_gather_p, "all_gather_dimension",
-                                  "all_gather"),
-             _bulk.psum_scatter_p: (_bulk.PSUM_SCATTER_TARGET, _compat.lax_reduce_scatter_p, "scatter_dimension",
-                                    "psum_scatter")}
+    prims = {
+        _bulk.all_gather_p: (_bulk.ALL_GATHER_TARGET, _compat.lax_all_gather_p, "all_gather_dimension", "all_gather"),
+        _bulk.psum_scatter_p: (
+            _bulk.PSUM_SCATTER_TARGET,
+            _compat.lax_reduce_scatter_p,
+            "scatter_dimension",
+            "psum_scatter",
+        ),
+    }
 
     def lowering(lax_prim):
         def lower(ctx, x, **params):
             count["n"] += 1
             return _compat.lax_collective_lowering(lax_prim, ctx, x, **_bulk._lax_params(params))
+
         return lower
 
     for prim, (_, lax_prim, _, _) in prims.items():
@@ -148,8 +156,6 @@ def mesh22(fake_core):
     mesh = auto_mesh((2, 2), ("dp", "tp"))
     jax_arx.initialize(mesh)
     return mesh
-
-
 
 
 FAKE_CORE_SOURCE = '''
@@ -238,8 +244,13 @@ def body_prims(mesh, body, x, in_spec=None, out_spec=None, check_vma=True):
     default to P("tp"))."""
     from jax.sharding import PartitionSpec as P
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=P("tp") if in_spec is None else in_spec,
-                      out_specs=P("tp") if out_spec is None else out_spec, check_vma=check_vma)
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=P("tp") if in_spec is None else in_spec,
+        out_specs=P("tp") if out_spec is None else out_spec,
+        check_vma=check_vma,
+    )
     return prim_names(inner_jaxpr(jax.make_jaxpr(f)(x)))
 
 
@@ -250,4 +261,5 @@ def assert_bits_equal(a, b):
     def same(u, v):
         u, v = np.asarray(u), np.asarray(v)
         assert (u.dtype, u.shape, u.tobytes()) == (v.dtype, v.shape, v.tobytes()), (u, v)
+
     jax.tree.map(same, a, b)

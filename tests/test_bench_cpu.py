@@ -44,9 +44,22 @@ def run_ok(script, args, cwd):
 
 def test_bench_psum_check(tmp_path):
     sizes = [8 << 10, 64 << 10]
-    stdout = run_ok("bench_psum.py", ["--cpu", "--check", "--world", "2", "--configs",
-                                      "arx-shm,arx-tcp,arx-shm-ring,arx-shm-host,nccl", "--sizes", "8KB,64KB",
-                                      "--out", str(tmp_path)], tmp_path)
+    stdout = run_ok(
+        "bench_psum.py",
+        [
+            "--cpu",
+            "--check",
+            "--world",
+            "2",
+            "--configs",
+            "arx-shm,arx-tcp,arx-shm-ring,arx-shm-host,nccl",
+            "--sizes",
+            "8KB,64KB",
+            "--out",
+            str(tmp_path),
+        ],
+        tmp_path,
+    )
     with open(tmp_path / "bench_psum_check.json") as f:
         doc = json.load(f)
     assert doc["meta"]["world"] == 2 and doc["meta"]["sizes"] == sizes and doc["meta"]["check_only"]
@@ -79,8 +92,11 @@ def test_bench_psum_check(tmp_path):
 
 def test_bench_prefill_check(tmp_path):
     ops = ("all_gather", "psum_scatter", "moe_combine_psum_scatter", "moe_combine + psum_scatter")
-    stdout = run_ok("bench_prefill.py", ["--cpu", "--check", "--configs", "arx-shm,nccl,floor", "--sizes", "48KB",
-                                         "--out", str(tmp_path)], tmp_path)
+    stdout = run_ok(
+        "bench_prefill.py",
+        ["--cpu", "--check", "--configs", "arx-shm,nccl,floor", "--sizes", "48KB", "--out", str(tmp_path)],
+        tmp_path,
+    )
     with open(tmp_path / "bench_prefill_check.json") as f:
         doc = json.load(f)
     assert doc["runs"]["arx-shm"]["errors"] == [] and doc["runs"]["arx-shm"]["route"] == "direct"
@@ -97,8 +113,22 @@ def test_bench_prefill_check(tmp_path):
 
 
 def test_bench_norm_check(tmp_path):
-    stdout = run_ok("bench_norm.py", ["--cpu", "--check", "--configs", "arx-shm,arx-shm-proxy,floor", "--sizes",
-                                      "8KB,24KB", "--kind", "layer", "--out", str(tmp_path)], tmp_path)
+    stdout = run_ok(
+        "bench_norm.py",
+        [
+            "--cpu",
+            "--check",
+            "--configs",
+            "arx-shm,arx-shm-proxy,floor",
+            "--sizes",
+            "8KB,24KB",
+            "--kind",
+            "layer",
+            "--out",
+            str(tmp_path),
+        ],
+        tmp_path,
+    )
     with open(tmp_path / "bench_norm_check.json") as f:
         doc = json.load(f)
     assert doc["meta"]["kind"] == "layer" and doc["runs"]["arx-shm"]["errors"] == []
@@ -117,8 +147,10 @@ def test_a_run_cut_short_fails(tmp_path):
     --max-seconds are not started; each is named, the exit status is 1 and
     no check is claimed that did not run."""
     args = ["--cpu", "--configs", "arx-shm,nccl", "--sizes", "8KB", "--out", str(tmp_path)]
-    for limit, said in ((["--timeout", "2"], "after the 2 s limit"),
-                        (["--max-seconds", "0.01"], "not started: the run's --max-seconds 0.01 had passed")):
+    for limit, said in (
+        (["--timeout", "2"], "after the 2 s limit"),
+        (["--max-seconds", "0.01"], "not started: the run's --max-seconds 0.01 had passed"),
+    ):
         p = run_bench("bench_psum.py", args + limit, tmp_path)
         assert p.returncode == 1, (limit, p.returncode, p.stdout[-3000:], p.stderr[-3000:])
         with open(tmp_path / "bench_psum.json") as f:
@@ -161,6 +193,7 @@ def test_jobs_on_the_gpus_there_are(examples):
     # and two-shot forced by the one-shot limit, jax_arx.psum's own limit kept.
     from bench_common import parse_size
     from jax_arx.config import Config
+
     for world in (2, 3, 4):
         own, one, two = (bench_psum.algorithm_env(a, 4 << 20, world) for a in bench_psum.ALGORITHMS)
         assert parse_size(one["JAX_ARX_SLOT_BYTES"]) >= 4 << 20
@@ -170,8 +203,10 @@ def test_jobs_on_the_gpus_there_are(examples):
         assert parse_size(two["JAX_ARX_SEND_BYTES"]) >= 4 << 20
         assert parse_size(own["JAX_ARX_SLOT_BYTES"]) * world >= 4 << 20
         assert parse_size(own.get("JAX_ARX_ONESHOT_MAX_BYTES", own["JAX_ARX_SLOT_BYTES"])) == Config().slot_bytes
-    assert bench_psum.algorithm_env("jax_arx.psum", 64 << 10, 2) == {"JAX_ARX_SLOT_BYTES": "1MiB",
-                                                                       "JAX_ARX_SEND_BYTES": "4MiB"}
+    assert bench_psum.algorithm_env("jax_arx.psum", 64 << 10, 2) == {
+        "JAX_ARX_SLOT_BYTES": "1MiB",
+        "JAX_ARX_SEND_BYTES": "4MiB",
+    }
 
 
 def test_configurations_this_jax_arx_cannot_run(examples):
@@ -183,6 +218,7 @@ def test_configurations_this_jax_arx_cannot_run(examples):
     assert "transport is None, not 'tcp'" in why and NO_SUCH_SETTING in why
     jobs, skipped = bench_jobs.plan_jobs(["arx-shm-ring"], bench_psum.CONFIGS, 2, [], True, True)
     from jax_arx.config import Config
+
     if hasattr(Config, "topology"):
         assert skipped == {} and jobs[0]["configs"] == ["arx-shm-ring"]
     else:
@@ -216,11 +252,18 @@ def test_tables_and_verdict(examples):
     result or an algorithm not asked for fails the run, a skip does not."""
     _, _, report, _ = examples
     planned = {"algorithm": "one_shot", "pieces": 4}
-    doc = {"results": {"a": {"8192": {"s": 12.34}}},
-           "checks": {"a": {"8192": {"s": {"exact": True, "as_intended": True, "planned": planned}},
-                            "65536": {"s": {"exact": True, "as_intended": False, "planned": planned}}},
-                      "lax": {"8192": {"x": {"close": True}}, "65536": {"x": {"close": False}}}},
-           "skipped": {"a": {"1024": {"s": "too small"}}}, "runs": {"a": {"errors": []}, "b": {"skipped": "why"}}}
+    doc = {
+        "results": {"a": {"8192": {"s": 12.34}}},
+        "checks": {
+            "a": {
+                "8192": {"s": {"exact": True, "as_intended": True, "planned": planned}},
+                "65536": {"s": {"exact": True, "as_intended": False, "planned": planned}},
+            },
+            "lax": {"8192": {"x": {"close": True}}, "65536": {"x": {"close": False}}},
+        },
+        "skipped": {"a": {"1024": {"s": "too small"}}},
+        "runs": {"a": {"errors": []}, "b": {"skipped": "why"}},
+    }
     sizes, rows = [1024, 8192, 65536], [("a", "s", "a s"), ("lax", "x", "lax")]
     table = report.check_table(doc, sizes, rows, 10).splitlines()
     assert table[2].split() == ["a", "s", "skip", "1-shot/4", "1-shot/4?"]

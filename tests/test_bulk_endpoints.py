@@ -74,13 +74,18 @@ def _moe(e4m3):
         scale = jnp.ones((y.shape[0], y.shape[1] // 128), jnp.float32) if e4m3 else None
         y = y.astype(jnp.float8_e4m3fn) if e4m3 else y
         return jax_arx.moe_combine_psum_scatter(y, pos, w, shared, "sp", y_scale=scale)
+
     return body
 
 
 def _moe_args():
     T, R, H, topk = 16, 8, 256, 2
-    return (jnp.zeros((4 * R, H), jnp.bfloat16), jnp.zeros((4 * T, topk), jnp.int32),
-            jnp.zeros((4 * T, topk), jnp.float32), jnp.zeros((4 * T, H), jnp.bfloat16))
+    return (
+        jnp.zeros((4 * R, H), jnp.bfloat16),
+        jnp.zeros((4 * T, topk), jnp.int32),
+        jnp.zeros((4 * T, topk), jnp.float32),
+        jnp.zeros((4 * T, H), jnp.bfloat16),
+    )
 
 
 @pytest.mark.parametrize("transport", ["verbs", "tcp", "shm"])
@@ -91,11 +96,16 @@ def test_every_bulk_op_runs_with_jax_arx_over_every_carrier(fake_core, mesh, mon
     monkeypatch.setenv("JAX_ARX_FALLBACK", "error")
     jax_arx.initialize(mesh, _tuning={"moe_fused": 1})
     x = jnp.zeros((4 * 64, 8), jnp.bfloat16)
-    traced = (_traced(mesh, _gather, x) + _traced(mesh, _scatter, x) + _traced(mesh, _moe(False), *_moe_args())
-              + _traced(mesh, _moe(True), *_moe_args()))
+    traced = (
+        _traced(mesh, _gather, x)
+        + _traced(mesh, _scatter, x)
+        + _traced(mesh, _moe(False), *_moe_args())
+        + _traced(mesh, _moe(True), *_moe_args())
+    )
     ran = [(name, params["comm_id"]) for name, params in traced if name in BULK_PRIMITIVES]
     assert [name for name, _ in ran] == ["jax_arx_all_gather", "jax_arx_psum_scatter"] + [
-        "jax_arx_moe_combine_psum_scatter"] * 2, traced
+        "jax_arx_moe_combine_psum_scatter"
+    ] * 2, traced
     bulk = _registry._bulk_communicators["sp"]
     assert {comm_id for _, comm_id in ran} == {bulk.comm_id}
     assert bulk.comm_id == _bulk_endpoints.bulk_id(_comm.communicator("sp").comm_id)
@@ -115,8 +125,12 @@ def test_psum_makes_no_bulk_lanes_the_first_bulk_op_does_once(fake_core, mesh):
     made = fake_core.endpoints[4:]
     comm_id = _bulk_endpoints.bulk_id(psum_eps[0].comm_id)
     assert len(made) == 4 and all(ep.comm_id == comm_id and ep.connected for ep in made)
-    assert all(ep.options["bulk_lanes"] == "1" and ep.options["slot_bytes"] == ep.options["send_bytes"] == "16"
-               and ep.options["bulk_bytes"] == psum_eps[0].options["bulk_bytes"] for ep in made)
+    assert all(
+        ep.options["bulk_lanes"] == "1"
+        and ep.options["slot_bytes"] == ep.options["send_bytes"] == "16"
+        and ep.options["bulk_bytes"] == psum_eps[0].options["bulk_bytes"]
+        for ep in made
+    )
     assert {ep.name for ep in made} == {"sp/bulk"}
     assert all(ep.secret != psum_eps[0].secret for ep in made)
     assert len({ep.secret for ep in made}) == 1  # the group's, derived
@@ -154,8 +168,11 @@ def test_nothing_is_made_for_what_falls_back(fake_core, mesh, monkeypatch, caplo
 def test_a_failed_set_up_raises_and_leaves_nothing(fake_core, mesh):
     jax_arx.initialize(mesh)
     fake_core.fail_create_rank = 2
-    with pytest.raises(jax_arx.InitializationError, match=r"jax_arx\.all_gather: could not create the endpoint of "
-                                                          r"axis 'sp' group 0 rank 2"):
+    with pytest.raises(
+        jax_arx.InitializationError,
+        match=r"jax_arx\.all_gather: could not create the endpoint of "
+        r"axis 'sp' group 0 rank 2",
+    ):
         _traced(mesh, _gather, jnp.zeros((4 * 64,), jnp.float32))
     assert not _registry._bulk_communicators
     assert all(ep.closed for ep in fake_core.endpoints[4:])

@@ -48,18 +48,28 @@ GRACE_S = 2  # the launcher's for the other ranks, once one failed
 
 # --- the tests -------------------------------------------------------------------
 
+
 def test_psum_over_each_axis_of_a_two_by_two_mesh(core_built, tmp_path):
     results = launched.run_suite(THIS, "mesh2d", 2, "shm", tmp_path, cpu_devices=2)
-    launched.assert_all_correct(results, expect=["dp", "tp", "dp_then_tp", "dp_tp_at_once",
-                                                 "x", "y", "x_then_y", "x_y_at_once"])
+    launched.assert_all_correct(
+        results, expect=["dp", "tp", "dp_then_tp", "dp_tp_at_once", "x", "y", "x_then_y", "x_y_at_once"]
+    )
     for r in results.values():
         # Each axis of size 2 is a communicator; every process has an
         # endpoint in it for each of its devices.
         assert r["endpoints"] == {"dp": 2, "tp": 2, "x": 2, "y": 2}, r["endpoints"]
         # psum over one axis: one call per endpoint; one after the other:
         # one on each axis's endpoints; both at once: none (jax.lax).
-        assert r["ran"] == {"dp": [1, 0], "tp": [0, 1], "dp_then_tp": [1, 1], "dp_tp_at_once": [0, 0],
-                            "x": [1, 0], "y": [0, 1], "x_then_y": [1, 1], "x_y_at_once": [0, 0]}, r["ran"]
+        assert r["ran"] == {
+            "dp": [1, 0],
+            "tp": [0, 1],
+            "dp_then_tp": [1, 1],
+            "dp_tp_at_once": [0, 0],
+            "x": [1, 0],
+            "y": [0, 1],
+            "x_then_y": [1, 1],
+            "x_y_at_once": [0, 0],
+        }, r["ran"]
         assert len(r["logged"]) == 2 and all("several mesh axes at once" in line for line in r["logged"]), r
 
 
@@ -76,10 +86,23 @@ def test_no_prefill_slot_leaves_the_bulk_ops_to_jax_lax(core_built, tmp_path):
 
 
 def test_on_failure_abort_ends_the_process_with_the_failure(core_built, tmp_path):
-    env = launched.clean_env({"JAX_ARX_ON_FAILURE": "abort", "JAX_ARX_TIMEOUT_S": str(ABORT_TIMEOUT_S),
-                              "JAX_ARX_TRANSPORT": "shm"})
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", "--cpu-devices", "1", "--grace-s", str(GRACE_S), THIS,
-           "--worker", "abort"]
+    env = launched.clean_env(
+        {"JAX_ARX_ON_FAILURE": "abort", "JAX_ARX_TIMEOUT_S": str(ABORT_TIMEOUT_S), "JAX_ARX_TRANSPORT": "shm"}
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_arx.launch",
+        "-n",
+        "2",
+        "--cpu-devices",
+        "1",
+        "--grace-s",
+        str(GRACE_S),
+        THIS,
+        "--worker",
+        "abort",
+    ]
     p = launched.run_launcher(cmd, env, tmp_path, 300)
     ended = time.time()
     out = p.stdout + p.stderr
@@ -99,6 +122,7 @@ def test_on_failure_abort_ends_the_process_with_the_failure(core_built, tmp_path
 # --- the workers --------------------------------------------------------------------
 # Everything below runs in the worker processes only.
 
+
 class _Report:
     """What a worker checked, by case (launched.assert_all_correct's form),
     and the jax_arx log lines it saw."""
@@ -116,8 +140,12 @@ class _Report:
         """``got`` is ``want``, bit for bit."""
         got = np.asarray(got)
         want = np.asarray(want, dtype=got.dtype).reshape(got.shape)
-        self._record(case, None if got.tobytes() == want.tobytes() else
-                     f"{what}: {int((got != want).sum())} of {got.size} elements differ")
+        self._record(
+            case,
+            None
+            if got.tobytes() == want.tobytes()
+            else f"{what}: {int((got != want).sum())} of {got.size} elements differ",
+        )
 
     def close(self, case, got, want, what):
         """``got`` is ``want`` to within bfloat16's rounding."""
@@ -169,10 +197,12 @@ def suite_mesh2d():
             f"{a0}_{a1}_at_once": lambda v: jax_arx.psum(v, (a0, a1)),  # noqa: B023
         }
         # The numpy rank-order sums (position order along the axis).
-        want = {a0: lambda v: np.broadcast_to(v[0] + v[1], v.shape),
-                a1: lambda v: np.broadcast_to((v[:, 0] + v[:, 1])[:, None], v.shape),
-                f"{a0}_then_{a1}": lambda v: np.broadcast_to((v[0, 0] + v[1, 0]) + (v[0, 1] + v[1, 1]), v.shape),
-                f"{a0}_{a1}_at_once": lambda v: np.broadcast_to(v.sum(axis=(0, 1)), v.shape)}
+        want = {
+            a0: lambda v: np.broadcast_to(v[0] + v[1], v.shape),
+            a1: lambda v: np.broadcast_to((v[:, 0] + v[:, 1])[:, None], v.shape),
+            f"{a0}_then_{a1}": lambda v: np.broadcast_to((v[0, 0] + v[1, 0]) + (v[0, 1] + v[1, 1]), v.shape),
+            f"{a0}_{a1}_at_once": lambda v: np.broadcast_to(v.sum(axis=(0, 1)), v.shape),
+        }
         for case, body in sums.items():
             data = ints if case.endswith("at_once") else g  # jax.lax's may add in another order
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(a0, a1), out_specs=P(a0, a1), check_vma=False))
@@ -187,8 +217,18 @@ def suite_mesh2d():
             for shard in out.addressable_shards:
                 i, j = (s.start or 0 for s in shard.index[:2])
                 rep.check(case, np.asarray(shard.data)[0, 0], ref[i, j], f"device {shard.device.id}")
-    print(RESULT + json.dumps({"cases": rep.cases, "ran": ran, "endpoints": endpoints,
-                               "logged": [m for m in rep.logged if "several mesh axes" in m]}), flush=True)
+    print(
+        RESULT
+        + json.dumps(
+            {
+                "cases": rep.cases,
+                "ran": ran,
+                "endpoints": endpoints,
+                "logged": [m for m in rep.logged if "several mesh axes" in m],
+            }
+        ),
+        flush=True,
+    )
     jax_arx.shutdown()
 
 
@@ -214,8 +254,12 @@ def suite_no_bulk():
         "moe": (lambda *a: jax_arx.moe_combine_psum_scatter(*a, "sp"), [put(y), put(pos), put(wt), put(shared)]),
         "psum": (lambda v: jax_arx.psum(v, "sp"), [put(ints)]),
     }
-    targets = {"all_gather": "jax_arx_all_gather", "psum_scatter": "jax_arx_psum_scatter",
-               "moe": "jax_arx_moe_combine_psum_scatter", "psum": "jax_arx_psum"}
+    targets = {
+        "all_gather": "jax_arx_all_gather",
+        "psum_scatter": "jax_arx_psum_scatter",
+        "moe": "jax_arx_moe_combine_psum_scatter",
+        "psum": "jax_arx_psum",
+    }
     lowered, outs = {}, {}
     from jax_arx import _comm
 
@@ -228,8 +272,9 @@ def suite_no_bulk():
     after = ep.stats()["calls"]
     me = w.jax.process_index()
     rep.check("all_gather", w.mine(outs["all_gather"])[me], np.concatenate(ints), "rank's gather")
-    rep.check("psum_scatter", w.mine(outs["psum_scatter"])[me], prefill.reference_scatter(ints, 0, True, me),
-              "rank's block")
+    rep.check(
+        "psum_scatter", w.mine(outs["psum_scatter"])[me], prefill.reference_scatter(ints, 0, True, me), "rank's block"
+    )
     tpad = -(-(2 * n + 1) // n) * n
     combined = [prefill.reference_combine(y[r], pos[r], wt[r], shared[r], None, tpad) for r in range(n)]
     # gloo's bfloat16 sum: close to the reference, not necessarily its bits.
@@ -237,8 +282,11 @@ def suite_no_bulk():
     rep.check("psum", w.mine(outs["psum"])[me], sum(ints[1:], ints[0]), "rank's sum")
     raised = {}
     os.environ["JAX_ARX_FALLBACK"] = "error"
-    for case, op in (("all_gather", "all_gather"), ("psum_scatter", "psum_scatter"),
-                     ("moe", "moe_combine_psum_scatter")):
+    for case, op in (
+        ("all_gather", "all_gather"),
+        ("psum_scatter", "psum_scatter"),
+        ("moe", "moe_combine_psum_scatter"),
+    ):
         body, args = programs[case]
         try:
             w.smap(lift(body), (P("sp"),) * len(args), P("sp")).lower(*args)
@@ -246,9 +294,19 @@ def suite_no_bulk():
         except jax_arx.JaxArxFallbackError as e:
             raised[op] = str(e)
     del os.environ["JAX_ARX_FALLBACK"]
-    print(RESULT + json.dumps({"cases": rep.cases, "lowered": lowered, "raised": raised,
-                               "calls": {k: after[k] - before[k] for k in after},
-                               "logged": [m for m in rep.logged if m.startswith("jax_arx.")]}), flush=True)
+    print(
+        RESULT
+        + json.dumps(
+            {
+                "cases": rep.cases,
+                "lowered": lowered,
+                "raised": raised,
+                "calls": {k: after[k] - before[k] for k in after},
+                "logged": [m for m in rep.logged if m.startswith("jax_arx.")],
+            }
+        ),
+        flush=True,
+    )
 
 
 def suite_abort():

@@ -22,6 +22,7 @@ CMake and a C++20 compiler are needed; the aarch64 leg needs Debian's
 g++-aarch64-linux-gnu and qemu-user. .ci/run installs them all; each is
 skipped without it, saying what is missing (failed in CI: tests/needs.py).
 """
+
 import fcntl
 import os
 import shutil
@@ -48,12 +49,18 @@ def _cmake(build_dir, *defs, env=None, targets=()):
     # folder at a time, and the next finds it built.
     with open(build_dir.parent / f"{build_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run([cmake, "-S", str(ROOT), "-B", str(build_dir), *gen, "-DJAX_ARX_PYTHON=OFF",
-                        "-DJAX_ARX_CUDA=OFF", *defs], check=True, capture_output=True, text=True, env=env)
+        subprocess.run(
+            [cmake, "-S", str(ROOT), "-B", str(build_dir), *gen, "-DJAX_ARX_PYTHON=OFF", "-DJAX_ARX_CUDA=OFF", *defs],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         jobs = str(max(1, (os.cpu_count() or 2)))
         only = ["--target", *targets] if targets else []
-        r = subprocess.run([cmake, "--build", str(build_dir), "-j", jobs, *only], capture_output=True, text=True,
-                           env=env)
+        r = subprocess.run(
+            [cmake, "--build", str(build_dir), "-j", jobs, *only], capture_output=True, text=True, env=env
+        )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
 
@@ -86,8 +93,9 @@ def test_core(core_build, carrier):
 
 # The fast tier runs test_bulk with --quick (fewer and smaller calls, every
 # path: a fifth of the time); the whole of it is the slow suite's.
-@pytest.mark.parametrize("size", [pytest.param(["--quick"], id="quick"),
-                                  pytest.param([], id="whole", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "size", [pytest.param(["--quick"], id="quick"), pytest.param([], id="whole", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("carrier", ["shm", "tcp"])
 def test_bulk(core_build, carrier, size):
     out = _run([str(core_build / "test_bulk"), *size, carrier], timeout=600)
@@ -109,8 +117,12 @@ def test_core_under_thread_sanitizer(tsan_build):
     out = _run([str(tsan_build / "test_bulk"), "--quick", "tcp"], timeout=900, env=env)
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
-    for cmd in (["test_tcp_transport"], ["test_tcp_faults"], ["test_tcp_auth", "--quick"],
-                ["test_tcp_fuzz", "--iterations", "60"]):
+    for cmd in (
+        ["test_tcp_transport"],
+        ["test_tcp_faults"],
+        ["test_tcp_auth", "--quick"],
+        ["test_tcp_fuzz", "--iterations", "60"],
+    ):
         out = _run([str(tsan_build / cmd[0]), *cmd[1:]], timeout=900, env=env)
         assert "ThreadSanitizer" not in out, out[-6000:]
         assert "all passed" in out, out[-6000:]
@@ -136,8 +148,9 @@ def test_config(core_build):
     assert "config: ok" in out
 
 
-@pytest.mark.parametrize("name", ["test_tcp_transport", "test_tcp_faults", "test_tcp_auth", "test_tcp_fuzz",
-                                  "test_region"])
+@pytest.mark.parametrize(
+    "name", ["test_tcp_transport", "test_tcp_faults", "test_tcp_auth", "test_tcp_fuzz", "test_region"]
+)
 def test_carrier_unit_tests(core_build, name):
     # Every tests/cpp/*.cc is built (CMakeLists.txt): one missing is a build that went wrong.
     _run([str(core_build / name)], timeout=600)
@@ -170,12 +183,20 @@ def test_core_on_aarch64_under_qemu_user():
     qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
     sysroot = Path("/usr/aarch64-linux-gnu")
     if qemu is None or not (sysroot / "lib").is_dir():
-        needs.missing("no user-mode qemu for aarch64 or no aarch64 C library (apt-get install qemu-user "
-                      "libc6-dev-arm64-cross)")
+        needs.missing(
+            "no user-mode qemu for aarch64 or no aarch64 C library (apt-get install qemu-user libc6-dev-arm64-cross)"
+        )
     d = BUILD / "aarch64"
     env = dict(os.environ, CXX=cxx)
-    _cmake(d, "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64", "-DJAX_ARX_TESTS=ON",
-           f"-DCMAKE_CXX_COMPILER={cxx}", env=env, targets=("test_layout", "test_plan", "test_core", "test_bulk"))
+    _cmake(
+        d,
+        "-DCMAKE_SYSTEM_NAME=Linux",
+        "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
+        "-DJAX_ARX_TESTS=ON",
+        f"-DCMAKE_CXX_COMPILER={cxx}",
+        env=env,
+        targets=("test_layout", "test_plan", "test_core", "test_bulk"),
+    )
     assert (d / "libarx_core.a").exists()
     # The ELF header's machine field: 183 is EM_AARCH64.
     with open(d / "test_core", "rb") as f:

@@ -65,7 +65,7 @@ def markdown_blocks(path: pathlib.Path) -> list[Block]:
         i += 1
         while i < len(lines) and lines[i].strip() != "```":
             i += 1
-        body = [line[len(indent):] if line.startswith(indent) else line for line in lines[start:i]]
+        body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[start:i]]
         blocks.append(Block(f"{path.relative_to(REPO)}:{start}", info, "\n".join(body) + "\n"))
         i += 1
     return blocks
@@ -100,8 +100,13 @@ def docstring_blocks(path: pathlib.Path) -> list[Block]:
                 body.append(lines[j])
                 j += 1
             line_no = getattr(node, "lineno", 1)
-            blocks.append(Block(f"{path.relative_to(REPO)}:{line_no} (docstring)", kind,
-                                textwrap.dedent("\n".join(body)).strip() + "\n"))
+            blocks.append(
+                Block(
+                    f"{path.relative_to(REPO)}:{line_no} (docstring)",
+                    kind,
+                    textwrap.dedent("\n".join(body)).strip() + "\n",
+                )
+            )
     return blocks
 
 
@@ -119,8 +124,10 @@ def _ids(blocks):
 
 def test_every_block_says_what_it_is():
     unmarked = [f"{b.where}: ```{b.kind}" for b in BLOCKS if b.kind not in KINDS]
-    assert not unmarked, ("blocks whose info string is none of " + ", ".join(KINDS) + " (see this file's "
-                          "docstring):\n  " + "\n  ".join(unmarked))
+    assert not unmarked, (
+        "blocks whose info string is none of " + ", ".join(KINDS) + " (see this file's "
+        "docstring):\n  " + "\n  ".join(unmarked)
+    )
     assert any(b.kind == "python" for b in BLOCKS)
 
 
@@ -132,8 +139,12 @@ def test_python_block_runs_as_written(core_built, tmp_path, block):
     script = tmp_path / "block.py"
     script.write_text(block.code)
     # cwd outside the source tree: the installed jax_arx is imported.
-    p = launched.run_launcher([sys.executable, "-m", "jax_arx.launch", "-n", "2", "--cpu-devices", "1",
-                               str(script)], launched.clean_env(), tmp_path, timeout=300)
+    p = launched.run_launcher(
+        [sys.executable, "-m", "jax_arx.launch", "-n", "2", "--cpu-devices", "1", str(script)],
+        launched.clean_env(),
+        tmp_path,
+        timeout=300,
+    )
     detail = f"{block.where}: status {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
     assert p.returncode == 0, detail
     assert "using jax.lax" not in p.stderr, detail  # the example runs jax_arx, not the fallback

@@ -68,6 +68,7 @@ WAITER_TIMEOUT_S = 3  # JAX_ARX_TIMEOUT_S of the stopped-waiter suite
 
 # --- the tests (tests/test_gpu_failures.py runs the same on GPUs) ---------------
 
+
 @pytest.mark.parametrize("user_secret", [False, True], ids=["no-JAX_ARX_SECRET", "JAX_ARX_SECRET"])
 def test_a_stranger_with_the_store_gets_no_stream(core_built, tmp_path, user_secret):
     check_stranger(tmp_path, user_secret, gpus=None)
@@ -81,8 +82,14 @@ def test_a_stopped_peer_fails_the_call_and_shutdown_within_the_timeout(core_buil
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_rank_stopped_while_it_waits_does_not_blame_its_peer(core_built, tmp_path, transport):
-    results = _run(f"stopped_waiter:{transport}", transport, tmp_path,
-                   {"JAX_ARX_TIMEOUT_S": str(WAITER_TIMEOUT_S)}, None, timeout=300)
+    results = _run(
+        f"stopped_waiter:{transport}",
+        transport,
+        tmp_path,
+        {"JAX_ARX_TIMEOUT_S": str(WAITER_TIMEOUT_S)},
+        None,
+        timeout=300,
+    )
     healthy, stopped = results[0], results[1]
     assert healthy["peer_stopped"] and healthy["peer_resumed"], results
     assert healthy["exact"] and not healthy["error"], results
@@ -99,6 +106,7 @@ def test_no_shared_memory_left_after_failed_set_ups(core_built, tmp_path, suite)
 
 # --- running the suites and checking what they report --------------------------
 
+
 def _env(gpus, env: dict) -> dict:
     """The workers' environment: on GPUs (``gpus``, as gpu_common places
     ranks: the worker takes its GPU first), else the CPU backend."""
@@ -110,8 +118,9 @@ def _env(gpus, env: dict) -> dict:
 
 
 def _run(suite, transport, cwd, env, gpus, timeout):
-    return launched.run_suite(THIS, suite, 2, transport, cwd, cpu_devices=None if gpus else 1, timeout=timeout,
-                              env=_env(gpus, env))
+    return launched.run_suite(
+        THIS, suite, 2, transport, cwd, cpu_devices=None if gpus else 1, timeout=timeout, env=_env(gpus, env)
+    )
 
 
 def check_stranger(cwd, user_secret, gpus):
@@ -136,9 +145,12 @@ def check_stopped_peer(cwd, op, gpus):
     # The proxy sends psum's 96 MiB or all_gather's 80 MiB, more than the
     # sockets hold, so its send stalls on the stopped peer; shutdown() must
     # not wait for it.
-    env = {"JAX_ARX_TIMEOUT_S": str(TIMEOUT_S), "JAX_ARX_SLOT_BYTES": "96M" if op == "psum" else "1M",
-           "JAX_ARX_SEND_BYTES": "96M" if op == "psum" else "4M",
-           "JAX_ARX_PREFILL_SLOT_BYTES": "80M" if op == "all_gather" else "0"}
+    env = {
+        "JAX_ARX_TIMEOUT_S": str(TIMEOUT_S),
+        "JAX_ARX_SLOT_BYTES": "96M" if op == "psum" else "1M",
+        "JAX_ARX_SEND_BYTES": "96M" if op == "psum" else "4M",
+        "JAX_ARX_PREFILL_SLOT_BYTES": "80M" if op == "all_gather" else "0",
+    }
     results = _run(f"stopped_peer:{op}", "tcp", cwd, env, gpus, timeout=400)
     r = results[0]
     assert r["warmup_exact"] and r["peer_stopped"], r
@@ -229,6 +241,7 @@ def _try_all(port: int, attempts) -> list[str]:
 
 # --- the worker -------------------------------------------------------------------
 
+
 def _setup(axis="x"):
     import jax_arx
 
@@ -302,12 +315,25 @@ def _stranger(client, done, report, crowd):
         crowd.extend(socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(192))
     values = [bytes(v) for _, v in seen]
     candidates = [v for v in values if 8 <= len(v) <= 64] + [hashlib.sha256(v).digest() for v in values]
-    attempts = [(hello, key) for root in (0, 1) for c in candidates
-                for hello, key in ((_hello_v1(c, 1, root), None), (_hello_v2(bytes(32), 1, root), c),
-                                   (_hello_v2(c[:32].ljust(32, b"\0"), 1, root), c))]
+    attempts = [
+        (hello, key)
+        for root in (0, 1)
+        for c in candidates
+        for hello, key in (
+            (_hello_v1(c, 1, root), None),
+            (_hello_v2(bytes(32), 1, root), c),
+            (_hello_v2(c[:32].ljust(32, b"\0"), 1, root), c),
+        )
+    ]
     answers = _try_all(port, attempts) if port is not None else []
-    report["stranger"] = {"port": port, "values": len(values), "attempts": len(attempts), "crowd": len(crowd),
-                          "answers": sorted(set(answers)), "acked": [i for i, a in enumerate(answers) if a == "ack"]}
+    report["stranger"] = {
+        "port": port,
+        "values": len(values),
+        "attempts": len(attempts),
+        "crowd": len(crowd),
+        "answers": sorted(set(answers)),
+        "acked": [i for i, a in enumerate(answers) if a == "ack"],
+    }
     done.set()
 
 
@@ -367,8 +393,11 @@ def _suite_stopped_peer(op):
     else:
         n = (40 << 20) // 4  # per rank: 80 MiB gathered at world 2
         # Each device's block of the output is the whole gathered array.
-        f = jax.jit(jax.shard_map(lambda v: jax_arx.all_gather(v, "x", tiled=True), mesh=mesh, in_specs=P("x"),
-                                  out_specs=P("x")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jax_arx.all_gather(v, "x", tiled=True), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )
+        )
         x = jax.make_array_from_callback((world * n,), sharded, lambda idx: np.ones(n, np.float32))
     # Once together: compiled, connected, exact.
     warm = np.asarray(f(x).addressable_data(0))
@@ -417,8 +446,10 @@ def _suite_stopped_waiter():
     if me == 1:
         # Stopped 1 s into its wait, resumed 3 timeouts later, from outside.
         pid = os.getpid()
-        subprocess.Popen(["sh", "-c", f"sleep 1; kill -STOP {pid}; sleep {3 * WAITER_TIMEOUT_S}; kill -CONT {pid}"],
-                         start_new_session=True)
+        subprocess.Popen(
+            ["sh", "-c", f"sleep 1; kill -STOP {pid}; sleep {3 * WAITER_TIMEOUT_S}; kill -CONT {pid}"],
+            start_new_session=True,
+        )
         client.key_value_set("test_failures/waiter_pid", str(pid))
     else:
         # Rank 0 calls half a second after rank 1 runs again: rank 1 has
@@ -466,6 +497,7 @@ def _suite_killed_in_initialize():
     print(f"PID {os.getpid()}", flush=True)
     client.key_value_set(f"test_failures/pid{me}", str(os.getpid()))
     if me == 1:
+
         def stuck():
             client.key_value_set("test_failures/in_connect", "1")
             time.sleep(600)
@@ -522,8 +554,11 @@ def _worker_main(argv):
     elif suite.startswith("stopped_waiter:"):
         report = _suite_stopped_waiter()
     else:
-        report = {"stranger": _suite_stranger, "killed_in_initialize": _suite_killed_in_initialize,
-                  "failed_initialize": _suite_failed_initialize}[suite]()
+        report = {
+            "stranger": _suite_stranger,
+            "killed_in_initialize": _suite_killed_in_initialize,
+            "failed_initialize": _suite_failed_initialize,
+        }[suite]()
     print(RESULT + json.dumps(report), flush=True)
 
 

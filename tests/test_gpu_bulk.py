@@ -90,8 +90,9 @@ def check_phase(run, phase, world, summary_line):
     gpu_common.assert_route(run, reports, PHASES[phase], summary_line)
     # Each rank's results against the references; they differ between ranks
     # (each gets its own block), so there is no digest to compare.
-    gpu_common.assert_correct(reports, CASES + (FIRST_CASES if phase == next(iter(PHASES)) else []),
-                              same_everywhere=False)
+    gpu_common.assert_correct(
+        reports, CASES + (FIRST_CASES if phase == next(iter(PHASES)) else []), same_everywhere=False
+    )
     gpu_common.assert_relays(reports, PHASES[phase])
     for r in reports.values():
         # One bulk collective per call of the cases' programs, each run once.
@@ -103,6 +104,7 @@ def check_phase(run, phase, world, summary_line):
 
 # --- the worker ---------------------------------------------------------------------
 # Everything below runs in the worker processes only.
+
 
 def case_zeros(w):
     """psum_scatter of inputs led by signed zeros (all negative: -0.0)."""
@@ -179,9 +181,17 @@ def case_replay(w, runs=20):
     s = {r: suites.reference_scatter([gathered] * n, 0, True, r) for r in range(n)}
     want_g2 = np.concatenate([s[r] for r in range(n)], axis=1)
     tpad = -(-T // n) * n
-    combined = [suites.reference_combine(ys[r], poss[r], ws[r], (shareds[r].astype(np.float32) + want_g2[:T, :1]
-                                                                 .astype(np.float32)).astype(bf16), None, tpad)
-                for r in range(n)]
+    combined = [
+        suites.reference_combine(
+            ys[r],
+            poss[r],
+            ws[r],
+            (shareds[r].astype(np.float32) + want_g2[:T, :1].astype(np.float32)).astype(bf16),
+            None,
+            tpad,
+        )
+        for r in range(n)
+    ]
 
     def run(k):
         g2, m = f(*args)
@@ -211,8 +221,13 @@ def worker(argv):
         # Every dtype in the first phase; the other routes carry a subset.
         gathered = ("float32", "bfloat16", "float16", "int8", "bool") if first and not smoke else ("bfloat16", "int8")
         scattered = ("float32", "bfloat16", "float16") if first else ("float32", "float16")
-        ran = w.counted(lambda: (suites.case_gather(w, gathered), suites.case_scatter(w, scattered),
-                                 suites.case_moe(w, shapes=suites.MOE_SHAPES[0 if first else 1:4])))
+        ran = w.counted(
+            lambda: (
+                suites.case_gather(w, gathered),
+                suites.case_scatter(w, scattered),
+                suites.case_moe(w, shapes=suites.MOE_SHAPES[0 if first else 1 : 4]),
+            )
+        )
         extra["lowered"] = {k: v - lowered.get(k, 0) for k, v in w.lowered.items()}
         case_zeros(w)
         suites.case_mixed(w, iters=3)

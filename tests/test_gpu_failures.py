@@ -49,12 +49,17 @@ ENV = {"JAX_ARX_TIMEOUT_S": str(TIMEOUT_S), "XLA_FLAGS": CMDBUF_ON}
 
 # --- the tests -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_peer_exits_mid_stream(transport):
     gpus = gpu_common.require_gpus(1)
-    run = gpu_common.run_workers(THIS, ["peer_exit"], WORLD,
-                                 gpu_common.gpu_env(gpus, WORLD, {**ENV, "JAX_ARX_TRANSPORT": transport}),
-                                 timeout=300)
+    run = gpu_common.run_workers(
+        THIS,
+        ["peer_exit"],
+        WORLD,
+        gpu_common.gpu_env(gpus, WORLD, {**ENV, "JAX_ARX_TRANSPORT": transport}),
+        timeout=300,
+    )
     check_peer_exit(run, transport)
 
 
@@ -108,6 +113,7 @@ def check_mismatch(run):
 # --- the workers --------------------------------------------------------------------
 # Everything below runs in the worker processes only.
 
+
 def _psum_program(w, scale=1):
     from bulk_cases import _lift
 
@@ -139,9 +145,12 @@ def worker_peer_exit(smoke):
 
     # jax.distributed ends every process soon after one stops sending
     # heartbeats; the survivors outlive their peer on purpose.
-    jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                               num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["JAX_PROCESS_ID"]), heartbeat_timeout_seconds=600)
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+        heartbeat_timeout_seconds=600,
+    )
     from jax_arx import _compat
     from bulk_cases import _dtypes, reference_sum
 
@@ -225,8 +234,14 @@ def worker_mismatch(smoke):
     x = w.put([np.ones(64, np.float32)] * w.world)
     f = w.smap(_lift(lambda v: jax_arx.all_gather(v, AXIS)), P(AXIS), P(AXIS))
     compiled = f.lower(x).compile() if me == 0 else None  # timed: the call, not its compilation
-    w.report(**launched.alone_call_report(lambda: {"nan": bool(np.isnan(result(compiled, x)).all())}, jax_arx,
-                                          "test_gpu_failures/rank0_done", on_error={"nan": True}))
+    w.report(
+        **launched.alone_call_report(
+            lambda: {"nan": bool(np.isnan(result(compiled, x)).all())},
+            jax_arx,
+            "test_gpu_failures/rank0_done",
+            on_error={"nan": True},
+        )
+    )
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
@@ -240,6 +255,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 # proxy sends it on GPUs) and an 80 MiB all_gather fail, and shutdown()
 # return, within about the timeout; a rank SIGKILLed in initialize(), and
 # ranks that os._exit after a failed one, leave nothing in /dev/shm.
+
 
 @pytest.mark.parametrize("user_secret", [False, True], ids=["no-JAX_ARX_SECRET", "JAX_ARX_SECRET"])
 def test_a_stranger_with_the_store_gets_no_stream(tmp_path, user_secret):

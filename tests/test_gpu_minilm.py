@@ -65,8 +65,9 @@ def gpus(ready):
 def test_encoder_on_gpus(gpus, tmp_path, summary_line, dtype, transport):
     impls = "jax_arx,lax" if len(gpus) >= 2 else "jax_arx"
     env = gpu_common.gpu_env(gpus, 2, {"MINILM_TEST_OUT": str(tmp_path)})
-    results = launched.run_suite(THIS, f"{dtype}/{impls}", 2, transport, tmp_path, cpu_devices=None, timeout=600,
-                                 env=env)
+    results = launched.run_suite(
+        THIS, f"{dtype}/{impls}", 2, transport, tmp_path, cpu_devices=None, timeout=600, env=env
+    )
     for rank, r in results.items():
         assert r["platform"] == "gpu" and r["calls"] == {"tp": 2, "sp": 5}, (rank, r)
     summary_line(check(dtype, results, tmp_path, transport, impls.split(",")))
@@ -75,8 +76,14 @@ def test_encoder_on_gpus(gpus, tmp_path, summary_line, dtype, transport):
 def check(dtype, results, out_dir, transport, impls=cpu.IMPLS):
     """test_minilm_cpu's checks at this dtype's tolerances; the summary."""
     tolerance = BF16_TOLERANCE if dtype == "bf16" else None
-    figures = cpu.check_encodings(out_dir, 2, vs_fixture=tolerance or cpu.VS_FIXTURE,
-                                  vs_unsharded=tolerance or cpu.F32_VS_UNSHARDED, exact=False, impls=impls)
+    figures = cpu.check_encodings(
+        out_dir,
+        2,
+        vs_fixture=tolerance or cpu.VS_FIXTURE,
+        vs_unsharded=tolerance or cpu.F32_VS_UNSHARDED,
+        exact=False,
+        impls=impls,
+    )
     return cpu.describe(f"minilm on 2 {results[0]['platform']} devices, {dtype} over {transport}", figures, results)
 
 
@@ -88,5 +95,7 @@ elif __name__ == "__main__" and "--cpu-check" in sys.argv:
 
     dtype = sys.argv[sys.argv.index("--cpu-check") + 1]
     with tempfile.TemporaryDirectory() as d:
-        r = launched.run_suite(THIS, f"{dtype}/jax_arx,lax", 2, "shm", d, env={"MINILM_TEST_OUT": d, "JAX_ARX_IDLE_SPIN_MS": "0"})
+        r = launched.run_suite(
+            THIS, f"{dtype}/jax_arx,lax", 2, "shm", d, env={"MINILM_TEST_OUT": d, "JAX_ARX_IDLE_SPIN_MS": "0"}
+        )
         print(check(dtype, r, d, "shm"))

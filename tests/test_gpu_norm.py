@@ -60,9 +60,17 @@ CASES = ["norms", "graph"]
 
 # (shape, dtypes): 8 KB and 128 KB of bf16 rows of 4096 (LL where it runs),
 # 512 KB (past the default slot: the two-shot), odd widths, leading shapes.
-SHAPES = [((1, 4096), ("bfloat16", "float32")), ((16, 4096), ("bfloat16",)), ((64, 4096), ("bfloat16",)),
-          ((33, 1000), ("float32",)), ((1, 7), ("float16", "bfloat16")), ((3, 257), ("float16", "float32")),
-          ((2, 3, 40), ("bfloat16",)), ((5, 1), ("float32",)), ((2, 2048), ("float16",))]
+SHAPES = [
+    ((1, 4096), ("bfloat16", "float32")),
+    ((16, 4096), ("bfloat16",)),
+    ((64, 4096), ("bfloat16",)),
+    ((33, 1000), ("float32",)),
+    ((1, 7), ("float16", "bfloat16")),
+    ((3, 257), ("float16", "float32")),
+    ((2, 3, 40), ("bfloat16",)),
+    ((5, 1), ("float32",)),
+    ((2, 2048), ("float16",)),
+]
 
 
 # --- the tests -------------------------------------------------------------------
@@ -88,6 +96,7 @@ def check_phase(run, phase, world, summary_line):
 
 # --- the cases -------------------------------------------------------------------
 
+
 def specs():
     out = []
     for i, (shape, names) in enumerate(SHAPES):
@@ -99,6 +108,7 @@ def specs():
 
 # --- the worker --------------------------------------------------------------------
 
+
 def program(w, cases, data):
     """One program of one psum_add_norm per case: x's rows split over the
     ranks, the rest replicated; returns (f, args), f's results (normed,
@@ -107,7 +117,7 @@ def program(w, cases, data):
 
     def body(*ops):
         out, i = [], 0
-        for (_, _, kind, has_bias) in cases:
+        for _, _, kind, has_bias in cases:
             b = ops[i + 3] if has_bias else None
             n, h = w.jax_arx.psum_add_norm(ops[i][0], ops[i + 1], ops[i + 2], AXIS, kind=kind, bias=b, eps=EPS)
             i += 4 if has_bias else 3
@@ -115,7 +125,7 @@ def program(w, cases, data):
         return tuple(out)
 
     args, specs_in = [], []
-    for (p, r, wt, b) in data:
+    for p, r, wt, b in data:
         args += [w.put(p), r, wt] + ([b] if b is not None else [])
         specs_in += [P(AXIS), P(), P()] + ([P()] if b is not None else [])
     return w.smap(body, tuple(specs_in), (P(AXIS),) * (2 * len(cases))), args

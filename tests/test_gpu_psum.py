@@ -117,9 +117,13 @@ def test_gpu_inboxes_across_two_devices():
 def test_one_process_two_gpus(summary_line):
     gpus = gpu_common.require_gpus(2, why="one process driving two GPUs")
     phases = ("gpu_inboxes", "gpu_inboxes_required")
-    run = gpu_common.run_workers(THIS, ["psum", "--phases", ",".join(phases)], None,
-                                 gpu_common.gpu_env(gpus[:2], 2, {"XLA_FLAGS": CMDBUF_ON}, devices_per_process=2),
-                                 timeout=300)
+    run = gpu_common.run_workers(
+        THIS,
+        ["psum", "--phases", ",".join(phases)],
+        None,
+        gpu_common.gpu_env(gpus[:2], 2, {"XLA_FLAGS": CMDBUF_ON}, devices_per_process=2),
+        timeout=300,
+    )
     for phase in phases:
         reports = check_phase(run, phase, 2, summary_line)
         # Both endpoints of the process map each other's GPU inbox.
@@ -140,8 +144,10 @@ def check_phase(run, phase, world, summary_line):
         assert phase == "gpu_inboxes_required" and default == {HOST_INBOXES}, first["init_error"]
         for r in reports.values():
             assert "JAX_ARX_CUDA_PEER_MEMORY=1" in r["init_error"], r["init_error"]
-        summary_line(f"psum world {world}: JAX_ARX_CUDA_PEER_MEMORY=1 refused, as it must be where GPU inboxes "
-                     f"cannot be mapped: {first['init_error'][:300]}")
+        summary_line(
+            f"psum world {world}: JAX_ARX_CUDA_PEER_MEMORY=1 refused, as it must be where GPU inboxes "
+            f"cannot be mapped: {first['init_error'][:300]}"
+        )
         return reports
     route = gpu_common.assert_route(run, reports, env, summary_line)
     gpu_common.assert_correct(reports, CASES + (["prefetch"] if phase == next(iter(PHASES)) else []))
@@ -178,7 +184,13 @@ def expected_algorithm(phase, nbytes, report, route):
     ll = tuning.get("cuda_ll_max_bytes", -1)
     relayed = env.get("JAX_ARX_TOPOLOGY") == "ring" and report["world"] == 4
     proxy_ll = env.get("JAX_ARX_TRANSPORT") != "tcp" and not relayed and 2 * -(-nbytes // 8) * 8 <= report["send"]
-    ll = 0 if not cuda or (route == PROXY and not proxy_ll) else (LL_PROXY if route == PROXY else LL_CAP) if ll < 0 else min(ll, LL_CAP)
+    ll = (
+        0
+        if not cuda or (route == PROXY and not proxy_ll)
+        else (LL_PROXY if route == PROXY else LL_CAP)
+        if ll < 0
+        else min(ll, LL_CAP)
+    )
     if nbytes <= oneshot_max:
         return "ll" if nbytes <= ll else "one_shot"
     return "two_shot" if cuda and nbytes <= min(report["send"], report["world"] * slot) else None
@@ -197,6 +209,7 @@ def expected_pieces(phase, nbytes, report):
 # --- the worker ---------------------------------------------------------------------
 # Everything below runs in the worker processes only.
 
+
 def _dtype(name):
     import bulk_cases
 
@@ -205,8 +218,7 @@ def _dtype(name):
 
 def _counts(itemsize, slot, limit):
     """Odd and even counts of every dtype, across every limit up to ``limit`` bytes."""
-    edges = (2, 6, 16, 48, 1000, 8192, 16384, 16400, 65536, 65552, LL_CAP, LL_CAP + 16, 262144, slot, slot + 16,
-             limit)
+    edges = (2, 6, 16, 48, 1000, 8192, 16384, 16400, 65536, 65552, LL_CAP, LL_CAP + 16, 262144, slot, slot + 16, limit)
     counts = {1, 3} | {c for b in edges for c in (b // itemsize, b // itemsize - 1)}
     return sorted(c for c in counts if c >= 1 and c * itemsize <= limit)
 
@@ -224,10 +236,16 @@ def _psums(w, specs, seed):
     """One program of independent psums, one per (dtype, count) of specs, and its inputs."""
     from bulk_cases import _lift
 
-    parts = [gpu_common.signed_inputs(_dtype(name), c, w.world, zlib.crc32(f"{seed}/{name}/{c}".encode()))
-             for name, c in specs]
-    f = w.smap(_lift(lambda *xs: tuple(w.jax_arx.psum(x, AXIS) for x in xs)), (w.P(AXIS),) * len(specs),
-               (w.P(AXIS),) * len(specs), check_vma=False)
+    parts = [
+        gpu_common.signed_inputs(_dtype(name), c, w.world, zlib.crc32(f"{seed}/{name}/{c}".encode()))
+        for name, c in specs
+    ]
+    f = w.smap(
+        _lift(lambda *xs: tuple(w.jax_arx.psum(x, AXIS) for x in xs)),
+        (w.P(AXIS),) * len(specs),
+        (w.P(AXIS),) * len(specs),
+        check_vma=False,
+    )
     return f, [w.put(p) for p in parts], parts
 
 
@@ -243,8 +261,14 @@ def case_graph(w, slot, twoshot, runs=20):
     """A program of 8 psums, run once and then ``runs`` times, each run
     checked; returns how often the handlers ran for the ``runs``."""
     big = [("float32", slot // 4 + 1001), ("bfloat16", slot // 2 + 3)] if twoshot else [("float32", 12345)] * 2
-    specs = [("bfloat16", 4099), ("float32", 1001), ("float16", 3), ("bfloat16", 200003), ("float32", 40000),
-             ("float16", 70001)] + big
+    specs = [
+        ("bfloat16", 4099),
+        ("float32", 1001),
+        ("float16", 3),
+        ("bfloat16", 200003),
+        ("float32", 40000),
+        ("float16", 70001),
+    ] + big
     f, xs, parts = _psums(w, specs, "graph")
     _check_psums(w, "graph", specs, f(*xs), parts)
     calls = w.counted(lambda: [_check_psums(w, "graph", specs, f(*xs), parts) for _ in range(runs)])
@@ -265,6 +289,7 @@ def case_loop(w, steps, count):
             kf = k.astype(jnp.float32)
             y = w.jax_arx.psum(kf + r + i, AXIS)
             return err + jnp.sum(jnp.abs(y - (n * kf + n * (n - 1) / 2 + n * i)))
+
         return jax.lax.fori_loop(0, steps, step, x[0] * 0)[None]
 
     out = w.smap(body, w.P(AXIS), w.P(AXIS), check_vma=False)(w.put([np.zeros(1, np.float32)] * n))
@@ -282,10 +307,16 @@ def case_aliased(w, counts):
     comm_id = _comm.communicator(AXIS).comm_id
     for c in counts:
         parts = gpu_common.signed_inputs(_dtype("bfloat16"), c, w.world, seed=c)
-        call = lambda x: jax.ffi.ffi_call("jax_arx_psum", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True,
-                                          input_output_aliases={0: 0})(x * 1, comm_id=np.int64(comm_id), site=np.int64(0))
-        _check_psums(w, "aliased", [("bfloat16", c)], [w.smap(_lift(call), w.P(AXIS), w.P(AXIS), check_vma=False)(
-            w.put(parts))], [parts])
+        call = lambda x: jax.ffi.ffi_call(
+            "jax_arx_psum", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True, input_output_aliases={0: 0}
+        )(x * 1, comm_id=np.int64(comm_id), site=np.int64(0))
+        _check_psums(
+            w,
+            "aliased",
+            [("bfloat16", c)],
+            [w.smap(_lift(call), w.P(AXIS), w.P(AXIS), check_vma=False)(w.put(parts))],
+            [parts],
+        )
 
 
 def case_prefetch(w, slot):
@@ -295,7 +326,10 @@ def case_prefetch(w, slot):
     from bulk_cases import _lift
 
     def body(x):
-        weights = {"w": jnp.ones((1 << 20,), jnp.bfloat16) * x[0].astype(jnp.bfloat16), "b": jnp.ones((777,), jnp.float32)}
+        weights = {
+            "w": jnp.ones((1 << 20,), jnp.bfloat16) * x[0].astype(jnp.bfloat16),
+            "b": jnp.ones((777,), jnp.float32),
+        }
         return w.jax_arx.psum(x, AXIS, prefetch=weights)
 
     for name in DTYPES:

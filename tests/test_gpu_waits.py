@@ -65,17 +65,30 @@ pytestmark = pytest.mark.gpu
 
 THIS = os.path.abspath(__file__)
 SHORT_S, LONG_S = 3.0, 20.0  # endpoint timeouts: cases that must time out, and those that must not wait
-CASES = ("oneshot_on_time_late_stale", "pieces_rank1_aliased", "mismatch", "abort", "two_shot",
-         "ll_on_time_torn_stale", "ll_rank1_tails_blocks", "ll_mismatch_ll", "ll_mismatch_oneshot",
-         "ll_no_announcement", "ll_abort", "ll_proxy_sent_mismatch")
+CASES = (
+    "oneshot_on_time_late_stale",
+    "pieces_rank1_aliased",
+    "mismatch",
+    "abort",
+    "two_shot",
+    "ll_on_time_torn_stale",
+    "ll_rank1_tails_blocks",
+    "ll_mismatch_ll",
+    "ll_mismatch_oneshot",
+    "ll_no_announcement",
+    "ll_abort",
+    "ll_proxy_sent_mismatch",
+)
 
 
 # --- the tests -------------------------------------------------------------------
 
+
 def launch():
     gpus = gpu_common.require_gpus(1, hooks=True)
-    return gpu_common.launch_once(("waits",), lambda: gpu_common.run_workers(
-        THIS, ["waits"], None, gpu_common.gpu_env(gpus[:1], 1), timeout=300))
+    return gpu_common.launch_once(
+        ("waits",), lambda: gpu_common.run_workers(THIS, ["waits"], None, gpu_common.gpu_env(gpus[:1], 1), timeout=300)
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -90,6 +103,7 @@ def test_wait(case):
 # --- the worker ---------------------------------------------------------------------
 # Everything below runs in the worker process only.
 
+
 class Case:
     """The named checks of one case, and what to show when one fails."""
 
@@ -98,8 +112,9 @@ class Case:
 
     def expect(self, what, ok, **info):
         self.checks[what] = bool(ok)
-        self.info.update({k: v if isinstance(v, (int, float, str, bool, list, dict)) else str(v)
-                          for k, v in info.items()})
+        self.info.update(
+            {k: v if isinstance(v, (int, float, str, bool, list, dict)) else str(v) for k, v in info.items()}
+        )
 
 
 def _dtype(name):
@@ -130,10 +145,17 @@ def _psum(comm_id, x, alias=False):
     """jax_arx.psum's FFI call (tag 0) on the endpoint ``comm_id``, compiled for x."""
     import jax
 
-    call = jax.ffi.ffi_call("jax_arx_psum", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True,
-                            input_output_aliases={0: 0} if alias else None)
-    return jax.jit(lambda v: call(v, comm_id=np.int64(comm_id), site=np.int64(0)),
-                   donate_argnums=(0,) if alias else ()).lower(x).compile()
+    call = jax.ffi.ffi_call(
+        "jax_arx_psum",
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        has_side_effect=True,
+        input_output_aliases={0: 0} if alias else None,
+    )
+    return (
+        jax.jit(lambda v: call(v, comm_id=np.int64(comm_id), site=np.int64(0)), donate_argnums=(0,) if alias else ())
+        .lower(x)
+        .compile()
+    )
 
 
 def _dev(x):
@@ -169,8 +191,16 @@ def _timed_out(c, peer, got, seconds, seq):
     ctl, msg = peer.control(), peer.failure()
     c.expect("nan", _nan(got))
     c.expect("timeout_bound", peer.timeout_s <= seconds <= 2 * peer.timeout_s, seconds=seconds)
-    c.expect("record", ctl["failed_seq"] == seq and ctl["failed_kind"] == TIMEOUT and ctl["failed_missing"] == 0b10
-             and ctl["failed_family"] == 0 and ctl["failed_op"] == OP_PSUM and ctl["done"] == seq, control=ctl)
+    c.expect(
+        "record",
+        ctl["failed_seq"] == seq
+        and ctl["failed_kind"] == TIMEOUT
+        and ctl["failed_missing"] == 0b10
+        and ctl["failed_family"] == 0
+        and ctl["failed_op"] == OP_PSUM
+        and ctl["done"] == seq,
+        control=ctl,
+    )
     c.expect("message", "rank 1" in msg and "timed out" in msg, message=msg)
 
 
@@ -180,8 +210,12 @@ def _at_once(c, peer, got, seconds, kind, **record):
     ctl = peer.control()
     c.expect("nan", _nan(got))
     c.expect("at_once", seconds < peer.timeout_s / 2, seconds=seconds)
-    c.expect("record", ctl["failed_kind"] == kind and all(ctl[k] == v for k, v in record.items()), control=ctl,
-             want={k: v for k, v in record.items() if k in CONTROL})
+    c.expect(
+        "record",
+        ctl["failed_kind"] == kind and all(ctl[k] == v for k, v in record.items()),
+        control=ctl,
+        want={k: v for k, v in record.items() if k in CONTROL},
+    )
 
 
 def _aborted(c, peer, f, x):
@@ -215,9 +249,16 @@ def case_oneshot_on_time_late_stale(c):
     c.expect("on_time_control", ctl["begun"] == ctl["done"] == 1 and ctl["failed_seq"] == 0, control=ctl)
     for k in range(pieces):
         lo, hi = chunk_range(nbytes, pieces, k)
-        want = {"src": peer.send + peer.send_bytes + lo, "len": hi - lo, "dst": peer.slot_at(1, 0) + lo,
-                "flag": peer.word(0, k), "value": flag_word(1, desc), "dest": EVERY_PEER,
-                "family": TRIGGER_HEADER if k == 0 else 0, "tag": k + 1}
+        want = {
+            "src": peer.send + peer.send_bytes + lo,
+            "len": hi - lo,
+            "dst": peer.slot_at(1, 0) + lo,
+            "flag": peer.word(0, k),
+            "value": flag_word(1, desc),
+            "dest": EVERY_PEER,
+            "family": TRIGGER_HEADER if k == 0 else 0,
+            "tag": k + 1,
+        }
         c.expect(f"trigger_{k}", peer.trigger(k) == want, trigger=peer.trigger(k), want=want)
     c.expect("staged", peer.read(peer.send + peer.send_bytes, nbytes) == raw(mine))
 
@@ -291,8 +332,16 @@ def case_abort(c):
 
 
 def case_two_shot(c):
-    from gpu_fake_peer import (EVERY_PEER, OP_PSUM_GATHER, OP_PSUM_SCATTER, TRIGGER_HEADER, FakePeer, chunk_range,
-                               flag_word, raw)
+    from gpu_fake_peer import (
+        EVERY_PEER,
+        OP_PSUM_GATHER,
+        OP_PSUM_SCATTER,
+        TRIGGER_HEADER,
+        FakePeer,
+        chunk_range,
+        flag_word,
+        raw,
+    )
 
     peer = FakePeer(9005, 0, timeout_s=LONG_S)
     n = peer.slot // 2 + 1001  # bfloat16: past the slot, the one-shot's limit
@@ -302,10 +351,10 @@ def case_two_shot(c):
     scatter, gather = (peer.describe(op, "bfloat16", n, 0) for op in (OP_PSUM_SCATTER, OP_PSUM_GATHER))
     (_, hi0), (lo1, hi1) = chunk_range(nbytes, 2, 0), chunk_range(nbytes, 2, 1)  # chunk 0 starts at 0
     mine, theirs = _inputs("bfloat16", n, 6)
-    summed0 = _sum(mine[:hi0 // 2], theirs[:hi0 // 2])
+    summed0 = _sum(mine[: hi0 // 2], theirs[: hi0 // 2])
     gathered = _inputs("bfloat16", n - hi0 // 2, 8)[0]  # rank 1's summed chunk
     f = _psum(9005, _dev(mine))
-    peer.write_slot(1, 1, theirs[:hi0 // 2])  # rank 1's part of rank 0's chunk, for the reduce-scatter
+    peer.write_slot(1, 1, theirs[: hi0 // 2])  # rank 1's part of rank 0's chunk, for the reduce-scatter
     peer.signal(1, 1, scatter)
     y = f(_dev(mine))
     c.expect("gather_half_waiting", _until(lambda: peer.waiting(2), LONG_S / 2))
@@ -314,10 +363,28 @@ def case_two_shot(c):
     c.expect("sum", _same(np.asarray(y), np.concatenate([summed0, gathered])))
     # Staged: chunk 1 of the partial for rank 1 (lane 1 of the parity-1 staging,
     # a chunk apart), then the summed chunk 0 for every peer (parity 0).
-    wants = [{"src": peer.send + peer.send_bytes + hi0, "len": hi1 - lo1, "dst": peer.slot_at(1, 0),
-              "flag": peer.word(0, 0), "value": flag_word(1, scatter), "dest": 1, "family": TRIGGER_HEADER, "tag": 1},
-             {"src": peer.send, "len": hi0, "dst": peer.slot_at(2, 0), "flag": peer.word(0, 0),
-              "value": flag_word(2, gather), "dest": EVERY_PEER, "family": TRIGGER_HEADER, "tag": 2}]
+    wants = [
+        {
+            "src": peer.send + peer.send_bytes + hi0,
+            "len": hi1 - lo1,
+            "dst": peer.slot_at(1, 0),
+            "flag": peer.word(0, 0),
+            "value": flag_word(1, scatter),
+            "dest": 1,
+            "family": TRIGGER_HEADER,
+            "tag": 1,
+        },
+        {
+            "src": peer.send,
+            "len": hi0,
+            "dst": peer.slot_at(2, 0),
+            "flag": peer.word(0, 0),
+            "value": flag_word(2, gather),
+            "dest": EVERY_PEER,
+            "family": TRIGGER_HEADER,
+            "tag": 2,
+        },
+    ]
     for k, want in enumerate(wants):
         c.expect(f"trigger_{k}", peer.trigger(k) == want, **{f"trigger_{k}": peer.trigger(k), f"want_{k}": want})
     c.expect("staged_scatter", peer.read(peer.send + peer.send_bytes + hi0, hi1 - lo1) == raw(mine)[lo1:hi1])
@@ -350,8 +417,9 @@ def case_ll_on_time_torn_stale(c):
     peer = FakePeer(9101, 0, timeout_s=SHORT_S, direct=True)
     n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9101, 21)
     # Looped back: its lines for rank 1 are in its own ll_recv[1][0], its announcement in its own word.
-    c.expect("sent_lines", np.array_equal(peer.read_lines(1, 0, lines), lines_of(mine, ll_flag(1, desc),
-                                                                                   ll_flag(1, desc))))
+    c.expect(
+        "sent_lines", np.array_equal(peer.read_lines(1, 0, lines), lines_of(mine, ll_flag(1, desc), ll_flag(1, desc)))
+    )
     c.expect("announced", peer.read_word(peer.word(0, 0)) == flag_word(1, desc))
     c.expect("consumed_zeroed", not peer.read_lines(1, 1, lines).any())
 
@@ -378,8 +446,9 @@ def case_ll_rank1_tails_blocks(c):
     from gpu_fake_peer import FakePeer, ll_flag
 
     peer = FakePeer(9102, 1, timeout_s=LONG_S, direct=True)
-    for seq, (name, n, alias) in enumerate((("float16", 4097, True), ("float32", 1001, False),
-                                            ("bfloat16", 65536, False)), start=1):
+    for seq, (name, n, alias) in enumerate(
+        (("float16", 4097, True), ("float32", 1001, False), ("bfloat16", 65536, False)), start=1
+    ):
         theirs, mine = _inputs(name, n, 30 + seq)  # the peer is rank 0
         nbytes = n * _dtype(name).itemsize
         c.expect(f"plan_{name}", peer.plan(nbytes)[0] == "ll", plan=peer.plan(nbytes))
@@ -432,16 +501,43 @@ def case_ll_abort(c):
 
 
 def case_ll_proxy_sent_mismatch(c):
-    from gpu_fake_peer import (EVERY_PEER, LL_LINE, MISMATCH, NO_FLAG, TRIGGER_HEADER, FakePeer, flag_word, ll_flag,
-                               lines_of)
+    from gpu_fake_peer import (
+        EVERY_PEER,
+        LL_LINE,
+        MISMATCH,
+        NO_FLAG,
+        TRIGGER_HEADER,
+        FakePeer,
+        flag_word,
+        ll_flag,
+        lines_of,
+    )
 
     peer = FakePeer(9107, 0, timeout_s=LONG_S)
     n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9107, 26)
     staged = peer.send + peer.send_bytes  # parity 1, lane 0
-    wants = [{"src": staged, "len": 0, "dst": peer.slot_at(1, 0), "flag": peer.word(0, 0), "value": flag_word(1, desc),
-              "dest": EVERY_PEER, "family": TRIGGER_HEADER, "tag": 1},
-             {"src": staged, "len": LL_LINE * lines, "dst": peer.lines_at(1, 0), "flag": NO_FLAG,
-              "value": flag_word(1, desc), "dest": EVERY_PEER, "family": 0, "tag": 2}]
+    wants = [
+        {
+            "src": staged,
+            "len": 0,
+            "dst": peer.slot_at(1, 0),
+            "flag": peer.word(0, 0),
+            "value": flag_word(1, desc),
+            "dest": EVERY_PEER,
+            "family": TRIGGER_HEADER,
+            "tag": 1,
+        },
+        {
+            "src": staged,
+            "len": LL_LINE * lines,
+            "dst": peer.lines_at(1, 0),
+            "flag": NO_FLAG,
+            "value": flag_word(1, desc),
+            "dest": EVERY_PEER,
+            "family": 0,
+            "tag": 2,
+        },
+    ]
     for k, want in enumerate(wants):
         c.expect(f"trigger_{k}", peer.trigger(k) == want, **{f"trigger_{k}": peer.trigger(k), f"want_{k}": want})
     sent = np.frombuffer(peer.read(staged, LL_LINE * lines), np.uint32).reshape(lines, 4)
@@ -463,8 +559,10 @@ def worker():
 
     assert _native.register_ffi_targets(), "jax_arx's handlers are not registered"
 
-    run = {"ll_mismatch_ll": lambda c: _ll_mismatch(c, 9103, "ll"),
-           "ll_mismatch_oneshot": lambda c: _ll_mismatch(c, 9104, "oneshot")}
+    run = {
+        "ll_mismatch_ll": lambda c: _ll_mismatch(c, 9103, "ll"),
+        "ll_mismatch_oneshot": lambda c: _ll_mismatch(c, 9104, "oneshot"),
+    }
     cases = {}
     for name in CASES:
         c = Case()

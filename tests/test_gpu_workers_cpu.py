@@ -20,8 +20,9 @@ import test_gpu_psum
 
 
 def _smoke(module, args, world, env=None):
-    return gpu_common.run_workers(module.THIS, [*args, "--cpu-smoke"], world, gpu_common.cpu_env(env), timeout=600,
-                                  cpu_devices=1)
+    return gpu_common.run_workers(
+        module.THIS, [*args, "--cpu-smoke"], world, gpu_common.cpu_env(env), timeout=600, cpu_devices=1
+    )
 
 
 def test_psum_worker(core_built, summary_line):

@@ -65,6 +65,7 @@ def _args(world, seed=0):
 
 # --- in one process, with the stand-in core -------------------------------------
 
+
 def _count(text, prim):
     """How many equations of ``prim`` a printed jaxpr has (nested ones too)."""
     return len(re.findall(rf"= {prim}\[", text))
@@ -118,8 +119,12 @@ def test_axes_jax_arx_does_not_run_keep_jax_sums_silently(fake_core, caplog):
         # Another mesh that reuses the name of an axis jax_arx runs.
         jax_arx.initialize(auto_mesh((4,), ("tp",)))
         other = auto_mesh((2, 2), ("tp", "dp"))
-        f = jax.shard_map(lambda x, w: (x * w).sum(keepdims=True), mesh=other, in_specs=(jax.P("tp", "dp"), jax.P()),
-                          out_specs=jax.P("tp", "dp"))
+        f = jax.shard_map(
+            lambda x, w: (x * w).sum(keepdims=True),
+            mesh=other,
+            in_specs=(jax.P("tp", "dp"), jax.P()),
+            out_specs=jax.P("tp", "dp"),
+        )
         text = str(jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=1))(np.ones((4, 4)), np.ones(2)))
         assert (_count(text, "jax_arx_psum_invariant"), _count(text, "psum_invariant")) == (0, 1), text
     assert caplog.records == []
@@ -132,8 +137,12 @@ def test_a_value_replicated_over_two_axes_is_summed_per_axis(fake_core):
 
     mesh = auto_mesh((2, 2), ("dp", "tp"))
     jax_arx.initialize(mesh)
-    f = jax.shard_map(lambda x, w: (jax.numpy.sin(x) * w).sum(keepdims=True), mesh=mesh,
-                      in_specs=(jax.P("dp", "tp"), jax.P()), out_specs=jax.P("dp", "tp"))
+    f = jax.shard_map(
+        lambda x, w: (jax.numpy.sin(x) * w).sum(keepdims=True),
+        mesh=mesh,
+        in_specs=(jax.P("dp", "tp"), jax.P()),
+        out_specs=jax.P("dp", "tp"),
+    )
     text = str(jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=1))(np.ones((4, 6)), np.ones(3)))
     # w is pvary'd over both axes; its cotangent is summed over "dp", then "tp".
     assert re.findall(r"jax_arx_psum_invariant\[\s*axes=\('(\w+)',\)", text) == ["dp", "tp"], text
@@ -153,8 +162,9 @@ def test_a_gradient_sum_past_the_envelope_falls_back_saying_so(fake_core, monkey
     jax_arx.initialize(mesh)
 
     def grad():  # traced anew each time (jax caches traces of one function)
-        f = jax.shard_map(lambda x, w: (x * w).sum(keepdims=True), mesh=mesh, in_specs=(jax.P("tp"), jax.P()),
-                          out_specs=jax.P("tp"))
+        f = jax.shard_map(
+            lambda x, w: (x * w).sum(keepdims=True), mesh=mesh, in_specs=(jax.P("tp"), jax.P()), out_specs=jax.P("tp")
+        )
         return jax.grad(lambda x, w: f(x, w).sum(), argnums=1)
 
     x, w = np.ones((4, 128), np.float32), np.ones(128, np.float32)  # w's cotangent: 512 bytes
@@ -169,6 +179,7 @@ def test_a_gradient_sum_past_the_envelope_falls_back_saying_so(fake_core, monkey
 
 
 # --- across processes, with the real core ----------------------------------------
+
 
 @pytest.fixture(scope="module")
 def core_built(tmp_path_factory):
@@ -195,8 +206,7 @@ def _worker_grad():
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     from jax_arx import _compat
 
-    args = [jax.device_put(a, jax.sharding.NamedSharding(w.mesh, s))
-            for a, s in zip(_args(w.world, seed=1), _specs(P))]
+    args = [jax.device_put(a, jax.sharding.NamedSharding(w.mesh, s)) for a, s in zip(_args(w.world, seed=1), _specs(P))]
     report = {"sums": {}, "checked": 0, "bad": []}
     for check_vma in (True, False):
         grads = {}
@@ -217,8 +227,10 @@ def _worker_grad():
             want = [np.asarray(s.data) for s in b.addressable_shards]
             report["checked"] += 1
             if any(g.tobytes() != v.tobytes() for g, v in zip(got, want)) or not all(np.isfinite(g).all() for g in got):
-                report["bad"].append(f"check_vma={check_vma} argument {i}: "
-                                     f"max |diff| {max(float(np.abs(g - v).max()) for g, v in zip(got, want))}")
+                report["bad"].append(
+                    f"check_vma={check_vma} argument {i}: "
+                    f"max |diff| {max(float(np.abs(g - v).max()) for g, v in zip(got, want))}"
+                )
     jax_arx.shutdown()
     return report
 

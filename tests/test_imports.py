@@ -41,7 +41,7 @@ def _a_circle(edges):
         path.append(m)
         for n in sorted(edges[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (found := visit(n)):
                 return found
         path.pop()

@@ -22,6 +22,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # --- initialize / shutdown / check -----------------------------------------------------
 
+
 @needs_4_devices
 def test_initialize_makes_one_endpoint_per_local_device_and_group(mesh22, fake_core):
     eps = fake_core.endpoints
@@ -34,11 +35,19 @@ def test_initialize_makes_one_endpoint_per_local_device_and_group(mesh22, fake_c
     ids = np.asarray(mesh22.device_ids)  # [[0, 1], [2, 3]]
     # tp groups are rows, dp groups are columns; rank = position along the axis.
     got_tp = sorted((e.name, e.rank, e.device_ordinal) for e in by_axis[tp.comm_id])
-    assert got_tp == [("tp[0]", 0, ids[0, 0]), ("tp[0]", 1, ids[0, 1]), ("tp[1]", 0, ids[1, 0]),
-                      ("tp[1]", 1, ids[1, 1])]
+    assert got_tp == [
+        ("tp[0]", 0, ids[0, 0]),
+        ("tp[0]", 1, ids[0, 1]),
+        ("tp[1]", 0, ids[1, 0]),
+        ("tp[1]", 1, ids[1, 1]),
+    ]
     got_dp = sorted((e.name, e.rank, e.device_ordinal) for e in by_axis[dp.comm_id])
-    assert got_dp == [("dp[0]", 0, ids[0, 0]), ("dp[0]", 1, ids[1, 0]), ("dp[1]", 0, ids[0, 1]),
-                      ("dp[1]", 1, ids[1, 1])]
+    assert got_dp == [
+        ("dp[0]", 0, ids[0, 0]),
+        ("dp[0]", 1, ids[1, 0]),
+        ("dp[1]", 0, ids[0, 1]),
+        ("dp[1]", 1, ids[1, 1]),
+    ]
     assert all(e.world == 2 and e.transport == "shm" and e.platform == "cpu" for e in eps)
     secrets = {(e.comm_id, e.name): e.secret for e in eps}
     assert len(set(secrets.values())) == 4  # one per group
@@ -69,8 +78,10 @@ def test_initialize_is_idempotent_and_rejects_a_new_mesh_for_a_known_axis(mesh4,
     jax_arx.initialize(mesh4)
     jax_arx.initialize(auto_mesh((4,), ("tp",)))  # an equal mesh
     assert len(fake_core.endpoints) == 4
-    with pytest.raises(jax_arx.InitializationError,
-                       match=r"mesh axis 'tp' is already set up for another mesh .*Call jax_arx.shutdown\(\)"):
+    with pytest.raises(
+        jax_arx.InitializationError,
+        match=r"mesh axis 'tp' is already set up for another mesh .*Call jax_arx.shutdown\(\)",
+    ):
         jax_arx.initialize(auto_mesh((4,), ("tp",), devices=jax.devices()[::-1]))
     jax_arx.initialize(auto_mesh((4,), ("sp",)))  # a new axis name adds a communicator
     sp = _comm.communicator("sp")
@@ -84,9 +95,11 @@ def test_shutdown_warning_keeps_jax_first_line_whole(mesh4, fake_core, monkeypat
     # A peer that never reaches shutdown(): jax's barrier error, whose first
     # line the warning quotes whole (it used to be cut at 200 characters,
     # mid-word), then this process's endpoints close anyway.
-    first = ("DEADLINE_EXCEEDED: Barrier timed out. Id: jax_arx/1/shutdown. This usually happens because a task "
-             "triggered the barrier too early or too slowly. Please look at the task logs (both timed out and "
-             "first task) to debug further.")
+    first = (
+        "DEADLINE_EXCEEDED: Barrier timed out. Id: jax_arx/1/shutdown. This usually happens because a task "
+        "triggered the barrier too early or too slowly. Please look at the task logs (both timed out and "
+        "first task) to debug further."
+    )
 
     class Client:
         def wait_at_barrier(self, name, timeout_ms):
@@ -131,8 +144,11 @@ def test_initialize_topology(fake_core, monkeypatch):
     assert {e.options.get("topology") for e in fake_core.endpoints} == {"ring"}
     assert _comm.communicator("tp").topology == "ring"
     jax_arx.initialize(auto_mesh((4,), ("tp",)), topology="ring")  # the same: nothing to do
-    with pytest.raises(jax_arx.InitializationError, match=r"'tp' is already set up as a ring; this call asks for a "
-                                                          r"mesh .*Call jax_arx.shutdown\(\)"):
+    with pytest.raises(
+        jax_arx.InitializationError,
+        match=r"'tp' is already set up as a ring; this call asks for a "
+        r"mesh .*Call jax_arx.shutdown\(\)",
+    ):
         jax_arx.initialize(auto_mesh((4,), ("tp",)))
     jax_arx.shutdown()
     monkeypatch.setenv("JAX_ARX_TOPOLOGY", "ring")
@@ -150,9 +166,11 @@ def test_a_ring_past_four_is_refused_before_anything_is_set_up():
     ring = config.Config(topology="ring")
     _comm._check_ring_size(ring, "tp", 4)
     _comm._check_ring_size(config.Config(), "tp", 8)  # a mesh of 8 is fine
-    with pytest.raises(jax_arx.InitializationError,
-                       match=r"axis 'tp' has 5 devices, but a ring .* takes 2 to 4: .*more than one relay. Cable "
-                             r"the boxes through a switch and use topology='mesh'"):
+    with pytest.raises(
+        jax_arx.InitializationError,
+        match=r"axis 'tp' has 5 devices, but a ring .* takes 2 to 4: .*more than one relay. Cable "
+        r"the boxes through a switch and use topology='mesh'",
+    ):
         _comm._check_ring_size(ring, "tp", 5)
 
 
@@ -212,8 +230,14 @@ def test_a_script_in_the_checkout_is_told_why_core_is_missing(tmp_path):
     root = _checkout(tmp_path)
     script = root / "psum_demo.py"
     script.write_text("import jax_arx\nfrom jax_arx import _native\n_native.core()\n")
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                       env=launched.clean_env(), timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=launched.clean_env(),
+        timeout=300,
+    )
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("jax_arx.errors.InitializationError:"), p.stderr
@@ -243,8 +267,10 @@ def test_core_missing_hint_names_the_installed_copy_or_says_to_install(tmp_path)
 @needs_4_devices
 def test_endpoint_creation_failure_closes_what_was_made(fake_core):
     fake_core.fail_create_rank = 2
-    with pytest.raises(jax_arx.InitializationError,
-                       match=r"could not create the endpoint of axis 'tp' group 0 rank 2 .*no memory for the slots"):
+    with pytest.raises(
+        jax_arx.InitializationError,
+        match=r"could not create the endpoint of axis 'tp' group 0 rank 2 .*no memory for the slots",
+    ):
         jax_arx.initialize(auto_mesh((4,), ("tp",)))
     assert len(fake_core.endpoints) == 2 and all(e.closed for e in fake_core.endpoints)
     assert _comm.communicator("tp") is None
@@ -259,37 +285,49 @@ def test_check_reports_failures(mesh4, fake_core):
         jax_arx.check()
     assert issubclass(jax_arx.CollectiveError, RuntimeError)
     fake_core.failed[(ep.comm_id, ep.device_ordinal)] = (
-        "jax_arx: communicator 'tp' rank 1 of 4: collective #3 timed out after 30 s waiting for rank 3.")
+        "jax_arx: communicator 'tp' rank 1 of 4: collective #3 timed out after 30 s waiting for rank 3."
+    )
     with pytest.raises(jax_arx.CollectiveTimeoutError, match="timed out after 30 s waiting for rank 3"):
         jax_arx.check()
     other = fake_core.endpoints[0]
     fake_core.failed[(other.comm_id, other.device_ordinal)] = (
-        "jax_arx: communicator 'tp' rank 0 of 4: at collective #3 rank 2 issued a different collective (op...)")
+        "jax_arx: communicator 'tp' rank 0 of 4: at collective #3 rank 2 issued a different collective (op...)"
+    )
     with pytest.raises(jax_arx.CollectiveError) as mixed:  # two kinds: the common base
         jax_arx.check()
     assert type(mixed.value) is jax_arx.CollectiveError and "2 communicators have failed" in str(mixed.value)
 
 
 # The messages as jax raises them: the status, then the handler's message.
-_TIMEOUT = ("INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: collective #7 timed out after 3 s waiting for rank 1. "
-            "Last seq heard from each peer: r1=6.")
-_MISMATCH = ("INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: at collective #1 rank 1 issued a different "
-             "collective (op, dtype, element count or call site differ: descriptor 2c9453, this rank 70e6d4).")
+_TIMEOUT = (
+    "INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: collective #7 timed out after 3 s waiting for rank 1. "
+    "Last seq heard from each peer: r1=6."
+)
+_MISMATCH = (
+    "INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: at collective #1 rank 1 issued a different "
+    "collective (op, dtype, element count or call site differ: descriptor 2c9453, this rank 70e6d4)."
+)
 _PEER_CLOSED = "INTERNAL: jax_arx: communicator 'tp' rank 0 of 2: tcp: rank 1 closed its connection (root 0)"
-_TOO_BIG = ("INVALID_ARGUMENT: jax_arx.psum: 2097152 bytes exceed the one-shot limit of 1048576 bytes on "
-            "communicator 'tp' rank 0 of 2 (JAX_ARX_SLOT_BYTES, ...)")
-_NOT_SET_UP = ("INTERNAL: jax_arx: no communicator 42 on local device 0 in this process; call "
-               "jax_arx.initialize(mesh) (after ...)")
+_TOO_BIG = (
+    "INVALID_ARGUMENT: jax_arx.psum: 2097152 bytes exceed the one-shot limit of 1048576 bytes on "
+    "communicator 'tp' rank 0 of 2 (JAX_ARX_SLOT_BYTES, ...)"
+)
+_NOT_SET_UP = (
+    "INTERNAL: jax_arx: no communicator 42 on local device 0 in this process; call jax_arx.initialize(mesh) (after ...)"
+)
 
 
-@pytest.mark.parametrize("raised,message,expected", [
-    (RuntimeError, _TIMEOUT, errors.CollectiveTimeoutError),
-    (ValueError, _TIMEOUT, errors.CollectiveTimeoutError),  # jax's fast path raises ValueError
-    (RuntimeError, _MISMATCH, errors.CollectiveMismatchError),
-    (RuntimeError, _PEER_CLOSED, errors.EndpointFailedError),
-    (ValueError, _TOO_BIG, errors.InvalidCallError),
-    (RuntimeError, _NOT_SET_UP, errors.InitializationError),
-])
+@pytest.mark.parametrize(
+    "raised,message,expected",
+    [
+        (RuntimeError, _TIMEOUT, errors.CollectiveTimeoutError),
+        (ValueError, _TIMEOUT, errors.CollectiveTimeoutError),  # jax's fast path raises ValueError
+        (RuntimeError, _MISMATCH, errors.CollectiveMismatchError),
+        (RuntimeError, _PEER_CLOSED, errors.EndpointFailedError),
+        (ValueError, _TOO_BIG, errors.InvalidCallError),
+        (RuntimeError, _NOT_SET_UP, errors.InitializationError),
+    ],
+)
 def test_translated_raises_the_family_class(raised, message, expected):
     jax_runtime_error = type("JaxRuntimeError", (raised,), {})  # jax's own class is created in C++
     original = jax_runtime_error(message)
@@ -297,7 +335,7 @@ def test_translated_raises_the_family_class(raised, message, expected):
         with errors.translated():
             raise original
     assert type(got.value) is expected and isinstance(got.value, errors.JaxArxError)
-    assert str(got.value) == message[message.index("jax_arx"):]  # the status prefix dropped, all else kept
+    assert str(got.value) == message[message.index("jax_arx") :]  # the status prefix dropped, all else kept
     assert got.value.__cause__ is original
     if expected is errors.CollectiveTimeoutError:
         assert isinstance(got.value, TimeoutError) and isinstance(got.value, errors.CollectiveError)
@@ -320,8 +358,11 @@ def test_translated_takes_the_cpu_backends_plain_value_error():
 
 
 def test_translated_leaves_other_errors_alone():
-    for e in (RuntimeError("INTERNAL: some other library failed"), KeyError("jax_arx: not a runtime error"),
-              jax_arx.ConfigError("JAX_ARX_TIMEOUT_S='x' is not a number")):
+    for e in (
+        RuntimeError("INTERNAL: some other library failed"),
+        KeyError("jax_arx: not a runtime error"),
+        jax_arx.ConfigError("JAX_ARX_TIMEOUT_S='x' is not a number"),
+    ):
         with pytest.raises(type(e)) as got:
             with errors.translated():
                 raise e

@@ -194,7 +194,8 @@ def test_a_stranger_posing_as_a_rank_fails_the_job_loudly_without_a_secret():
     # ... and with one, the same bytes count for nothing.
     address = f"127.0.0.1:{_free_port()}"
     zero = threading.Thread(
-        target=lambda: result.update(zero=_run_ranks([0], address, 2, timeout_s=2.0, secrets={0: "k" * 20})[0][0]))
+        target=lambda: result.update(zero=_run_ranks([0], address, 2, timeout_s=2.0, secrets={0: "k" * 20})[0][0])
+    )
     zero.start()
     host, port = _join.split_address(address)
     deadline = time.monotonic() + 10
@@ -220,11 +221,23 @@ PROGRAM = "import jax_arx\njax_arx.distributed_initialize()\nprint('joined', flu
 
 
 def _start(tmp_path, address, n, rank, join_timeout="5"):
-    env = launched.clean_env({"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
-                              "JAX_PROCESS_ID": str(rank), "JAX_ARX_JOIN_TIMEOUT_S": join_timeout,
-                              "JAX_PLATFORMS": "cpu"})
-    return subprocess.Popen([sys.executable, "-c", PROGRAM], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = launched.clean_env(
+        {
+            "JAX_COORDINATOR_ADDRESS": address,
+            "JAX_NUM_PROCESSES": str(n),
+            "JAX_PROCESS_ID": str(rank),
+            "JAX_ARX_JOIN_TIMEOUT_S": join_timeout,
+            "JAX_PLATFORMS": "cpu",
+        }
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", PROGRAM],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _ends(procs, bound_s=60):
@@ -272,6 +285,5 @@ def test_processes_that_all_arrive_join(tmp_path, installed):
 
 def test_one_process_has_nothing_to_join(tmp_path, installed):
     # JAX_NUM_PROCESSES=1: no join, no port bound (the address may be anything).
-    (s, o, _), = _ends([_start(tmp_path, "127.0.0.1:1", 1, 0)])
+    ((s, o, _),) = _ends([_start(tmp_path, "127.0.0.1:1", 1, 0)])
     assert s == 0 and "joined" in o, o[-2000:]
-

@@ -20,12 +20,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # --- launcher ------------------------------------------------------------------------
 
+
 def test_initialize_distributed_under_a_cluster_manager(monkeypatch):
     # No launcher variables, but SLURM (or Open MPI) started several tasks:
     # jax's own cluster detection is asked, with no arguments; one task
     # alone is a single process.
-    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
-                 "OMPI_COMM_WORLD_SIZE"):
+    for name in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
     import jax
     from jax_arx import _distributed
@@ -69,8 +75,11 @@ def test_initialize_refuses_a_process_of_several_that_did_not_join(monkeypatch):
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("unjoined_axis",))
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
-    with pytest.raises(jax_arx.InitializationError, match=r"JAX_NUM_PROCESSES=2 says this process is one of 2 .* "
-                                                          r"Call jax_arx.distributed_initialize\(\) first thing"):
+    with pytest.raises(
+        jax_arx.InitializationError,
+        match=r"JAX_NUM_PROCESSES=2 says this process is one of 2 .* "
+        r"Call jax_arx.distributed_initialize\(\) first thing",
+    ):
         jax_arx.initialize(mesh)
     monkeypatch.setenv("JAX_NUM_PROCESSES", "1")  # one process: nothing to join
     jax_arx.initialize(mesh)
@@ -96,21 +105,27 @@ def test_initialize_distributed_needs_all_or_none_of_the_variables(monkeypatch):
 
 
 def _launch(args, tmp_path, timeout=240):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_", "XLA_")) or k in ("JAX_PLATFORMS",)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_")) or k in ("JAX_PLATFORMS",)}
     # The installed jax_arx (with its C++ module), as the other multi-process
     # tests run it; tmp_path holds the programs and the stand-in core.
     env["PYTHONPATH"] = str(tmp_path)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "jax_arx.launch", *args], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_arx.launch", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - start
 
 
 def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
     (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
     script = tmp_path / "prog.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         import jax_arx
         assert jax_arx.distributed_initialize()
@@ -151,7 +166,8 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
         say("again", len(fake_core.registered))
         say("args", sys.argv[1:])
         jax_arx.shutdown()
-        """))
+        """)
+    )
     proc, _ = _launch(["-n", "2", "--cpu-devices", "2", str(script), "--flag", "x"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout.splitlines()
@@ -166,7 +182,8 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
         endpoints = [line.split() for line in mine if line.startswith("endpoint")]
         # dp spans the processes (one rank each in 2 groups); tp stays in one (2 ranks of 1 group).
         assert sorted((e[1], e[2]) for e in endpoints) == (
-            [("dp[0]", str(rank)), ("dp[1]", str(rank)), (f"tp[{rank}]", "0"), (f"tp[{rank}]", "1")])
+            [("dp[0]", str(rank)), ("dp[1]", str(rank)), (f"tp[{rank}]", "0"), (f"tp[{rank}]", "1")]
+        )
         assert all(e[3:5] == ["2", "shm"] and e[6] == "True" for e in endpoints)
     # Both processes hold the same secret for each group of dp.
     secrets = {}
@@ -178,7 +195,8 @@ def test_launch_two_processes_psum_and_rendezvous(core_built, tmp_path):
 
 def test_launch_failing_rank_stops_the_others(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, time
         rank = int(os.environ["JAX_PROCESS_ID"])
         print("started", os.environ["JAX_NUM_PROCESSES"], os.environ["JAX_COORDINATOR_ADDRESS"].split(":")[0])
@@ -186,7 +204,8 @@ def test_launch_failing_rank_stops_the_others(tmp_path):
             print("boom", file=sys.stderr)
             sys.exit(3)
         time.sleep(120)
-        """))
+        """)
+    )
     proc, elapsed = _launch(["-n", "2", "--grace-s", "0.5", str(script)], tmp_path)
     assert proc.returncode == 3
     assert elapsed < 30
@@ -203,7 +222,8 @@ def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
     (tmp_path / "fake_core.py").write_text(FAKE_CORE_SOURCE)
     raised_at = tmp_path / "raised_at"
     script = tmp_path / "raises.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import time
         import jax_arx
         jax_arx.distributed_initialize()
@@ -219,12 +239,13 @@ def test_launch_a_raising_rank_ends_the_job_within_seconds(tmp_path):
             raise RuntimeError("rank 1 gives up")
         while True:  # rank 0: a long computation with no collective
             time.sleep(0.05)
-        """))
+        """)
+    )
     proc, _ = _launch(["-n", "2", "--cpu-devices", "1", str(script)], tmp_path)
     ended = time.time()
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert ended - float(raised_at.read_text()) < 10, proc.stderr[-3000:]
-    report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)"):]
+    report = proc.stderr[proc.stderr.index("[launch] rank 1 failed first (exited with status 1)") :]
     assert "[launch]   RuntimeError: rank 1 gives up" in report, proc.stderr[-3000:]
     assert "[launch] rank 0" not in proc.stderr  # rank 0 was stopped, not reported as the failure
 
@@ -234,19 +255,23 @@ def test_launch_a_program_without_distributed_initialize_fails_on_every_rank(tmp
     # its own, psum one rank's value, status 0. A long grace, so that each
     # rank ends by its own error rather than by the launcher's SIGTERM.
     script = tmp_path / "forgot.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import jax
         import jax_arx
         mesh = jax.make_mesh((jax.device_count(),), ("tp",))
         jax_arx.initialize(mesh)
         print("initialized alone")
-        """))
+        """)
+    )
     proc, elapsed = _launch(["-n", "2", "--cpu-devices", "1", "--grace-s", "60", str(script)], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "initialized alone" not in proc.stdout
     for rank in (0, 1):
-        assert (f"[rank {rank}] jax_arx.errors.InitializationError: jax_arx.initialize: JAX_NUM_PROCESSES=2 says "
-                "this process is one of 2") in proc.stderr, proc.stderr[-3000:]
+        assert (
+            f"[rank {rank}] jax_arx.errors.InitializationError: jax_arx.initialize: JAX_NUM_PROCESSES=2 says "
+            "this process is one of 2"
+        ) in proc.stderr, proc.stderr[-3000:]
     assert "Call jax_arx.distributed_initialize() first thing in the program" in proc.stderr
     assert elapsed < 50, proc.stderr[-3000:]  # the second rank ended by itself, not by the launcher
 
@@ -259,14 +284,22 @@ def test_no_rank_outlives_the_launcher(tmp_path, how):
     pids = tmp_path / "pids"
     pids.mkdir()
     script = tmp_path / "sleeper.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, time
         open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
         time.sleep(600)
-        """))
+        """)
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    launcher = subprocess.Popen([sys.executable, "-m", "jax_arx.launch", "-n", "3", str(script)], env=env,
-                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jax_arx.launch", "-n", "3", str(script)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(os.listdir(pids)) < 3 and time.monotonic() < deadline:
@@ -308,18 +341,26 @@ def test_a_rank_sent_sigterm_ends_and_is_named(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     script = tmp_path / "term.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, time
         import jax_arx
         jax_arx.distributed_initialize()
         import jax
         open(os.path.join({str(pids)!r}, str(jax.process_index())), "w").write(str(os.getpid()))
         time.sleep(600)
-        """))
+        """)
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["JAX_PLATFORMS"] = "cpu"
-    launcher = subprocess.Popen([sys.executable, "-m", "jax_arx.launch", "-n", "2", "--grace-s", "0.5", str(script)],
-                                env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jax_arx.launch", "-n", "2", "--grace-s", "0.5", str(script)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while len(os.listdir(pids)) < 2 and time.monotonic() < deadline and launcher.poll() is None:
@@ -338,7 +379,8 @@ def test_a_rank_sent_sigterm_ends_and_is_named(tmp_path):
 
 def test_launch_module_form(tmp_path):
     (tmp_path / "arx_launch_probe.py").write_text(
-        "import os, sys\nprint('probe', os.environ['JAX_PROCESS_ID'], os.environ['PYTHONUNBUFFERED'], sys.argv[1:])\n")
+        "import os, sys\nprint('probe', os.environ['JAX_PROCESS_ID'], os.environ['PYTHONUNBUFFERED'], sys.argv[1:])\n"
+    )
     proc, _ = _launch(["-n", "3", "-m", "arx_launch_probe", "a", "-b"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     for rank in range(3):

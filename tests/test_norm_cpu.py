@@ -66,8 +66,15 @@ CASES = ["norms", "vmap", "grad", "fallback"]
 # and world 3 over shm.
 @pytest.mark.parametrize("transport,nprocs", [pytest.param("shm", 2, marks=pytest.mark.slow), ("shm", 3), ("tcp", 2)])
 def test_norm_suite(core_built, tmp_path, transport, nprocs):
-    results = launched.run_suite(THIS, "full", nprocs, transport, tmp_path, timeout=600,
-                                 env={"JAX_ARX_SLOT_BYTES": str(SLOT_BYTES), "JAX_ARX_TIMEOUT_S": "20"})
+    results = launched.run_suite(
+        THIS,
+        "full",
+        nprocs,
+        transport,
+        tmp_path,
+        timeout=600,
+        env={"JAX_ARX_SLOT_BYTES": str(SLOT_BYTES), "JAX_ARX_TIMEOUT_S": "20"},
+    )
     launched.assert_all_correct(results, expect=CASES)
     assert all("digest" in r for r in results.values())
 
@@ -110,16 +117,19 @@ def test_bad_input():
         xs, rs = (rng.standard_normal((3, 40)).astype(dt) for _ in range(2))
         ws, bs = (1 + 0.5 * rng.standard_normal(40)).astype(dt), rng.standard_normal(40).astype(dt)
         for kind in ("rms", "layer"):
-            normed, hidden = f(jnp.asarray(xs), jnp.asarray(rs), jnp.asarray(ws), (), kind=kind,
-                               bias=jnp.asarray(bs), eps=1e-5)
+            normed, hidden = f(
+                jnp.asarray(xs), jnp.asarray(rs), jnp.asarray(ws), (), kind=kind, bias=jnp.asarray(bs), eps=1e-5
+            )
             want = ref.hidden([xs], rs, dt)
             assert np.asarray(hidden).tobytes() == want.tobytes(), (dt, kind)
-            bad = ref.close_report(np.asarray(normed), ref.normed_f64(want, ws, bs, kind, 1e-5), dt, ulps=1,
-                                   row_ulps=16)
+            bad = ref.close_report(
+                np.asarray(normed), ref.normed_f64(want, ws, bs, kind, 1e-5), dt, ulps=1, row_ulps=16
+            )
             assert bad is None, (dt, kind, bad)
 
 
 # --- the worker -------------------------------------------------------------------
+
 
 class _Worker(launched.MeshWorker):
     def __init__(self):
@@ -145,8 +155,10 @@ class _Worker(launched.MeshWorker):
         got, want = np.asarray(got), np.asarray(want)
         bad = None
         if got.shape != want.shape or got.tobytes() != want.tobytes():
-            bad = f"{what}: not bit for bit: got {got.ravel()[:4]}, want {want.ravel()[:4]} (shapes {got.shape}, " \
-                  f"{want.shape}; {int((got != want).sum()) if got.shape == want.shape else '?'} differ)"
+            bad = (
+                f"{what}: not bit for bit: got {got.ravel()[:4]}, want {want.ravel()[:4]} (shapes {got.shape}, "
+                f"{want.shape}; {int((got != want).sum()) if got.shape == want.shape else '?'} differ)"
+            )
         self.record(case, bad)
         self.crc = zlib.crc32(got.tobytes(), self.crc)
 
@@ -181,8 +193,14 @@ def _fits(shape, dt):
 
 def norm_specs(name):
     dt = ref.dtypes()[name]
-    return [(lead + (W,), name, kind, b) for lead in LEADS for W in WIDTHS for kind in ("rms", "layer")
-            for b in (False, True) if _fits(lead + (W,), dt)]
+    return [
+        (lead + (W,), name, kind, b)
+        for lead in LEADS
+        for W in WIDTHS
+        for kind in ("rms", "layer")
+        for b in (False, True)
+        if _fits(lead + (W,), dt)
+    ]
 
 
 def _call(jax_arx, x, r, wt, b, kind):
@@ -199,7 +217,7 @@ def _program(w, specs, data, with_psum=False):
 
     def body(*ops):
         out, i = [], 0
-        for (_, _, kind, has_bias) in specs:
+        for _, _, kind, has_bias in specs:
             x, r, wt = ops[i][0], ops[i + 1], ops[i + 2]
             b = ops[i + 3] if has_bias else None
             i += 4 if has_bias else 3
@@ -209,7 +227,7 @@ def _program(w, specs, data, with_psum=False):
         return tuple(out)
 
     args, in_specs = [], []
-    for (p, r, wt, b) in data:
+    for p, r, wt, b in data:
         extra = [] if b is None else [b]
         args += [w.put(p)] + [w.rep(a) for a in [r, wt] + extra]
         in_specs += [P("tp")] + [P()] * (2 + len(extra))
@@ -231,10 +249,17 @@ def case_norms(w):
             w.fused("norms", spec, d, outs[3 * j], outs[3 * j + 1], outs[3 * j + 2])
 
 
-VMAP_SPECS = [((2, 40), "float32", "rms", True), ((1, 257), "bfloat16", "layer", False),
-              ((2, 7), "float16", "layer", True)]
-GRAD_SPECS = [((3, 40), "float32", "rms", False), ((2, 257), "float32", "layer", True),
-              ((1, 7), "float32", "layer", False), ((2, 3, 40), "float32", "rms", True)]
+VMAP_SPECS = [
+    ((2, 40), "float32", "rms", True),
+    ((1, 257), "bfloat16", "layer", False),
+    ((2, 7), "float16", "layer", True),
+]
+GRAD_SPECS = [
+    ((3, 40), "float32", "rms", False),
+    ((2, 257), "float32", "layer", True),
+    ((1, 7), "float32", "layer", False),
+    ((2, 3, 40), "float32", "rms", True),
+]
 FALLBACK_SPECS = [((5, 4096), "float32", "rms", True), ((2, 3, 6000), "bfloat16", "layer", False)]
 
 
@@ -272,8 +297,7 @@ def _vmap_one(w, spec, B):
     if len(calls) != 2 + 2 * B:
         w.fail("vmap", f"{spec}: {len(calls)} fused calls lowered, expected {2 + 2 * B}")
     outs = [w.shards(o)[0] for o in f(*args)]
-    for k, what in enumerate(("batched normed", "batched hidden", "shared-residual normed",
-                              "shared-residual hidden")):
+    for k, what in enumerate(("batched normed", "batched hidden", "shared-residual normed", "shared-residual hidden")):
         w.bits("vmap", outs[k], outs[4 + k], f"{spec} {what} vs row by row")
     for k, r in ((0, res), (2, np.broadcast_to(res[0], res.shape))):
         w.fused("vmap", spec, (parts, r, wt, b), outs[k], outs[k + 1])
@@ -325,8 +349,13 @@ def _grad_one(w, spec, check_vma):
         for shard in a.addressable_shards:
             g, ref_s = np.asarray(shard.data), whole_g[shard.index]
             ok = np.allclose(g, ref_s, rtol=1e-4, atol=1e-5 * np.abs(ref_s).max())
-            w.record("grad", None if ok else f"{spec} check_vma={check_vma} {what}: max |diff| "
-                     f"{np.abs(g - ref_s).max():.3g}, max |ref| {np.abs(ref_s).max():.3g}")
+            w.record(
+                "grad",
+                None
+                if ok
+                else f"{spec} check_vma={check_vma} {what}: max |diff| "
+                f"{np.abs(g - ref_s).max():.3g}, max |ref| {np.abs(ref_s).max():.3g}",
+            )
 
 
 def case_fallback(w):
@@ -356,7 +385,7 @@ def _fallback_one(w, spec):
     # XLA keeps the float32 sum + residual where the formula rounds it to a
     # 16-bit hidden (excess precision), so a 16-bit normed may be off by
     # that rounding carried through the norm: 2^-8 of the row's largest.
-    row_ulps = 16 if dt == np.float32 else 2 ** 15
+    row_ulps = 16 if dt == np.float32 else 2**15
     for got, h in zip(w.shards(outs[0]), w.shards(outs[1]), strict=True):
         bad = ref.close_report(got, ref.normed_f64(h, wt, b, spec[2], EPS[spec[2]]), dt, ulps=1, row_ulps=row_ulps)
         w.record("fallback", bad and f"{spec} normed: {bad}")
@@ -366,8 +395,10 @@ def _worker_main(argv):
     w = _Worker()
     for case in (case_norms, case_vmap, case_grad, case_fallback):
         w.timed(case)
-    print(launched.RESULT + json.dumps({"world": w.world, "cases": w.cases, "digest": w.crc,
-                                        "seconds": w.seconds}), flush=True)
+    print(
+        launched.RESULT + json.dumps({"world": w.world, "cases": w.cases, "digest": w.crc, "seconds": w.seconds}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

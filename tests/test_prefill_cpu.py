@@ -67,6 +67,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bulk_cases.py
 
 # --- the tests ----------------------------------------------------------------
 
+
 # The full suite over tcp at 3 ranks is the slow suite's; the fast tier has
 # tcp at 3 ranks through the quick suite.
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), pytest.param("tcp", 3, marks=pytest.mark.slow)])
@@ -76,9 +77,16 @@ def test_full_suite(core_built, tmp_path, transport, nprocs):
 
 
 # Four processes on two cores are a slow suite's; the fast tier stops at three.
-@pytest.mark.parametrize("transport,nprocs", [("shm", 3), ("tcp", 2), ("tcp", 3),
-                                              pytest.param("shm", 4, marks=pytest.mark.slow),
-                                              pytest.param("tcp", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "transport,nprocs",
+    [
+        ("shm", 3),
+        ("tcp", 2),
+        ("tcp", 3),
+        pytest.param("shm", 4, marks=pytest.mark.slow),
+        pytest.param("tcp", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_quick_suite(core_built, tmp_path, transport, nprocs):
     results = _run("quick", nprocs, transport, tmp_path)
     launched.assert_all_correct(results, expect=QUICK_CASES)
@@ -95,7 +103,7 @@ def test_moe_combine_steps_aside_by_default(core_built, tmp_path, transport, rou
     results = _run("moe_plan", 2, transport, tmp_path, env={"JAX_ARX_FALLBACK": "error"})
     launched.assert_all_correct(results, expect=["moe_plan"])
     for r in results.values():
-        (reason, n), = r["plans"].items()  # one reason, every call traced (the worker checks how many)
+        ((reason, n),) = r["plans"].items()  # one reason, every call traced (the worker checks how many)
         assert n == 8, r["plans"]
         assert f"CPU backend {route}" in reason and "docs/performance.md" in reason, reason
         assert "the same bits" in reason, reason
@@ -119,5 +127,18 @@ def test_failures_are_errors_not_results(core_built, tmp_path):
 
 
 def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
-    return launched.run_suite(WORKER, suite, nprocs, transport, cwd, cpu_devices=cpu_devices, timeout=timeout,
-                              env={"JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES), "JAX_ARX_SLOT_BYTES": "64K", "JAX_ARX_TIMEOUT_S": "30", **(env or {})})
+    return launched.run_suite(
+        WORKER,
+        suite,
+        nprocs,
+        transport,
+        cwd,
+        cpu_devices=cpu_devices,
+        timeout=timeout,
+        env={
+            "JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES),
+            "JAX_ARX_SLOT_BYTES": "64K",
+            "JAX_ARX_TIMEOUT_S": "30",
+            **(env or {}),
+        },
+    )

@@ -61,6 +61,7 @@ SLOT_BYTES = 64 * 1024  # JAX_ARX_SLOT_BYTES in the workers: the one-shot limit
 
 # --- the tests ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("shm", 3), ("tcp", 2), ("tcp", 3)])
 def test_full_suite(core_built, tmp_path, transport, nprocs):
     results = _run("full", nprocs, transport, tmp_path)
@@ -103,11 +104,20 @@ def test_failures_are_errors_not_sums(core_built, tmp_path, transport):
 
 
 def _run(suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
-    return launched.run_suite(THIS, suite, nprocs, transport, cwd, cpu_devices=cpu_devices, timeout=timeout,
-                              env={"JAX_ARX_SLOT_BYTES": str(SLOT_BYTES), "JAX_ARX_TIMEOUT_S": "20", **(env or {})})
+    return launched.run_suite(
+        THIS,
+        suite,
+        nprocs,
+        transport,
+        cwd,
+        cpu_devices=cpu_devices,
+        timeout=timeout,
+        env={"JAX_ARX_SLOT_BYTES": str(SLOT_BYTES), "JAX_ARX_TIMEOUT_S": "20", **(env or {})},
+    )
 
 
 # --- the worker -------------------------------------------------------------------
+
 
 def reference_sum(partials, dtype):
     """The sum every rank must get: float32 accumulation in rank order,
@@ -143,8 +153,10 @@ class _Worker(launched.MeshWorker):
         bad = None
         if got.tobytes() != want.tobytes():
             diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-            bad = (f"{what}: {int((got != want).sum())} of {got.size} elements differ, "
-                   f"max |diff| {float(np.nanmax(diff)) if diff.size else 0:.3g}")
+            bad = (
+                f"{what}: {int((got != want).sum())} of {got.size} elements differ, "
+                f"max |diff| {float(np.nanmax(diff)) if diff.size else 0:.3g}"
+            )
         self.record(case, bad)
         if ours:
             self.crc = zlib.crc32(got.tobytes(), self.crc)
@@ -153,8 +165,7 @@ class _Worker(launched.MeshWorker):
 def _dtypes():
     import ml_dtypes
 
-    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-            "float16": np.dtype(np.float16)}
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 
 def case_sizes(w: _Worker, dtype_names=("float32", "bfloat16", "float16")):
@@ -180,8 +191,12 @@ def case_sizes(w: _Worker, dtype_names=("float32", "bfloat16", "float16")):
         # order than rank order (to the dtype's rounding of numpy's).
         ref = reference_sum(gs[-1], dt)[None].astype(np.float32)
         for got in w.shards(outs[-1]):
-            w.record("sizes", None if np.allclose(got.astype(np.float32), ref, rtol=2e-2, atol=1e-2)
-                     else f"{name}[{limit + 1}]: the fallback is far from the numpy sum")
+            w.record(
+                "sizes",
+                None
+                if np.allclose(got.astype(np.float32), ref, rtol=2e-2, atol=1e-2)
+                else f"{name}[{limit + 1}]: the fallback is far from the numpy sum",
+            )
 
 
 def case_pytree(w: _Worker):
@@ -190,10 +205,12 @@ def case_pytree(w: _Worker):
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     dts = _dtypes()
     rng = np.random.default_rng(2)
-    g = {"a": rng.normal(size=(w.world, 5)).astype(np.float32),
-         "b": rng.normal(size=(w.world, 7)).astype(dts["bfloat16"]),
-         "c": rng.normal(size=(w.world, 2, 3)).astype(np.float16),
-         "d": rng.normal(size=(w.world, SLOT_BYTES // 4 + 1)).astype(np.float32)}
+    g = {
+        "a": rng.normal(size=(w.world, 5)).astype(np.float32),
+        "b": rng.normal(size=(w.world, 7)).astype(dts["bfloat16"]),
+        "c": rng.normal(size=(w.world, 2, 3)).astype(np.float16),
+        "d": rng.normal(size=(w.world, SLOT_BYTES // 4 + 1)).astype(np.float32),
+    }
     x = jax.tree.map(w.put, g)
     f = w.smap(lambda t: jax_arx.psum(t, "tp"), (P("tp"),), P())
     calls = w.calls(f, x, target="jax_arx_psum")
@@ -205,8 +222,12 @@ def case_pytree(w: _Worker):
             w.check("pytree", got, reference_sum(g[k], g[k].dtype)[None], f"leaf {k}")
     ref_d = reference_sum(g["d"], np.float32)[None]
     for got in w.shards(out["d"]):
-        w.record("pytree", None if np.allclose(got, ref_d, rtol=1e-5, atol=1e-5)
-                 else "leaf d (jax.lax.psum's) is far from the numpy sum")
+        w.record(
+            "pytree",
+            None
+            if np.allclose(got, ref_d, rtol=1e-5, atol=1e-5)
+            else "leaf d (jax.lax.psum's) is far from the numpy sum",
+        )
 
 
 def case_mixed(w: _Worker):
@@ -214,15 +235,22 @@ def case_mixed(w: _Worker):
     jax_arx, P = w.jax_arx, w.P
     dts = _dtypes()
     rng = np.random.default_rng(3)
-    gs = [rng.normal(size=(w.world, 1001)).astype(np.float32),
-          rng.normal(size=(w.world, 4097)).astype(dts["bfloat16"]),
-          rng.normal(size=(w.world, 33)).astype(np.float16),
-          rng.normal(size=(w.world, SLOT_BYTES // 4)).astype(np.float32)]
+    gs = [
+        rng.normal(size=(w.world, 1001)).astype(np.float32),
+        rng.normal(size=(w.world, 4097)).astype(dts["bfloat16"]),
+        rng.normal(size=(w.world, 33)).astype(np.float16),
+        rng.normal(size=(w.world, SLOT_BYTES // 4)).astype(np.float32),
+    ]
 
     def body(a, b, c, d):
         sa = jax_arx.psum(a, "tp")
-        return sa, jax_arx.psum(b, "tp"), jax_arx.psum(c, "tp"), jax_arx.psum(d, "tp"), \
-            jax_arx.psum(sa * 2 + a * 0, "tp")  # depends on the first sum
+        return (
+            sa,
+            jax_arx.psum(b, "tp"),
+            jax_arx.psum(c, "tp"),
+            jax_arx.psum(d, "tp"),
+            jax_arx.psum(sa * 2 + a * 0, "tp"),
+        )  # depends on the first sum
 
     f = w.smap(body, (P("tp"),) * 4, (P(),) * 5)
     outs = f(*[w.put(g) for g in gs])
@@ -283,8 +311,10 @@ def case_python_loop(w: _Worker, calls=300):
     rng = np.random.default_rng(6)
     gs = [rng.normal(size=(w.world, 515)).astype(np.float32) for _ in range(8)]
     xs = [w.put(g) for g in gs]
-    fs = [w.smap(lambda x: jax_arx.psum(x, "tp"), P("tp"), P()),
-          w.smap(lambda x: jax_arx.psum(x * 2, "tp"), P("tp"), P())]
+    fs = [
+        w.smap(lambda x: jax_arx.psum(x, "tp"), P("tp"), P()),
+        w.smap(lambda x: jax_arx.psum(x * 2, "tp"), P("tp"), P()),
+    ]
     outs = [fs[i % 2](xs[i % 8]) for i in range(calls)]
     refs = [[reference_sum(g * np.float32(k), np.float32) for g in gs] for k in (1, 2)]
     for i, out in enumerate(outs):
@@ -302,6 +332,7 @@ def case_scan(w: _Worker):
         def step(c, xt):
             s = jax_arx.psum(xt + c, "tp")
             return s, jax_arx.psum(xt, "tp")
+
         return jax.lax.scan(step, jax.numpy.zeros((n,), np.float32), x[0])
 
     carry, ys = w.smap(body, P("tp"), (P(), P()))(w.put(g))
@@ -362,16 +393,22 @@ def case_grad(w: _Worker):
 
     ref = [np.asarray(g) for g in jax.jit(jax.grad(whole, argnums=(0, 1)))(x, wt)]
     for check_vma in (True, False):
+
         def body(x, wt):
             y = jax_arx.psum(jnp.sin(x) * wt, "tp")
             return (y * y).sum(keepdims=True) + jax_arx.psum(x, "tp").sum(keepdims=True)
+
         f = w.smap(body, (P("tp"), P()), P("tp"), check_vma=check_vma)
         got = jax.jit(jax.grad(lambda x, wt, f=f: f(x, wt).sum(), argnums=(0, 1)))(x, wt)
         for a, want, what in ((got[0], ref[0], "d/dx"), (got[1], ref[1], "d/dw")):
             for shard in a.addressable_shards:
                 g = np.asarray(shard.data)
-                w.record("grad", None if np.allclose(g, want[shard.index], rtol=1e-5, atol=1e-6)
-                         else f"check_vma={check_vma} {what}: {g} != {want[shard.index]}")
+                w.record(
+                    "grad",
+                    None
+                    if np.allclose(g, want[shard.index], rtol=1e-5, atol=1e-6)
+                    else f"check_vma={check_vma} {what}: {g} != {want[shard.index]}",
+                )
 
 
 def case_prefetch(w: _Worker):
@@ -384,21 +421,33 @@ def case_prefetch(w: _Worker):
     jnp = jax.numpy
     dts = _dtypes()
     rng = np.random.default_rng(11)
-    g = {"a": rng.normal(size=(w.world, 5)).astype(np.float32),
-         "b": rng.normal(size=(w.world, 7)).astype(dts["bfloat16"]),
-         "c": rng.normal(size=(w.world, 2, 3)).astype(np.float16)}
+    g = {
+        "a": rng.normal(size=(w.world, 5)).astype(np.float32),
+        "b": rng.normal(size=(w.world, 7)).astype(dts["bfloat16"]),
+        "c": rng.normal(size=(w.world, 2, 3)).astype(np.float16),
+    }
     # Weights the next layer would read: sharded over tp, and replicated.
     replicated = w.jax.sharding.NamedSharding(w.mesh, P())
-    gw = [rng.normal(size=(w.world * 4, 16)).astype(dts["bfloat16"]),
-          rng.integers(0, 9, size=(w.world, 33)).astype(np.int8), rng.normal(size=(64,)).astype(np.float32)]
+    gw = [
+        rng.normal(size=(w.world * 4, 16)).astype(dts["bfloat16"]),
+        rng.integers(0, 9, size=(w.world, 33)).astype(np.int8),
+        rng.normal(size=(64,)).astype(np.float32),
+    ]
     ws = [w.put(gw[0]), w.put(gw[1]), jax.make_array_from_callback(gw[2].shape, replicated, lambda idx: gw[2][idx])]
     w_specs = [P("tp"), P("tp"), P()]
     x = jax.tree.map(w.put, g)
 
     def both(body, in_specs, out_specs, check_vma=True):
         """``body(..., prefetch)`` jitted with a prefetch tree and without."""
-        return [w.smap(lambda *a, p=p: body(*a, prefetch={"w": a[-1], "w0": a[-1][0]} if p else None),
-                       in_specs, out_specs, check_vma=check_vma) for p in (True, False)]
+        return [
+            w.smap(
+                lambda *a, p=p: body(*a, prefetch={"w": a[-1], "w0": a[-1][0]} if p else None),
+                in_specs,
+                out_specs,
+                check_vma=check_vma,
+            )
+            for p in (True, False)
+        ]
 
     # jit, a pytree of three dtypes: one call of three results, with the four
     # weights as its prefetch operands.
@@ -415,22 +464,27 @@ def case_prefetch(w: _Worker):
     # grad, with respect to the input and to the weights (used, and prefetched).
     xg = w.put(rng.normal(size=(w.world, 6)).astype(np.float32))
     for check_vma in (True, False):
+
         def loss_body(x, ws, prefetch):
             y = jax_arx.psum(jnp.sin(x) * ws[2][0], "tp", prefetch=prefetch)
             return (y * y).sum(keepdims=True)
 
         f, plain = both(loss_body, (P("tp"), w_specs), P("tp"), check_vma=check_vma)
-        grads = [jax.jit(jax.grad(lambda x, ws, h=h: h(x, ws).sum(), argnums=(0, 1), allow_int=True))(xg, ws)
-                 for h in (f, plain)]
+        grads = [
+            jax.jit(jax.grad(lambda x, ws, h=h: h(x, ws).sum(), argnums=(0, 1), allow_int=True))(xg, ws)
+            for h in (f, plain)
+        ]
         for i, (a, b) in enumerate([(grads[0][0], grads[1][0]), (grads[0][1][2], grads[1][1][2])]):
             for got, got_plain in zip(w.shards(a), w.shards(b), strict=True):
-                w.check("prefetch", got, got_plain, f"check_vma={check_vma} gradient {i} vs without prefetch",
-                        ours=False)  # gradients differ between ranks: not in the digest
+                w.check(
+                    "prefetch", got, got_plain, f"check_vma={check_vma} gradient {i} vs without prefetch", ours=False
+                )  # gradients differ between ranks: not in the digest
 
     # vmap inside the shard_map: rows summed one by one, batched into one call.
     gv = rng.normal(size=(w.world * 3, 9)).astype(np.float32)
-    f, plain = both(lambda v, ws, prefetch: jax.vmap(lambda r: jax_arx.psum(r, "tp", prefetch=prefetch))(v),
-                    (P("tp"), w_specs), P())
+    f, plain = both(
+        lambda v, ws, prefetch: jax.vmap(lambda r: jax_arx.psum(r, "tp", prefetch=prefetch))(v), (P("tp"), w_specs), P()
+    )
     xv = w.put(gv)
     want = reference_sum(gv.reshape(w.world, 3, 9), np.float32)
     for got, got_plain in zip(w.shards(f(xv, ws)), w.shards(plain(xv, ws)), strict=True):
@@ -438,14 +492,34 @@ def case_prefetch(w: _Worker):
         w.check("prefetch", got, got_plain, "vmap vs without prefetch", ours=False)
 
 
-FULL_CASES = ["sizes", "pytree", "mixed", "donated", "loop2000", "python_loop", "scan", "independent6", "grad",
-              "prefetch"]
+FULL_CASES = [
+    "sizes",
+    "pytree",
+    "mixed",
+    "donated",
+    "loop2000",
+    "python_loop",
+    "scan",
+    "independent6",
+    "grad",
+    "prefetch",
+]
 QUICK_CASES = ["sizes", "mixed", "loop2000", "scan", "independent6"]
 
 
 def _suite_full(w):
-    for case in (case_sizes, case_pytree, case_mixed, case_donated, case_loop2000, case_python_loop, case_scan,
-                 case_independent6, case_grad, case_prefetch):
+    for case in (
+        case_sizes,
+        case_pytree,
+        case_mixed,
+        case_donated,
+        case_loop2000,
+        case_python_loop,
+        case_scan,
+        case_independent6,
+        case_grad,
+        case_prefetch,
+    ):
         w.timed(case)
 
 

@@ -30,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # --- lowering ------------------------------------------------------------------------
 
+
 def _ffi_calls(text):
     """The jax_arx custom calls of a lowered module, in order: (name of the
     first result, operand names, the line)."""
@@ -52,8 +53,9 @@ def test_lowers_to_one_side_effecting_ffi_call_per_psum(mesh4, check_vma):
     def body(x):
         return jax_arx.psum(x, "tp") + jax_arx.psum(x, "tp")  # two identical calls: both must stay
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"), out_specs=P() if check_vma else P("tp"),
-                              check_vma=check_vma))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh4, in_specs=P("tp"), out_specs=P() if check_vma else P("tp"), check_vma=check_vma)
+    )
     calls = _ffi_calls(f.lower(jnp.ones(8, jnp.bfloat16)).as_text())
     assert len(calls) == 2
     comm_id = _comm.communicator("tp").comm_id
@@ -129,8 +131,8 @@ def test_a_psum_after_nested_computations_depends_on_their_last_calls(mesh4):
     text = g.lower(jnp.ones(8)).as_text()
     calls = _ffi_calls(text)
     loops = re.findall(r"(%\w+):2 = stablehlo.while", text)
-    case, = re.findall(r"(%\w+) = \"stablehlo.case\"", text)
-    call, = re.findall(r"(%\w+):2 = func.call @inner", text)
+    (case,) = re.findall(r"(%\w+) = \"stablehlo.case\"", text)
+    (call,) = re.findall(r"(%\w+):2 = func.call @inner", text)
     assert len(calls) == 6
     last = max(calls, key=lambda c: len(c[1]))
     # The first call, each loop's carried sum, the conditional's result and
@@ -152,6 +154,7 @@ def test_lowering_for_other_devices_falls_back(mesh4, caplog):
 
 # --- prefetch: a hint for the CUDA handler, dropped everywhere else -------------------
 
+
 def _weights(n=3):
     """Prefetch trees of ``n`` leaves (several dtypes), as global arrays and
     their in_specs: some sharded over tp, some replicated."""
@@ -163,17 +166,17 @@ def _weights(n=3):
 def _with_and_without_prefetch(mesh, body_of, in_specs, out_specs, check_vma):
     """The same program with a prefetch tree passed to every psum and
     without one, jitted. ``body_of(psum)`` builds a body of (x, ws)."""
+
     def prefetching(x, axis, ws):
         return jax_arx.psum(x, axis, prefetch={"w": ws, "first": ws[0]})
 
     def plain(x, axis, ws):
         return jax_arx.psum(x, axis)
 
-    return [jax.jit(jax.shard_map(body_of(psum), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                  check_vma=check_vma))
-            for psum in (prefetching, plain)]
-
-
+    return [
+        jax.jit(jax.shard_map(body_of(psum), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
+        for psum in (prefetching, plain)
+    ]
 
 
 @needs_4_devices
@@ -186,8 +189,12 @@ def test_rules_under_lax_lowering_prefetch_changes_no_value(mesh4, lax_lowering,
             # A pytree of several dtypes (one call), and a sum of a sum.
             y = psum({"a": jnp.sin(x) * ws[2][0, 0], "b": tree}, "tp", ws)
             z = psum(y["a"] * y["a"], "tp", ws)
-            return (z.sum(keepdims=True) + y["b"]["c"].astype(jnp.float32).sum(keepdims=True)
-                    + y["b"]["d"].sum(keepdims=True))
+            return (
+                z.sum(keepdims=True)
+                + y["b"]["c"].astype(jnp.float32).sum(keepdims=True)
+                + y["b"]["d"].sum(keepdims=True)
+            )
+
         return body
 
     out_spec = P("tp")
@@ -199,9 +206,12 @@ def test_rules_under_lax_lowering_prefetch_changes_no_value(mesh4, lax_lowering,
     assert "prefetch=4" in str(jax.make_jaxpr(arx)(x, tree, ws))  # ws and ws[0]
     # grad: with respect to x, to the weights that are prefetched (and used), to both.
     for argnums in (0, 2, (0, 2)):
-        grads = [jax.jit(jax.grad(lambda x, tree, ws, f=f: f(x, tree, ws).sum(), argnums=argnums,
-                                  allow_int=True))(x, tree, ws)
-                 for f in (arx, plain)]
+        grads = [
+            jax.jit(jax.grad(lambda x, tree, ws, f=f: f(x, tree, ws).sum(), argnums=argnums, allow_int=True))(
+                x, tree, ws
+            )
+            for f in (arx, plain)
+        ]
         assert_bits_equal(*grads)
     # jvp, with tangents for x alone, the weights alone, and both.
     zero = lambda t: jax.tree.map(jnp.zeros_like, t)
@@ -210,11 +220,13 @@ def test_rules_under_lax_lowering_prefetch_changes_no_value(mesh4, lax_lowering,
         assert_bits_equal(*[jax.jvp(lambda x, ws, f=f: f(x, tree, ws), (x, ws), (tx, tws)) for f in (arx, plain)])
     # vmap of the jitted shard_map: the weights batched (the hint dropped) or not.
     xs = jnp.stack([x, x * 2, -x])
-    assert_bits_equal(jax.vmap(arx, in_axes=(0, None, None))(xs, tree, ws),
-                       jax.vmap(plain, in_axes=(0, None, None))(xs, tree, ws))
+    assert_bits_equal(
+        jax.vmap(arx, in_axes=(0, None, None))(xs, tree, ws), jax.vmap(plain, in_axes=(0, None, None))(xs, tree, ws)
+    )
     wss = [jnp.stack([w, w]) for w in ws]
-    assert_bits_equal(jax.vmap(arx, in_axes=(None, None, 0))(x, tree, wss),
-                       jax.vmap(plain, in_axes=(None, None, 0))(x, tree, wss))
+    assert_bits_equal(
+        jax.vmap(arx, in_axes=(None, None, 0))(x, tree, wss), jax.vmap(plain, in_axes=(None, None, 0))(x, tree, wss)
+    )
     assert lax_lowering["n"] > 0
 
 
@@ -226,22 +238,34 @@ def test_rules_under_lax_lowering_prefetch_vmap_inside_shard_map(mesh4, lax_lowe
     def body_of(psum):
         return lambda x, ws: jax.vmap(lambda row: psum(row, "tp", ws), in_axes=1, out_axes=1)(x)
 
-    arx, plain = _with_and_without_prefetch(mesh4, body_of, (P(None, "tp"), w_specs),
-                                            P(None, None) if check_vma else P(None, "tp"), check_vma)
+    arx, plain = _with_and_without_prefetch(
+        mesh4, body_of, (P(None, "tp"), w_specs), P(None, None) if check_vma else P(None, "tp"), check_vma
+    )
     y = jnp.arange(4 * 16.0).reshape(4, 16)
     assert_bits_equal(arx(y, ws), plain(y, ws))
-    assert_bits_equal(arx(y, ws), jax.jit(jax.shard_map(
-        lambda x, ws: jax.vmap(lambda r: jax.lax.psum(r, "tp"), in_axes=1, out_axes=1)(x), mesh=mesh4,
-        in_specs=(P(None, "tp"), w_specs), out_specs=P(None, None) if check_vma else P(None, "tp"),
-        check_vma=check_vma))(y, ws))
+    assert_bits_equal(
+        arx(y, ws),
+        jax.jit(
+            jax.shard_map(
+                lambda x, ws: jax.vmap(lambda r: jax.lax.psum(r, "tp"), in_axes=1, out_axes=1)(x),
+                mesh=mesh4,
+                in_specs=(P(None, "tp"), w_specs),
+                out_specs=P(None, None) if check_vma else P(None, "tp"),
+                check_vma=check_vma,
+            )
+        )(y, ws),
+    )
 
 
 @needs_4_devices
 def test_prefetch_takes_at_most_8_arrays(mesh4):
     def lower(n):
         ws, specs = _weights(n)
-        f = jax.jit(jax.shard_map(lambda x, ws: jax_arx.psum(x, "tp", prefetch=ws), mesh=mesh4,
-                                  in_specs=(P("tp"), specs), out_specs=P()))
+        f = jax.jit(
+            jax.shard_map(
+                lambda x, ws: jax_arx.psum(x, "tp", prefetch=ws), mesh=mesh4, in_specs=(P("tp"), specs), out_specs=P()
+            )
+        )
         return f.lower(jnp.ones(8), ws).as_text()
 
     assert "jax_arx_psum" in lower(8)
@@ -265,14 +289,24 @@ def test_prefetch_lowers_to_the_same_operands_on_every_platform(mesh4, check_vma
         y = jax_arx.psum(x, "tp")
         return jax_arx.psum(x * 2, "tp", prefetch=(w, b)) + y
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=(P("tp"), P("tp"), P()),
-                              out_specs=P() if check_vma else P("tp"), check_vma=check_vma))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh4,
+            in_specs=(P("tp"), P("tp"), P()),
+            out_specs=P() if check_vma else P("tp"),
+            check_vma=check_vma,
+        )
+    )
     args = (jnp.ones(8, jnp.bfloat16), jnp.ones((8, 16), jnp.bfloat16), jnp.ones(5, jnp.float32))
     comm_id = _comm.communicator("tp").comm_id
     # The leaves, the dependency operands, then the prefetch operands, counted
     # by the attribute; the CPU handler takes the same call and ignores them.
-    texts = {"cpu": f.lower(*args).as_text(), "cuda": _cuda_text(f, *args),
-             "both": f.trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text()}
+    texts = {
+        "cpu": f.lower(*args).as_text(),
+        "cuda": _cuda_text(f, *args),
+        "both": f.trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text(),
+    }
     for platform, text in texts.items():
         calls = _ffi_calls(text)
         assert len(calls) == 2, platform
@@ -293,8 +327,8 @@ def test_prefetch_is_not_differentiated_through(mesh4, check_vma):
     def program(prefetch):
         def body(x, w):
             return (jax_arx.psum(jnp.sin(x), "tp", prefetch=w if prefetch else None) * w[0]).sum(keepdims=True)
-        return jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=(P("tp"), P()), out_specs=P("tp"),
-                                     check_vma=check_vma))
+
+        return jax.jit(jax.shard_map(body, mesh=mesh4, in_specs=(P("tp"), P()), out_specs=P("tp"), check_vma=check_vma))
 
     def calls(f, *args):
         return [("prefetch = 1 : i64" in line, len(ops)) for _, ops, line in _ffi_calls(_cuda_text(f, *args))]
@@ -307,32 +341,37 @@ def test_prefetch_is_not_differentiated_through(mesh4, check_vma):
     # psum); True, one in every case, the sum of pvary's transpose, which
     # jax_arx makes its own (jax_arx/_grad.py).
     for argnums in (0, 1, (0, 1)):
-        got, want = [calls(jax.jit(jax.grad(lambda x, w, p=p: p(x, w).sum(), argnums=argnums)), x, w)
-                     for p in (f, plain)]
+        got, want = [
+            calls(jax.jit(jax.grad(lambda x, w, p=p: p(x, w).sum(), argnums=argnums)), x, w) for p in (f, plain)
+        ]
         assert [pf for pf, _ in got] == [n == 2 for _, n in got]  # prefetch: x and the weights
-        assert [pf for pf, _ in got] == (([True] if argnums != 0 else [])
-                                         + ([False] if argnums != 1 or check_vma else []))
+        assert [pf for pf, _ in got] == (
+            ([True] if argnums != 0 else []) + ([False] if argnums != 1 or check_vma else [])
+        )
         assert len(got) == len(want)
     # Forward mode: the tangent's sum is a call of its own, without the weights, and
     # there is none for a tangent of the weights alone.
     for tx, calls_want in ((jnp.ones_like(x), [(True, 2), (False, 2)]), (None, [(True, 2)])):
+
         def jvp(x, w, tx=tx):
             if tx is None:
                 return jax.jvp(lambda w: f(x, w), (w,), (jnp.ones_like(w),))
             return jax.jvp(f, (x, w), (tx, jnp.ones_like(w)))
+
         assert calls(jax.jit(jvp), x, w) == calls_want  # the tangent's call reads the first (ordering)
 
 
 @needs_4_devices
 def test_prefetch_batched_by_vmap_is_dropped(mesh4):
     w_shared, w_batched = jnp.ones((4, 8)), jnp.ones((2, 4, 8))
-    f = jax.shard_map(lambda x, a, b: jax_arx.psum(x, "tp", prefetch=(a, b)), mesh=mesh4,
-                      in_specs=(P("tp"), P(), P()), out_specs=P())
+    f = jax.shard_map(
+        lambda x, a, b: jax_arx.psum(x, "tp", prefetch=(a, b)), mesh=mesh4, in_specs=(P("tp"), P(), P()), out_specs=P()
+    )
     # in_axes of (x, a, b), and how many of a, b the call prefetches.
     for in_axes, kept in (((0, None, None), 2), ((0, None, 0), 1), ((None, 0, None), 1), ((0, 0, 0), 0)):
         args = [jnp.ones((2, 8)) if in_axes[0] == 0 else jnp.ones(8)]
         args += [w_batched if a == 0 else w_shared for a in in_axes[1:]]
-        (_, ops, line), = _ffi_calls(_cuda_text(jax.jit(jax.vmap(f, in_axes=in_axes)), *args))
+        ((_, ops, line),) = _ffi_calls(_cuda_text(jax.jit(jax.vmap(f, in_axes=in_axes)), *args))
         assert len(ops) == 1 + kept
         assert (f"prefetch = {kept} : i64" in line) if kept else ("prefetch" not in line)
 
@@ -344,13 +383,17 @@ def test_prefetch_is_dropped_where_jax_lax_sums(mesh4, caplog):
         prims = body_prims(mesh4, lambda x: jax_arx.psum(x, "tp", prefetch=w * 2), jnp.ones(8, jnp.int32))
     assert "psum_invariant" in prims and not any("jax_arx" in p for p in prims)
     # A constant is no buffer of the program: nothing to prefetch.
-    jaxpr = jax.make_jaxpr(jax.shard_map(lambda x: jax_arx.psum(x, "tp", prefetch=np.ones(3)), mesh=mesh4,
-                                         in_specs=P("tp"), out_specs=P()))(jnp.ones(8))
+    jaxpr = jax.make_jaxpr(
+        jax.shard_map(lambda x: jax_arx.psum(x, "tp", prefetch=np.ones(3)), mesh=mesh4, in_specs=P("tp"), out_specs=P())
+    )(jnp.ones(8))
     assert "prefetch=0" in str(jaxpr)
     # Where the lowering falls back (another device order), the weights go with the FFI call.
     reordered = auto_mesh((4,), ("tp",), devices=jax.devices()[::-1])
-    f = jax.jit(jax.shard_map(lambda x, w: jax_arx.psum(x, "tp", prefetch=w), mesh=reordered,
-                              in_specs=(P("tp"), P()), out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w: jax_arx.psum(x, "tp", prefetch=w), mesh=reordered, in_specs=(P("tp"), P()), out_specs=P()
+        )
+    )
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
         text = _cuda_text(f, jnp.ones(8), w)
     assert "jax_arx_psum" not in text and "all_reduce" in text

@@ -30,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # --- typing: abstract evaluation and vma -----------------------------------------
 
+
 def _types_side_by_side(mesh, check_vma, x, in_spec, axis="tp"):
     """The type of jax_arx.psum's and of jax.lax.psum's result, taken inside
     the same shard_map body."""
@@ -101,8 +102,15 @@ def test_invariant_input_without_auto_pcast_is_the_same_type_error_as_lax(mesh4)
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_eval_shape_matches_lax(mesh4, check_vma):
     def make(psum):
-        return jax.jit(jax.shard_map(lambda x: psum(x, "tp"), mesh=mesh4, in_specs=P("tp"),
-                                     out_specs=P() if check_vma else P("tp"), check_vma=check_vma))
+        return jax.jit(
+            jax.shard_map(
+                lambda x: psum(x, "tp"),
+                mesh=mesh4,
+                in_specs=P("tp"),
+                out_specs=P() if check_vma else P("tp"),
+                check_vma=check_vma,
+            )
+        )
 
     x = jax.ShapeDtypeStruct((8, 3), jnp.bfloat16)
     assert jax.eval_shape(make(jax_arx.psum), x) == jax.eval_shape(make(jax.lax.psum), x)
@@ -120,8 +128,9 @@ def test_pytree_and_axis_name_forms(mesh4):
         seen["empty"], seen["x"] = jax_arx.psum(x, ()), x
         return x
 
-    body_jaxpr = inner_jaxpr(jax.make_jaxpr(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"),
-                                                           out_specs=P("tp")))(jnp.ones(8)))
+    body_jaxpr = inner_jaxpr(
+        jax.make_jaxpr(jax.shard_map(body, mesh=mesh4, in_specs=P("tp"), out_specs=P("tp")))(jnp.ones(8))
+    )
     assert jax.tree.structure(seen["str"]) == jax.tree.structure({"a": 0, "b": (0, 0)})
     assert seen["str"]["b"][1].dtype == jnp.bfloat16
     # The pytree is one call with its three leaves as operands, in leaf order.
@@ -133,18 +142,20 @@ def test_pytree_and_axis_name_forms(mesh4):
 
 # --- numerics, autodiff and batching against jax.lax.psum ---------------------------
 
+
 def _pair(mesh, body_of, in_specs, out_specs, check_vma):
     """The same program with jax_arx.psum and with jax.lax.psum, jitted."""
-    return [jax.jit(jax.shard_map(body_of(psum), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                  check_vma=check_vma))
-            for psum in (jax_arx.psum, jax.lax.psum)]
+    return [
+        jax.jit(jax.shard_map(body_of(psum), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
+        for psum in (jax_arx.psum, jax.lax.psum)
+    ]
 
 
 @needs_4_devices
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_rules_under_lax_lowering_values_match_lax(mesh4, lax_lowering, check_vma, dtype):
-    arx, lax = _pair(mesh4, lambda psum: (lambda x: psum(x, "tp")), P("tp"), P("tp"), check_vma)
+    arx, lax = _pair(mesh4, lambda psum: lambda x: psum(x, "tp"), P("tp"), P("tp"), check_vma)
     for n in (4, 4 * 7, 4 * 33):  # odd per-device element counts
         x = jnp.asarray(np.random.default_rng(n).normal(size=(n,)), dtype)
         np.testing.assert_array_equal(np.asarray(arx(x), np.float32), np.asarray(lax(x), np.float32))
@@ -159,6 +170,7 @@ def test_rules_under_lax_lowering_grad_matches_lax(mesh4, lax_lowering, check_vm
         def body(x, w):
             y = psum(jnp.sin(x) * w, "tp")
             return (y * y).sum(keepdims=True) + psum(x, "tp").sum(keepdims=True)
+
         return body
 
     arx, lax = _pair(mesh4, body_of, (in_spec, P()), P("tp"), check_vma)
@@ -175,8 +187,13 @@ def test_rules_under_lax_lowering_grad_matches_lax(mesh4, lax_lowering, check_vm
 def test_transpose_is_pvary_or_psum_like_lax(mesh4, check_vma):
     # check_vma=True: psum (varying -> invariant) transposes to pvary, which
     # moves no data; check_vma=False: psum transposes to psum.
-    f = jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=mesh4, in_specs=P("tp"),
-                      out_specs=P() if check_vma else P("tp"), check_vma=check_vma)
+    f = jax.shard_map(
+        lambda x: jax_arx.psum(x, "tp"),
+        mesh=mesh4,
+        in_specs=P("tp"),
+        out_specs=P() if check_vma else P("tp"),
+        check_vma=check_vma,
+    )
     x = jnp.ones(8)
     transpose = jax.linear_transpose(f, x)
     body = prim_names(inner_jaxpr(jax.make_jaxpr(transpose)(jax.eval_shape(f, x))))
@@ -186,7 +203,7 @@ def test_transpose_is_pvary_or_psum_like_lax(mesh4, check_vma):
 @needs_4_devices
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_rules_under_lax_lowering_jvp_matches_lax(mesh4, lax_lowering, check_vma):
-    arx, lax = _pair(mesh4, lambda psum: (lambda x: psum(x * x, "tp")), P("tp"), P("tp"), check_vma)
+    arx, lax = _pair(mesh4, lambda psum: lambda x: psum(x * x, "tp"), P("tp"), P("tp"), check_vma)
     x, t = jnp.arange(8.0), jnp.ones(8)
     for a, b in zip(jax.jvp(arx, (x,), (t,)), jax.jvp(lax, (x,), (t,))):
         np.testing.assert_array_equal(a, b)
@@ -203,7 +220,7 @@ def test_rules_under_lax_lowering_pytree_with_leaves_not_differentiated(mesh4, l
 
     arx, lax = _pair(mesh4, body_of, (P("tp"), P("tp")), P() if check_vma else P("tp"), check_vma)
     x, c = jnp.linspace(-1, 1, 8), jnp.arange(8.0)
-    loss = lambda f: (lambda x, c: (jnp.sin(f(x, c)["a"]) * f(x, c)["b"]).sum())
+    loss = lambda f: lambda x, c: (jnp.sin(f(x, c)["a"]) * f(x, c)["b"]).sum()
     np.testing.assert_array_equal(jax.grad(loss(arx))(x, c), jax.grad(loss(lax))(x, c))
     for a, b in zip(jax.jvp(lambda x: arx(x, c), (x,), (x,)), jax.jvp(lambda x: lax(x, c), (x,), (x,))):
         assert_bits_equal(a, b)
@@ -234,8 +251,7 @@ def test_rules_under_lax_lowering_vmap_inside_shard_map_decides_again(fake_core,
 @needs_4_devices
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_rules_under_lax_lowering_vmap_of_the_jitted_shard_map(mesh4, lax_lowering, check_vma):
-    arx, lax = _pair(mesh4, lambda psum: (lambda x: psum(x, "tp")), P("tp"), P() if check_vma else P("tp"),
-                     check_vma)
+    arx, lax = _pair(mesh4, lambda psum: lambda x: psum(x, "tp"), P("tp"), P() if check_vma else P("tp"), check_vma)
     z = jnp.arange(3 * 8.0).reshape(3, 8)
     np.testing.assert_array_equal(jax.vmap(arx)(z), jax.vmap(lax)(z))
     assert "jax_arx_psum" in str(jax.make_jaxpr(jax.vmap(arx))(z))
@@ -261,8 +277,9 @@ def test_several_vmap_names_defer_to_lax_silently(monkeypatch, caplog, op):
     def outcome(fn):
         nested = jax.vmap(jax.vmap(lambda r: fn(r, ("i", "j")), axis_name="j"), axis_name="i")
         try:
-            return np.asarray(nested(jnp.arange(2 * 3 * 6.0).reshape(2, 3, 6))), str(jax.make_jaxpr(nested)(
-                jnp.zeros((2, 3, 6))))
+            return np.asarray(nested(jnp.arange(2 * 3 * 6.0).reshape(2, 3, 6))), str(
+                jax.make_jaxpr(nested)(jnp.zeros((2, 3, 6)))
+            )
         except Exception as e:
             return f"{type(e).__name__}: {e}", ""
 
@@ -288,7 +305,7 @@ def test_rules_under_lax_lowering_jit_cache_holds(mesh4, lax_lowering):
 
 @needs_4_devices
 def test_rules_under_lax_lowering_two_axes_mesh_groups(mesh22, lax_lowering):
-    arx, lax = _pair(mesh22, lambda psum: (lambda x: psum(psum(x, "tp") * 2, "dp")), P("dp", "tp"), P(), True)
+    arx, lax = _pair(mesh22, lambda psum: lambda x: psum(psum(x, "tp") * 2, "dp"), P("dp", "tp"), P(), True)
     x = jnp.arange(16.0).reshape(4, 4)
     np.testing.assert_array_equal(arx(x), lax(x))
 
@@ -305,8 +322,9 @@ def test_constants_and_size_one_axes_are_left_to_lax(fake_core, caplog):
         return x
 
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
-        body_jaxpr = inner_jaxpr(jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("tp"),
-                                                               out_specs=P("tp")))(jnp.ones(8)))
+        body_jaxpr = inner_jaxpr(
+            jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(jnp.ones(8))
+        )
     assert not caplog.records
     assert "jax_arx" not in str(body_jaxpr)
     assert seen["const"] == 4.0
@@ -325,14 +343,17 @@ def test_outside_shard_map_raises_like_lax():
 def test_an_axis_not_in_the_mesh_is_named(mesh4, op):
     # jax.lax fails here on a bare AssertionError; jax_arx names the axis and the mesh's.
     call = getattr(jax_arx, op)
-    with pytest.raises(NameError, match=rf"jax_arx.{op}: axis name 'tpp' is not bound here: the mesh's axes are "
-                                        r"\('tp',\), and the names bound where it is called are \('tp',\)"):
-        jax.make_jaxpr(jax.shard_map(lambda x: call(x, "tpp"), mesh=mesh4, in_specs=P("tp"), out_specs=P("tp"),
-                                     check_vma=False))(jnp.ones(8))
+    with pytest.raises(
+        NameError,
+        match=rf"jax_arx.{op}: axis name 'tpp' is not bound here: the mesh's axes are "
+        r"\('tp',\), and the names bound where it is called are \('tp',\)",
+    ):
+        jax.make_jaxpr(
+            jax.shard_map(lambda x: call(x, "tpp"), mesh=mesh4, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
+        )(jnp.ones(8))
 
 
 # --- fallback ---------------------------------------------------------------------
-
 
 
 @needs_4_devices
@@ -357,12 +378,18 @@ def test_unsupported_dtype_falls_back(mesh4, caplog, dtype):
 
 
 @needs_4_devices
-@pytest.mark.parametrize("variable,refused", [
-    ("JAX_ARX_SLOT_BYTES", "exceeds the one-shot limit of 256 bytes; set JAX_ARX_SLOT_BYTES=272 on every process"),
-    # Below the slot; on the CPU there is no two-shot past it.
-    ("JAX_ARX_ONESHOT_MAX_BYTES", "exceeds JAX_ARX_ONESHOT_MAX_BYTES=256; set JAX_ARX_ONESHOT_MAX_BYTES=272 or unset "
-                                  "it on every process"),
-], ids=["slot", "oneshot_max"])
+@pytest.mark.parametrize(
+    "variable,refused",
+    [
+        ("JAX_ARX_SLOT_BYTES", "exceeds the one-shot limit of 256 bytes; set JAX_ARX_SLOT_BYTES=272 on every process"),
+        # Below the slot; on the CPU there is no two-shot past it.
+        (
+            "JAX_ARX_ONESHOT_MAX_BYTES",
+            "exceeds JAX_ARX_ONESHOT_MAX_BYTES=256; set JAX_ARX_ONESHOT_MAX_BYTES=272 or unset it on every process",
+        ),
+    ],
+    ids=["slot", "oneshot_max"],
+)
 def test_the_one_shot_limit_and_its_message(fake_core, monkeypatch, caplog, variable, refused):
     monkeypatch.setenv(variable, "256")
     mesh = auto_mesh((4,), ("tp",))
@@ -398,11 +425,22 @@ def test_size_fallback_message_tells_the_whole_fix(fake_core, monkeypatch):
 @needs_4_devices
 def test_several_axes_and_axis_index_groups_fall_back(mesh22, caplog):
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
-        prims = body_prims(mesh22, lambda x: jax_arx.psum(x, ("dp", "tp")), jnp.ones((4, 4)),
-                            in_spec=P("dp", "tp"), out_spec=P("dp", "tp"))
+        prims = body_prims(
+            mesh22,
+            lambda x: jax_arx.psum(x, ("dp", "tp")),
+            jnp.ones((4, 4)),
+            in_spec=P("dp", "tp"),
+            out_spec=P("dp", "tp"),
+        )
         assert prims[0] == "psum_invariant" and not any("jax_arx" in p for p in prims)
-        prims = body_prims(mesh22, lambda x: jax_arx.psum(x, "tp", axis_index_groups=[[0, 1]]),
-                            jnp.ones((4, 4)), in_spec=P("dp", "tp"), out_spec=P("dp", "tp"), check_vma=False)
+        prims = body_prims(
+            mesh22,
+            lambda x: jax_arx.psum(x, "tp", axis_index_groups=[[0, 1]]),
+            jnp.ones((4, 4)),
+            in_spec=P("dp", "tp"),
+            out_spec=P("dp", "tp"),
+            check_vma=False,
+        )
         assert prims[0] == "psum" and not any("jax_arx" in p for p in prims)
     assert "a collective over several mesh axes at once ('dp', 'tp') is not supported" in caplog.text
     assert "axis_index_groups is not supported" in caplog.text
@@ -411,8 +449,9 @@ def test_several_axes_and_axis_index_groups_fall_back(mesh22, caplog):
 @needs_4_devices
 def test_fallback_error_mode_raises(mesh4, monkeypatch):
     monkeypatch.setenv("JAX_ARX_FALLBACK", "error")
-    with pytest.raises(jax_arx.JaxArxFallbackError,
-                       match=r"dtype int32 is not supported .*JAX_ARX_FALLBACK=error forbids"):
+    with pytest.raises(
+        jax_arx.JaxArxFallbackError, match=r"dtype int32 is not supported .*JAX_ARX_FALLBACK=error forbids"
+    ):
         body_prims(mesh4, lambda x: jax_arx.psum(x, "tp"), jnp.ones(8, jnp.int32))
 
 
@@ -420,16 +459,18 @@ def test_fallback_error_mode_raises(mesh4, monkeypatch):
 def test_another_mesh_with_the_same_axis_name_falls_back(mesh4, caplog):
     other = auto_mesh((2, 2), ("tp", "dp"))
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
-        prims = body_prims(other, lambda x: jax_arx.psum(x, "tp"), jnp.ones((4, 4)),
-                            in_spec=P("tp", "dp"), out_spec=P(None, "dp"))
+        prims = body_prims(
+            other, lambda x: jax_arx.psum(x, "tp"), jnp.ones((4, 4)), in_spec=P("tp", "dp"), out_spec=P(None, "dp")
+        )
     assert prims[0] == "psum_invariant" and not any("jax_arx" in p for p in prims)
     assert "is not the mesh jax_arx.initialize set axis 'tp' up for" in caplog.text
 
 
 @needs_4_devices
 def test_partially_manual_shard_map_falls_back(mesh22, caplog):
-    f = jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=mesh22, in_specs=P(None, "tp"), out_specs=P(),
-                      axis_names={"tp"})
+    f = jax.shard_map(
+        lambda x: jax_arx.psum(x, "tp"), mesh=mesh22, in_specs=P(None, "tp"), out_specs=P(), axis_names={"tp"}
+    )
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
         text = str(jax.make_jaxpr(f)(jnp.ones((4, 4))))
     assert "jax_arx_psum" not in text

@@ -59,6 +59,7 @@ LOST_TIMEOUT_S = 5  # JAX_ARX_TIMEOUT_S of relay_lost
 
 # --- the tests ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def core_built(tmp_path_factory):
     reason = launched.core_is_installed(tmp_path_factory.mktemp("probe"))
@@ -71,9 +72,19 @@ def core_built(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_ring_is_the_mesh_bit_for_bit(core_built, tmp_path, transport, world):
-    results = launched.run_suite(THIS, "ring", world, transport, tmp_path, timeout=600,
-                                 env={"JAX_ARX_SLOT_BYTES": str(SLOT_BYTES), "JAX_ARX_TIMEOUT_S": "60",
-                                      "JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES)})
+    results = launched.run_suite(
+        THIS,
+        "ring",
+        world,
+        transport,
+        tmp_path,
+        timeout=600,
+        env={
+            "JAX_ARX_SLOT_BYTES": str(SLOT_BYTES),
+            "JAX_ARX_TIMEOUT_S": "60",
+            "JAX_ARX_PREFILL_SLOT_BYTES": str(PREFILL_SLOT_BYTES),
+        },
+    )
     for topology in TOPOLOGIES:
         launched.assert_all_correct({rank: r[topology] for rank, r in results.items()}, expect=CASES)
     for rank, r in results.items():
@@ -114,6 +125,7 @@ def test_a_lost_relay_fails_every_rank_within_the_timeout(core_built, tmp_path):
 # --- the worker -------------------------------------------------------------------
 # Everything below runs in the worker processes only.
 
+
 def _worker():
     import bulk_cases as suites
 
@@ -141,13 +153,29 @@ def case_psum(w):
     import gpu_common
     from bulk_cases import _dtypes, _lift, reference_sum
 
-    specs = [(name, c) for name in ("float32", "bfloat16", "float16")
-             for c in (1, 3, 17, 1001, 4099, SLOT_BYTES // _dtypes()[name].itemsize - 1,
-                       SLOT_BYTES // _dtypes()[name].itemsize)]
-    parts = [gpu_common.signed_inputs(_dtypes()[name], c, w.world, seed=zlib.crc32(f"{name}/{c}".encode()))
-             for name, c in specs]
-    f = w.smap(_lift(lambda *xs: tuple(w.jax_arx.psum(x, "sp") for x in xs)), (w.P("sp"),) * len(specs),
-               (w.P("sp"),) * len(specs), check_vma=False)
+    specs = [
+        (name, c)
+        for name in ("float32", "bfloat16", "float16")
+        for c in (
+            1,
+            3,
+            17,
+            1001,
+            4099,
+            SLOT_BYTES // _dtypes()[name].itemsize - 1,
+            SLOT_BYTES // _dtypes()[name].itemsize,
+        )
+    ]
+    parts = [
+        gpu_common.signed_inputs(_dtypes()[name], c, w.world, seed=zlib.crc32(f"{name}/{c}".encode()))
+        for name, c in specs
+    ]
+    f = w.smap(
+        _lift(lambda *xs: tuple(w.jax_arx.psum(x, "sp") for x in xs)),
+        (w.P("sp"),) * len(specs),
+        (w.P("sp"),) * len(specs),
+        check_vma=False,
+    )
     if len(w.calls(f, *[w.put(p) for p in parts], target="jax_arx_psum")) != len(specs):
         w.fail("psum", "not every psum lowered to jax_arx")
     for (name, c), p, out in zip(specs, parts, f(*[w.put(p) for p in parts])):
@@ -160,8 +188,15 @@ def case_bursts(w, bursts=BURSTS):
     psum_scatters, a fused MoE combine; some dependent on others), each with
     fresh inputs, every result checked. Returns the collectives run."""
     import ml_dtypes
-    from bulk_cases import (_lift, _moe_inputs, random_array, reference_combine, reference_gather,
-                                  reference_scatter, reference_sum)
+    from bulk_cases import (
+        _lift,
+        _moe_inputs,
+        random_array,
+        reference_combine,
+        reference_gather,
+        reference_scatter,
+        reference_sum,
+    )
 
     jax_arx, n = w.jax_arx, w.world
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -171,11 +206,19 @@ def case_bursts(w, bursts=BURSTS):
         out = []
         for i in range(3):
             s = jax_arx.psum_scatter(c, "sp", tiled=True)
-            out += [jax_arx.psum(a * (i + 1), "sp"), jax_arx.all_gather(b, "sp", axis=i % 2, tiled=True), s,
-                    jax_arx.all_gather(s, "sp", tiled=True)]  # the last depends on s
+            out += [
+                jax_arx.psum(a * (i + 1), "sp"),
+                jax_arx.all_gather(b, "sp", axis=i % 2, tiled=True),
+                s,
+                jax_arx.all_gather(s, "sp", tiled=True),
+            ]  # the last depends on s
         m = jax_arx.moe_combine_psum_scatter(y, pos, wt, shared, "sp")
-        out += [jax_arx.psum(d, "sp"), m, jax_arx.all_gather(m, "sp", tiled=True),
-                jax_arx.psum(out[0] + out[8], "sp")]  # on two earlier psums
+        out += [
+            jax_arx.psum(d, "sp"),
+            m,
+            jax_arx.all_gather(m, "sp", tiled=True),
+            jax_arx.psum(out[0] + out[8], "sp"),
+        ]  # on two earlier psums
         return tuple(out)
 
     f = w.smap(_lift(body), (w.P("sp"),) * 8, (w.P("sp"),) * BURST_OPS, check_vma=False)
@@ -196,10 +239,18 @@ def case_bursts(w, bursts=BURSTS):
         m = [reference_scatter(combined, 0, True, r) for r in range(n)]
         wants = []
         for i in range(3):
-            wants += [lambda r, i=i: p[i], lambda r, i=i: reference_gather(b, i % 2, True), lambda r: s[r],
-                      lambda r: np.concatenate(s)]
-        wants += [lambda r: reference_sum(d), lambda r: m[r], lambda r: np.concatenate(m),
-                  lambda r: reference_sum([p[0] + p[2]] * n)]
+            wants += [
+                lambda r, i=i: p[i],
+                lambda r, i=i: reference_gather(b, i % 2, True),
+                lambda r: s[r],
+                lambda r: np.concatenate(s),
+            ]
+        wants += [
+            lambda r: reference_sum(d),
+            lambda r: m[r],
+            lambda r: np.concatenate(m),
+            lambda r: reference_sum([p[0] + p[2]] * n),
+        ]
         for j, out in enumerate(f(*args)):
             for r, got in w.mine(out).items():
                 w.check("bursts", got, wants[j](r), f"burst {k} output {j} rank {r}")
@@ -225,9 +276,15 @@ def run_topology(w, topology):
     after = stats()
     collectives = sum(sum(a["calls"].values()) - sum(b["calls"].values()) for a, b in zip(after, before))
     w.jax_arx.check()
-    return {"cases": w.cases, "digests": w.digests, "bursts": bursts, "collectives": collectives,
-            "relayed": sum(a["relayed_puts"] - b["relayed_puts"] for a, b in zip(after, before)),
-            "topology": comm.topology, "transport": w.jax_arx.transport("sp")}
+    return {
+        "cases": w.cases,
+        "digests": w.digests,
+        "bursts": bursts,
+        "collectives": collectives,
+        "relayed": sum(a["relayed_puts"] - b["relayed_puts"] for a, b in zip(after, before)),
+        "topology": comm.topology,
+        "transport": w.jax_arx.transport("sp"),
+    }
 
 
 def suite_mismatch():
@@ -276,8 +333,7 @@ def suite_relay_lost(w):
     parts = [np.full((4099,), r + 1, np.float32) for r in range(w.world)]
     f = w.smap(_lift(lambda v: w.jax_arx.psum(v, "sp")), w.P("sp"), w.P("sp"), check_vma=False)
     x = w.put(parts)
-    good = sum(all(got.tobytes() == reference_sum(parts).tobytes() for got in w.mine(f(x)).values())
-               for _ in range(3))
+    good = sum(all(got.tobytes() == reference_sum(parts).tobytes() for got in w.mine(f(x)).values()) for _ in range(3))
     client, me = _compat.distributed_client(), w.jax.process_index()
     if me == 1:
         print(RESULT + json.dumps({"exited": True}), flush=True)

@@ -50,8 +50,15 @@ def _calls() -> int:
 @pytest.mark.parametrize("transport,nprocs", [("shm", 2), ("tcp", 3)])
 def test_mixed_collectives_soak(core_built, tmp_path, transport, nprocs):
     calls = _calls()
-    results = launched.run_suite(THIS, f"soak:{calls}", nprocs, transport, tmp_path, timeout=300 + calls // 10,
-                                 env={"JAX_ARX_PREFILL_SLOT_BYTES": "256K", "JAX_ARX_TIMEOUT_S": "60"})
+    results = launched.run_suite(
+        THIS,
+        f"soak:{calls}",
+        nprocs,
+        transport,
+        tmp_path,
+        timeout=300 + calls // 10,
+        env={"JAX_ARX_PREFILL_SLOT_BYTES": "256K", "JAX_ARX_TIMEOUT_S": "60"},
+    )
     launched.assert_all_correct(results, expect=["soak"])
     for rank, r in results.items():
         assert r["calls"] == calls and sum(r["by_program"].values()) == calls, (rank, r)
@@ -60,6 +67,7 @@ def test_mixed_collectives_soak(core_built, tmp_path, transport, nprocs):
 
 
 # --- the programs --------------------------------------------------------------------
+
 
 def _programs(world, jax_arx):
     """name -> (inputs: [(per-rank shape, dtype name)], body on the
@@ -71,22 +79,39 @@ def _programs(world, jax_arx):
         return ([(shape, dt)], lambda x: (jax_arx.psum(x, "sp"),), lambda parts, r: [reference_sum(parts[0])])
 
     def gather(shape, dt, axis, tiled):
-        return ([(shape, dt)], lambda x: (jax_arx.all_gather(x, "sp", axis=axis, tiled=tiled),),
-                lambda parts, r: [reference_gather(parts[0], axis, tiled)])
+        return (
+            [(shape, dt)],
+            lambda x: (jax_arx.all_gather(x, "sp", axis=axis, tiled=tiled),),
+            lambda parts, r: [reference_gather(parts[0], axis, tiled)],
+        )
 
     def scatter(shape, dt, dim, tiled):
-        return ([(shape, dt)], lambda x: (jax_arx.psum_scatter(x, "sp", scatter_dimension=dim, tiled=tiled),),
-                lambda parts, r: [reference_scatter(parts[0], dim, tiled, r)])
+        return (
+            [(shape, dt)],
+            lambda x: (jax_arx.psum_scatter(x, "sp", scatter_dimension=dim, tiled=tiled),),
+            lambda parts, r: [reference_scatter(parts[0], dim, tiled, r)],
+        )
 
     def mixed():
         # Independent calls of three kinds in one program (jax_arx orders them).
         shapes = [((100,), "float32"), ((10, 3), "bfloat16"), ((world * 16,), "float16")]
 
         def body(a, b, c):
-            return (jax_arx.psum(a, "sp"), jax_arx.all_gather(b, "sp", axis=1), jax_arx.psum_scatter(c, "sp", tiled=True))
+            return (
+                jax_arx.psum(a, "sp"),
+                jax_arx.all_gather(b, "sp", axis=1),
+                jax_arx.psum_scatter(c, "sp", tiled=True),
+            )
 
-        return (shapes, body, lambda parts, r: [reference_sum(parts[0]), reference_gather(parts[1], 1, False),
-                                                 reference_scatter(parts[2], 0, True, r)])
+        return (
+            shapes,
+            body,
+            lambda parts, r: [
+                reference_sum(parts[0]),
+                reference_gather(parts[1], 1, False),
+                reference_scatter(parts[2], 0, True, r),
+            ],
+        )
 
     return {
         "psum f32[1]": psum((1,), "float32"),
@@ -108,6 +133,7 @@ def _programs(world, jax_arx):
 
 
 # --- the worker ----------------------------------------------------------------------
+
 
 def _signed_zeros(parts):
     """Sets the first elements of every rank's part: element 0 -0.0
@@ -141,11 +167,15 @@ def _suite_soak(calls):
             ys, _, poss, ws, shareds = prefill._moe_inputs(rng, w, T, R, H, topk, e4m3=False)
             args = [w.put(ys), w.put(poss), w.put(ws), w.put(shareds)]
             if name not in compiled:
-                compiled[name] = w.smap(prefill._lift(lambda y, p, wt, s: jax_arx.moe_combine_psum_scatter(
-                    y, p, wt, s, "sp")), (P("sp"),) * 4, P("sp"))
+                compiled[name] = w.smap(
+                    prefill._lift(lambda y, p, wt, s: jax_arx.moe_combine_psum_scatter(y, p, wt, s, "sp")),
+                    (P("sp"),) * 4,
+                    P("sp"),
+                )
             tpad = -(-T // w.world) * w.world
-            combined = [prefill.reference_combine(ys[r], poss[r], ws[r], shareds[r], None, tpad)
-                        for r in range(w.world)]
+            combined = [
+                prefill.reference_combine(ys[r], poss[r], ws[r], shareds[r], None, tpad) for r in range(w.world)
+            ]
             wants = lambda r: [prefill.reference_scatter(combined, 0, True, r)]  # noqa: E731
             outs = (compiled[name](*args),)
         else:

@@ -62,8 +62,9 @@ _RAN = {
 
 
 def test_stats_count_what_ran(core_built, tmp_path):
-    results = launched.run_suite(THIS, "stats", 2, "shm", tmp_path,
-                                 env={"JAX_ARX_PREFILL_SLOT_BYTES": "256K", "JAX_ARX_TIMEOUT_S": "20"})
+    results = launched.run_suite(
+        THIS, "stats", 2, "shm", tmp_path, env={"JAX_ARX_PREFILL_SLOT_BYTES": "256K", "JAX_ARX_TIMEOUT_S": "20"}
+    )
     for rank, r in results.items():
         first = r["first"]
         assert first["transport"] == "shm" and first["world"] == 2, first
@@ -78,8 +79,9 @@ def test_stats_count_what_ran(core_built, tmp_path):
         late = r["late"]
         assert late["ops"]["psum"]["calls"] == 6, late
         failed = r["failed"]
-        assert failed["ops"]["psum"] == _op(7, _RAN["psum"]["bytes"] + 4000 + (1000 + rank) * 4, {"one_shot": 7},
-                                           failed=1), failed
+        assert failed["ops"]["psum"] == _op(
+            7, _RAN["psum"]["bytes"] + 4000 + (1000 + rank) * 4, {"one_shot": 7}, failed=1
+        ), failed
         failure = failed["endpoints"][0]["failure"]
         assert failure and ("different collective" in failure), failed
         assert r["after_shutdown"] == {}, r
@@ -104,6 +106,7 @@ def test_collectives_from_two_threads_at_once_fail_on_every_rank(core_built, tmp
 
 
 # --- the workers ------------------------------------------------------------------
+
 
 def _suite_stats():
     w = launched.MeshWorker("tp", tuning={"moe_fused": 1})  # the fused combine's own counters
@@ -136,12 +139,20 @@ def _suite_stats():
     for _ in range(2):
         g(v).block_until_ready()
     w.smap(lambda v: jax_arx.psum_scatter(v[0], "tp", tiled=True)[None], P("tp"), P("tp"))(
-        put(np.ones((n, 32 * n), np.float32))).block_until_ready()
+        put(np.ones((n, 32 * n), np.float32))
+    ).block_until_ready()
     T, H, R, topk = 4 * n, 128, 8, 2
-    moe = put([np.ones((R, H), ml_dtypes.bfloat16)] * n), put([np.zeros((T, topk), np.int32)] * n), \
-        put([np.full((T, topk), 0.5, np.float32)] * n), put([np.ones((T, H), ml_dtypes.bfloat16)] * n)
-    w.smap(lambda y, pos, wt, shared: jax_arx.moe_combine_psum_scatter(y[0], pos[0], wt[0], shared[0], "tp")[None],
-           (P("tp"),) * 4, P("tp"))(*moe).block_until_ready()
+    moe = (
+        put([np.ones((R, H), ml_dtypes.bfloat16)] * n),
+        put([np.zeros((T, topk), np.int32)] * n),
+        put([np.full((T, topk), 0.5, np.float32)] * n),
+        put([np.ones((T, H), ml_dtypes.bfloat16)] * n),
+    )
+    w.smap(
+        lambda y, pos, wt, shared: jax_arx.moe_combine_psum_scatter(y[0], pos[0], wt[0], shared[0], "tp")[None],
+        (P("tp"),) * 4,
+        P("tp"),
+    )(*moe).block_until_ready()
     # A fallback: traced once, run twice (jax.lax's psum: gloo, run together).
     i32 = put(np.ones((n, 3), np.int32))
     lax = w.smap(lambda x: jax_arx.psum(x, "tp"), P("tp"), P())
@@ -176,8 +187,10 @@ def _suite_threads(calls=200):
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     n = w.world
     f = w.smap(lambda x: jax_arx.psum(x, "tp"), P("tp"), P())
-    xs = [jax.make_array_from_callback((n, 4096), w.sharded, lambda idx, t=t: np.full((1, 4096), t + 1, np.float32))
-          for t in range(2)]
+    xs = [
+        jax.make_array_from_callback((n, 4096), w.sharded, lambda idx, t=t: np.full((1, 4096), t + 1, np.float32))
+        for t in range(2)
+    ]
     for x in xs:
         f(x).block_until_ready()
     errors, lock = [], threading.Lock()

@@ -61,16 +61,32 @@ def _cxx():
 
 
 def _have_verbs_headers(cxx):
-    r = subprocess.run([cxx, "-x", "c++", "-E", "-", "-o", os.devnull], input="#include <infiniband/verbs.h>\n",
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [cxx, "-x", "c++", "-E", "-", "-o", os.devnull],
+        input="#include <infiniband/verbs.h>\n",
+        capture_output=True,
+        text=True,
+    )
     return r.returncode == 0
 
 
 def _build(cxx, test, out, with_verbs):
     """Starts the standalone build of tests/cpp/``test``.cc (the command line
     tests/verbs/README.md gives)."""
-    cmd = [cxx, "-std=c++20", "-O1", "-g", "-Iffi", *(["-DARX_HAVE_VERBS=1"] if with_verbs else []),
-           f"tests/cpp/{test}.cc", *CARRIER_SOURCES, "-ldl", "-lpthread", "-o", str(out)]
+    cmd = [
+        cxx,
+        "-std=c++20",
+        "-O1",
+        "-g",
+        "-Iffi",
+        *(["-DARX_HAVE_VERBS=1"] if with_verbs else []),
+        f"tests/cpp/{test}.cc",
+        *CARRIER_SOURCES,
+        "-ldl",
+        "-lpthread",
+        "-o",
+        str(out),
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -149,27 +165,44 @@ def test_package_without_verbs(tmp_path):
     tcp. Builds into tmp_path (about a minute on two cores); the installed
     package and its build directory are left alone."""
     site, build = tmp_path / "site", tmp_path / "build"
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", site,
-           "-C", f"build-dir={build}", "-C", "cmake.define.JAX_ARX_VERBS=OFF", "-C", "cmake.define.JAX_ARX_CUDA=OFF"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-compile",
+        "--target",
+        site,
+        "-C",
+        f"build-dir={build}",
+        "-C",
+        "cmake.define.JAX_ARX_VERBS=OFF",
+        "-C",
+        "cmake.define.JAX_ARX_CUDA=OFF",
+    ]
     if all(importlib.util.find_spec(m) for m in ("nanobind", "scikit_build_core")):
         cmd.append("--no-build-isolation")  # this environment can build; no download needed
     rc, out = _run([*cmd, ROOT], timeout=900, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
-    if rc != 0 and re.search(r"No matching distribution|Could not find a version|NewConnectionError|"
-                             r"Temporary failure in name resolution", out):
-        needs.missing(f"cannot fetch the build requirements (nanobind, scikit-build-core): "
-                      f"{out.strip()[-300:]}")
+    if rc != 0 and re.search(
+        r"No matching distribution|Could not find a version|NewConnectionError|"
+        r"Temporary failure in name resolution",
+        out,
+    ):
+        needs.missing(f"cannot fetch the build requirements (nanobind, scikit-build-core): {out.strip()[-300:]}")
     assert rc == 0, f"building jax_arx with JAX_ARX_VERBS=OFF failed:\n{out[-6000:]}"
     ninja = build / "build.ninja"
     if ninja.exists():
         assert "ARX_HAVE_VERBS" not in ninja.read_text(), "JAX_ARX_VERBS=OFF still built the verbs carrier"
-    env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2",
-               JAX_ARX_FALLBACK="error")
+    env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", JAX_ARX_FALLBACK="error")
     for k in ("JAX_ARX_TRANSPORT", "JAX_ARX_IB_HCA", "NCCL_IB_HCA"):
         env.pop(k, None)
     script = tmp_path / "no_verbs.py"
     script.write_text(_NO_VERBS_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(site)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), str(site)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     out = r.stdout + r.stderr
     print(out)
     assert r.returncode == 0, out[-6000:]
@@ -201,11 +234,14 @@ def vm_suite(tmp_path_factory):
     cxx = _cxx()
     if not _have_verbs_headers(cxx):
         needs.missing("no rdma-core headers (infiniband/verbs.h) even after rxe_vm.sh --prepare")
-    probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
-                           cwd="/", timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True, cwd="/", timeout=120
+    )
     if probe.returncode != 0:
-        needs.missing(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
-                      f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
+        needs.missing(
+            f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first): "
+            f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}"
+        )
     binary = tmp_path_factory.mktemp("verbs") / "test_verbs_transport"
     _finish(_build(cxx, "test_verbs_transport", binary, True), "test_verbs_transport")
     # Hang guards, not speed checks: under TCG on a loaded 2-core host the
@@ -244,8 +280,11 @@ def test_verbs_soft_roce(vm_suite):
         # The ring: rank 0's ports (prev rxe2, next rxe0), two roots each; a
         # peer that never connects fails connect() naming it and the port.
         assert "[rank 0] PASS construct rxe2,rxe2,rxe0,rxe0: 2 roots" in out
-        assert re.search(r"PASS silent-peer connect failed in [0-9.]+ s: .*no answer from rank 1 .*the port facing "
-                         r"(prev|next) \(rank 1\)", out), out
+        assert re.search(
+            r"PASS silent-peer connect failed in [0-9.]+ s: .*no answer from rank 1 .*the port facing "
+            r"(prev|next) \(rank 1\)",
+            out,
+        ), out
     assert "[rank 0] PASS construct rxe0: 1 root" in out
     # A lost peer surfaces as an error naming it, within the QP's retry budget.
     detect = [float(s) for s in re.findall(r"PASS peer-(?:close|exit) detected in ([0-9.]+) s", out)]
@@ -288,12 +327,18 @@ def test_psum_soft_roce(vm_suite, summary_line):
     # both NIC roots where there are two.
     bulk_phase, roots = ("two-roots", 2) if ndev == "4" else ("one-root", 1)
     for rank in (0, 1):
-        bulk = re.search(rf"verbs_psum: \[rank {rank}\] PASS {bulk_phase}: .*; (\d+) bulk calls over verbs with "
-                         rf"(\d) root", out)
+        bulk = re.search(
+            rf"verbs_psum: \[rank {rank}\] PASS {bulk_phase}: .*; (\d+) bulk calls over verbs with "
+            rf"(\d) root",
+            out,
+        )
         assert bulk and int(bulk.group(1)) == 60 and int(bulk.group(2)) == roots, (rank, bulk and bulk.group(0))
     # The lost peer: rank 0's psum fails, naming rank 1, long before the timeout.
-    lost = re.search(r"verbs_psum: \[rank 0\] PASS lose-peer: psum failed ([0-9.]+) s after its first call without "
-                     r"rank 1 .*the error names the peer: .*rank 1", out)
+    lost = re.search(
+        r"verbs_psum: \[rank 0\] PASS lose-peer: psum failed ([0-9.]+) s after its first call without "
+        r"rank 1 .*the error names the peer: .*rank 1",
+        out,
+    )
     assert lost and float(lost.group(1)) < 20, out[-4000:]
     # The bytes really crossed the veth wire.
     sent = re.search(r"psum over verbs: veth0 sent (\d+) packets", out)
@@ -319,19 +364,23 @@ def test_ring_of_four_soft_roce(summary_line):
     minutes on a loaded 2-core host, 9 of them starting jax): it runs when
     ARX_TEST_RING4_VM=1 asks for it."""
     if os.environ.get("ARX_TEST_RING4_VM") != "1":
-        pytest.skip("a ring of four jax processes in the soft-RoCE VM takes about 18 minutes on 2 cores; set "
-                    "ARX_TEST_RING4_VM=1 to run it")
+        pytest.skip(
+            "a ring of four jax processes in the soft-RoCE VM takes about 18 minutes on 2 cores; set "
+            "ARX_TEST_RING4_VM=1 to run it"
+        )
     _prepare_vm()
-    probe = subprocess.run([sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True,
-                           cwd="/", timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax, jax_arx._core"], capture_output=True, text=True, cwd="/", timeout=120
+    )
     if probe.returncode != 0:
         pytest.skip(f"jax_arx with its C++ module is not installed in {sys.executable} (pip install . first)")
     # Four jax processes under TCG: more memory, and hang guards no load reaches.
     env = dict(os.environ, RXE_VM_NDEV="8", RXE_VM_MEM="4096", RXE_VM_TIMEOUT="2400")
     phase = f"name=ring-of-4 transport=verbs topology=ring hca={RING_OF_FOUR} expect=verbs calls=4"
     t0 = time.monotonic()
-    rc, out = _run([VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER, "--ranks", "4", "--phase", phase], timeout=2500,
-                   env=env)
+    rc, out = _run(
+        [VM, PSUM_PAYLOAD, sys.executable, PSUM_WORKER, "--ranks", "4", "--phase", phase], timeout=2500, env=env
+    )
     wall = time.monotonic() - t0
     print(out)
     if rc == CANNOT_START:
@@ -339,8 +388,9 @@ def test_ring_of_four_soft_roce(summary_line):
     assert rc == 0, out[-8000:]
     assert "FAIL" not in out, out[-8000:]
     for rank in range(4):
-        m = re.search(rf"verbs_psum: \[rank {rank}\] PASS ring-of-4: \d+ psum calls over verbs .* (\d+) puts relayed",
-                      out)
+        m = re.search(
+            rf"verbs_psum: \[rank {rank}\] PASS ring-of-4: \d+ psum calls over verbs .* (\d+) puts relayed", out
+        )
         assert m and int(m.group(1)) > 0, (rank, out[-4000:])
     sent = re.search(r"psum over verbs: veth0 sent (\d+) packets", out)
     assert sent and int(sent.group(1)) > 1000, sent
@@ -349,24 +399,43 @@ def test_ring_of_four_soft_roce(summary_line):
 
 # --- configuration and the automatic choice (no RDMA needed) ----------------
 
+
 def test_ib_settings_travel_as_endpoint_options():
     """The JAX_ARX_IB_* knobs are read in jax_arx/config.py only, and reach
     the C++ Config through the options dict, which checks them again."""
     from jax_arx import config
 
-    cfg = config.load({"JAX_ARX_IB_TIMEOUT": "16", "NCCL_IB_RETRY_CNT": "6", "JAX_ARX_IB_TC": "106",
-                       "NCCL_IB_SL": "3", "JAX_ARX_IBVERBS_LIB": "libx.so.1"})
+    cfg = config.load(
+        {
+            "JAX_ARX_IB_TIMEOUT": "16",
+            "NCCL_IB_RETRY_CNT": "6",
+            "JAX_ARX_IB_TC": "106",
+            "NCCL_IB_SL": "3",
+            "JAX_ARX_IBVERBS_LIB": "libx.so.1",
+        }
+    )
     # ib_chunk_bytes is tuning (a test's, through jax_arx.initialize(_tuning=...)), no user setting.
     options = cfg.endpoint_options(None, {"ib_chunk_bytes": 65536})
-    assert {k: options[k] for k in ("ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ib_chunk_bytes",
-                                    "ibverbs_lib")} == {
-        "ib_timeout": "16", "ib_retry_cnt": "6", "ib_tc": "106", "ib_sl": "3", "ib_chunk_bytes": "65536",
-        "ibverbs_lib": "libx.so.1"}
+    assert {
+        k: options[k] for k in ("ib_timeout", "ib_retry_cnt", "ib_tc", "ib_sl", "ib_chunk_bytes", "ibverbs_lib")
+    } == {
+        "ib_timeout": "16",
+        "ib_retry_cnt": "6",
+        "ib_tc": "106",
+        "ib_sl": "3",
+        "ib_chunk_bytes": "65536",
+        "ibverbs_lib": "libx.so.1",
+    }
     assert config.load({"JAX_ARX_IB_RETRY_CNT": "5", "NCCL_IB_RETRY_CNT": "6"}).ib_retry_cnt == 5
     # Unset: the carrier's defaults (14, 7, 0, 0, whole), and no keys at all.
     assert not {k for k in config.Config().endpoint_options(None) if k.startswith("ib")}
-    for name, value in (("JAX_ARX_IB_TIMEOUT", "0"), ("JAX_ARX_IB_TIMEOUT", "32"), ("NCCL_IB_RETRY_CNT", "8"),
-                        ("JAX_ARX_IB_TC", "256"), ("JAX_ARX_IB_SL", "x")):
+    for name, value in (
+        ("JAX_ARX_IB_TIMEOUT", "0"),
+        ("JAX_ARX_IB_TIMEOUT", "32"),
+        ("NCCL_IB_RETRY_CNT", "8"),
+        ("JAX_ARX_IB_TC", "256"),
+        ("JAX_ARX_IB_SL", "x"),
+    ):
         with pytest.raises(Exception, match=f"{name}='{value}' is not accepted"):
             config.load({name: value})
 
@@ -393,8 +462,16 @@ def test_ib_settings_travel_as_endpoint_options():
     assert "REFUSED" in r.stdout, r.stdout
 
 
-def _fake_ib_device(root, name, *, hardware, state="4: ACTIVE", link_layer="Ethernet", gid_type="RoCE v2",
-                    gid="0000:0000:0000:0000:0000:ffff:c633:6401"):
+def _fake_ib_device(
+    root,
+    name,
+    *,
+    hardware,
+    state="4: ACTIVE",
+    link_layer="Ethernet",
+    gid_type="RoCE v2",
+    gid="0000:0000:0000:0000:0000:ffff:c633:6401",
+):
     port = root / name / "ports" / "1"
     (port / "gids").mkdir(parents=True)
     (port / "gid_attrs" / "types").mkdir(parents=True)
@@ -460,13 +537,18 @@ def test_rdma_available_needs_the_carrier_and_libibverbs(tmp_path, caplog):
     ok, why = _carriers.rdma_available(hca, NoVerbs, sysfs=str(tmp_path))
     assert not ok and "no verbs carrier" in why
     assert "groups that span hosts use tcp" in caplog.text  # configured but unusable: said out loud
-    ok, why = _carriers.rdma_available(_config_for(ib_hca="mlx5_0", ibverbs_lib="/nonexistent/libibverbs.so.1"),
-                                   WithVerbs, sysfs=str(tmp_path))
+    ok, why = _carriers.rdma_available(
+        _config_for(ib_hca="mlx5_0", ibverbs_lib="/nonexistent/libibverbs.so.1"), WithVerbs, sysfs=str(tmp_path)
+    )
     assert not ok and "libibverbs cannot be loaded" in why
     _fake_ib_device(tmp_path, "mlx5_0", hardware=True)
-    found, why = _carriers.rdma_available(_config_for(ibverbs_lib="/nonexistent/libibverbs.so.1"), WithVerbs,
-                                      sysfs=str(tmp_path))
+    found, why = _carriers.rdma_available(
+        _config_for(ibverbs_lib="/nonexistent/libibverbs.so.1"), WithVerbs, sysfs=str(tmp_path)
+    )
     assert not found and "found (mlx5_0)" in why
     if _carriers._libibverbs_loads(None):
-        assert _carriers.rdma_available(hca, WithVerbs, sysfs=str(tmp_path)) == (True, "RDMA devices configured (mlx5_0)")
+        assert _carriers.rdma_available(hca, WithVerbs, sysfs=str(tmp_path)) == (
+            True,
+            "RDMA devices configured (mlx5_0)",
+        )
         assert _carriers.rdma_available(_config_for(), WithVerbs, sysfs=str(tmp_path))[0]

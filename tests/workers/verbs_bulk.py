@@ -61,6 +61,7 @@ def run(mesh, calls: int, say) -> tuple[int, str | None]:
     def smap(body, n_in):
         def lifted(*xs):
             return body(*[x[0] for x in xs])[None]
+
         return jax.jit(jax.shard_map(lifted, mesh=mesh, in_specs=(P(AXIS),) * n_in, out_specs=P(AXIS)))
 
     # The first bulk collective traced sets up the bulk endpoints, on both
@@ -69,7 +70,8 @@ def run(mesh, calls: int, say) -> tuple[int, str | None]:
     # part (the references, under TCG).
     t0 = time.monotonic()
     smap(lambda v: jax_arx.all_gather(v, AXIS, tiled=True), 1).trace(
-        jax.ShapeDtypeStruct((world, 16), bf16, sharding=sharded))
+        jax.ShapeDtypeStruct((world, 16), bf16, sharding=sharded)
+    )
     say(f"bulk endpoints set up in {time.monotonic() - t0:.1f} s")
     t0 = time.monotonic()
 
@@ -83,20 +85,33 @@ def run(mesh, calls: int, say) -> tuple[int, str | None]:
     gather_in = [[rotated(s, r, GATHER_ELEMENTS) for r in range(world)] for s in range(SETS)]
     scatter_in = [[rotated(s, r, world * GATHER_ELEMENTS) for r in range(world)] for s in range(SETS)]
     jobs = [
-        ("all_gather", smap(lambda v: jax_arx.all_gather(v, AXIS, tiled=True), 1), calls,
-         [(put(parts),) for parts in gather_in], [np.concatenate(parts) for parts in gather_in]),
-        ("psum_scatter", smap(lambda v: jax_arx.psum_scatter(v, AXIS, tiled=True), 1), calls,
-         [(put(parts),) for parts in scatter_in], [ref.reference_scatter(parts, 0, True, me) for parts in scatter_in]),
+        (
+            "all_gather",
+            smap(lambda v: jax_arx.all_gather(v, AXIS, tiled=True), 1),
+            calls,
+            [(put(parts),) for parts in gather_in],
+            [np.concatenate(parts) for parts in gather_in],
+        ),
+        (
+            "psum_scatter",
+            smap(lambda v: jax_arx.psum_scatter(v, AXIS, tiled=True), 1),
+            calls,
+            [(put(parts),) for parts in scatter_in],
+            [ref.reference_scatter(parts, 0, True, me) for parts in scatter_in],
+        ),
     ]
     m = MOE
     tpad = -(-m["T"] // world) * world
     for e4m3 in (False, True):
         args, wants = [], []
         for s in range(SETS):
-            ys, scales, poss, ws, shareds = ref._moe_inputs(rng([3, s, int(e4m3)]), types.SimpleNamespace(world=world),
-                                                            m["T"], m["R"], m["H"], m["topk"], e4m3)
-            combined = [ref.reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
-                        for r in range(world)]
+            ys, scales, poss, ws, shareds = ref._moe_inputs(
+                rng([3, s, int(e4m3)]), types.SimpleNamespace(world=world), m["T"], m["R"], m["H"], m["topk"], e4m3
+            )
+            combined = [
+                ref.reference_combine(ys[r], poss[r], ws[r], shareds[r], scales[r] if e4m3 else None, tpad)
+                for r in range(world)
+            ]
             wants.append(ref.reference_scatter(combined, 0, True, me))
             args.append(tuple(put(x) for x in ([ys] + ([scales] if e4m3 else []) + [poss, ws, shareds])))
 
@@ -104,8 +119,9 @@ def run(mesh, calls: int, say) -> tuple[int, str | None]:
             scale, (pos, w, shared) = (rest[0], rest[1:]) if e4m3 else (None, rest)
             return jax_arx.moe_combine_psum_scatter(y, pos, w, shared, AXIS, y_scale=scale)
 
-        jobs.append((f"moe_combine ({'e4m3' if e4m3 else 'bf16'})", smap(combine, 5 if e4m3 else 4), calls // 2,
-                     args, wants))
+        jobs.append(
+            (f"moe_combine ({'e4m3' if e4m3 else 'bf16'})", smap(combine, 5 if e4m3 else 4), calls // 2, args, wants)
+        )
 
     say(f"inputs and references made in {time.monotonic() - t0:.1f} s")
     checked = 0
@@ -119,8 +135,9 @@ def run(mesh, calls: int, say) -> tuple[int, str | None]:
                 want = wants[c % SETS]
                 if got.shape != want.shape or not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
                     bad = int(np.sum(got != want)) if got.shape == want.shape else f"shape {got.shape}: all"
-                    return checked, (f"{name} call {c}: {bad} elements differ from the numpy reference "
-                                     f"({got.nbytes} bytes)")
+                    return checked, (
+                        f"{name} call {c}: {bad} elements differ from the numpy reference ({got.nbytes} bytes)"
+                    )
                 checked += 1
         say(f"{name}: {n} calls checked in {time.monotonic() - t0:.1f} s")
     return checked, None

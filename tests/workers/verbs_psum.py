@@ -105,7 +105,7 @@ def _bytes(text):
     """'64KiB', '4096' -> bytes."""
     units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
     digits = text.rstrip("KkMmIiBb")
-    return int(digits) * units[text[len(digits):].lower()]
+    return int(digits) * units[text[len(digits) :].lower()]
 
 
 def run_phase(phase, mesh, f):
@@ -114,9 +114,11 @@ def run_phase(phase, mesh, f):
     t0 = time.monotonic()
     # moe_fused: verbs_bulk.py's MoE jobs run the fused combine itself, not
     # the unfused pair the plan would step aside for.
-    jax_arx.initialize(mesh, topology=phase.get("topology"),
-                       _tuning={"moe_fused": 1, **({"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk")
-                                                   else {})})
+    jax_arx.initialize(
+        mesh,
+        topology=phase.get("topology"),
+        _tuning={"moe_fused": 1, **({"ib_chunk_bytes": _bytes(phase["chunk"])} if phase.get("chunk") else {})},
+    )
     transports = sorted({ep.transport for ep in jax_arx._comm.communicator("x").endpoints})
     if transports != [phase["expect"]]:
         say(f"FAIL {phase['name']}: carrier {transports}, expected {phase['expect']}")
@@ -128,8 +130,10 @@ def run_phase(phase, mesh, f):
     for dtype in DTYPES:
         for n in SIZES:
             # Back to back: every call is dispatched before any result is read.
-            xs = [multihost_utils.host_local_array_to_global_array(inputs_for(me, n, c, dtype), mesh, P("x"))
-                  for c in range(calls)]
+            xs = [
+                multihost_utils.host_local_array_to_global_array(inputs_for(me, n, c, dtype), mesh, P("x"))
+                for c in range(calls)
+            ]
             ys = [f(x) for x in xs]
             for c, y in enumerate(ys):
                 ref = reference(world, n, c, dtype)
@@ -137,8 +141,10 @@ def run_phase(phase, mesh, f):
                     got = np.asarray(shard.data).reshape(-1)  # (1, n): one row, every rank's sum
                     if got.shape != ref.shape or got.tobytes() != ref.tobytes():
                         bad = int(np.sum(got != ref)) if got.shape == ref.shape else f"shape {got.shape}: all"
-                        say(f"FAIL {phase['name']}: {np.dtype(dtype).name} n={n} call {c}: {bad} elements differ "
-                            f"from the fp32 rank-order reference")
+                        say(
+                            f"FAIL {phase['name']}: {np.dtype(dtype).name} n={n} call {c}: {bad} elements differ "
+                            f"from the fp32 rank-order reference"
+                        )
                         return False
                 checked += 1
     bulk = run_bulk(phase, mesh) if phase.get("bulk") else ""
@@ -147,10 +153,12 @@ def run_phase(phase, mesh, f):
     jax_arx.check()
     relayed = sum(le.endpoint.stats()["relayed_puts"] for le in jax_arx._comm.communicator("x").endpoints)
     jax_arx.shutdown()
-    say(f"PASS {phase['name']}: {checked} psum calls over {transports[0]} "
+    say(
+        f"PASS {phase['name']}: {checked} psum calls over {transports[0]} "
         f"(JAX_ARX_IB_HCA={hca if hca != '-' else 'unset'}), bit-identical to the fp32 rank-order reference "
         f"(bf16, f16, f32; n = {', '.join(map(str, SIZES))}; {calls} back to back per dtype and size){bulk} "
-        f"in {time.monotonic() - t0:.1f} s; {relayed} puts relayed for the previous rank")
+        f"in {time.monotonic() - t0:.1f} s; {relayed} puts relayed for the previous rank"
+    )
     return True
 
 
@@ -165,18 +173,21 @@ def run_bulk(phase, mesh):
         say(f"FAIL {phase['name']}: {error}")
         return None
     eps = jax_arx._registry._bulk_communicators["x"].endpoints
-    ran = {k: sum(le.endpoint.stats()["calls"][k] for le in eps) for k in ("all_gather", "psum_scatter",
-                                                                          "moe_combine_psum_scatter")}
+    ran = {
+        k: sum(le.endpoint.stats()["calls"][k] for le in eps)
+        for k in ("all_gather", "psum_scatter", "moe_combine_psum_scatter")
+    }
     want = {"all_gather": calls, "psum_scatter": calls, "moe_combine_psum_scatter": 2 * (calls // 2)}
     carriers = sorted({le.transport for le in eps})
     roots = sorted({le.endpoint.roots for le in eps})
     if ran != want or carriers != [phase["expect"]]:
-        say(f"FAIL {phase['name']}: the bulk endpoints ({carriers}) ran {ran}, expected {want} over "
-            f"{phase['expect']}")
+        say(f"FAIL {phase['name']}: the bulk endpoints ({carriers}) ran {ran}, expected {want} over {phase['expect']}")
         return None
-    return (f"; {checked} bulk calls over {carriers[0]} with {roots[0]} root(s) (all_gather, psum_scatter "
-            f"{calls} each, MoE combine bf16 and e4m3 {calls // 2} each; 4 MiB gathered or scattered per call), "
-            f"bit-identical to numpy in {time.monotonic() - t0:.1f} s")
+    return (
+        f"; {checked} bulk calls over {carriers[0]} with {roots[0]} root(s) (all_gather, psum_scatter "
+        f"{calls} each, MoE combine bf16 and e4m3 {calls // 2} each; 4 MiB gathered or scattered per call), "
+        f"bit-identical to numpy in {time.monotonic() - t0:.1f} s"
+    )
 
 
 def lose_peer(phase, mesh, f, lost):
@@ -228,9 +239,11 @@ def lose_peer(phase, mesh, f, lost):
     ok = message is not None and f"rank {lost}" in message and check_error is not None and took < limit
     lines = (message or "no error").strip().splitlines()
     line = next((l for l in lines if f"rank {lost}" in l), lines[0] if lines else "")
-    say(f"{'PASS' if ok else 'FAIL'} {phase['name']}: psum failed {took:.1f} s after its first call without rank "
+    say(
+        f"{'PASS' if ok else 'FAIL'} {phase['name']}: psum failed {took:.1f} s after its first call without rank "
         f"{lost} ({calls} calls, {nan_calls} returned NaN; JAX_ARX_TIMEOUT_S={limit:g}), the error names the peer: "
-        f"{line.strip()[:600]}")
+        f"{line.strip()[:600]}"
+    )
     # The peer is gone: skip shutdown()'s barrier and jax.distributed's.
     sys.stdout.flush()
     os._exit(0 if ok else 1)
