@@ -63,11 +63,12 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 import bench_jobs as bj
 import bench_psum
 import bench_report as report
 import bench_worker as bw
-import numpy as np
 from bench_common import rank_order_sum
 
 THIS = os.path.abspath(__file__)

@@ -94,10 +94,11 @@ import os
 import sys
 import time
 
+import numpy as np
+
 import bench_jobs as bj
 import bench_report as report
 import bench_worker as bw
-import numpy as np
 from bench_common import combine_rows, pattern_bf16, pattern_bits, rank_order_sum, size_label
 
 THIS = os.path.abspath(__file__)

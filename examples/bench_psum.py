@@ -112,10 +112,11 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 import bench_jobs as bj
 import bench_report as report
 import bench_worker as bw
-import numpy as np
 from bench_common import pattern_bf16, rank_order_sum
 
 THIS = os.path.abspath(__file__)

@@ -32,8 +32,9 @@ jax_arx.distributed_initialize()  # before jax starts its backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_common import barrier, describe_run  # noqa: E402  (beside this file)
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bench_common import barrier, describe_run  # noqa: E402  (beside this file)
 
 AXIS = "x"
 # ffi/base/trace.h: TraceStage, kTraceSeqs, kFamilies.

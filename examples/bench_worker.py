@@ -364,8 +364,7 @@ def sharded(jax, mesh, block_shape, make_block):
     """The global array whose rank-r block (along the first axis, sharded
     over the mesh axis) is ``make_block(r)``, made only for the blocks this
     process holds."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     rows = block_shape[0]
     world = mesh.shape[AXIS]

@@ -245,6 +245,7 @@ class Collectives:
 
     def __init__(self, mode, impl, axis):
         import jax
+
         import jax_arx
 
         self.mode, self.axis = mode, axis

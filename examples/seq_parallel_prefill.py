@@ -54,8 +54,6 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_arx import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
-
 from bench_common import (  # noqa: E402  (beside this file)
     RATIO_NOTE,
     combine_rows,
@@ -65,6 +63,7 @@ from bench_common import (  # noqa: E402  (beside this file)
     rank_order_sum,
     synced_median_seconds,
 )
+from jax_arx import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
 
 AXIS = "sp"
 

@@ -53,6 +53,7 @@ Configuration: the JAX_ARX_* environment variables, see jax_arx.config.
 import importlib
 
 from jax_arx import errors
+from jax_arx._distributed import initialize_distributed as distributed_initialize
 from jax_arx.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -64,7 +65,6 @@ from jax_arx.errors import (
     JaxArxError,
     JaxArxFallbackError,
 )
-from jax_arx._distributed import initialize_distributed as distributed_initialize
 
 __version__ = "0.1.0"
 

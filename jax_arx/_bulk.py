@@ -33,10 +33,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jax_arx import _bulk_endpoints
-from jax_arx import _compat
-from jax_arx import _ordering
-from jax_arx import _policy
+from jax_arx import _bulk_endpoints, _compat, _ordering, _policy
 
 ALL_GATHER_TARGET = "jax_arx_all_gather"
 PSUM_SCATTER_TARGET = "jax_arx_psum_scatter"

@@ -35,9 +35,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_arx import _bulk_endpoints, _carriers, _compat, _distributed, _endpoints, _grad, _native, _registry, _store
-from jax_arx import config as _config
-from jax_arx import errors
+from jax_arx import (
+    _bulk_endpoints,
+    _carriers,
+    _compat,
+    _distributed,
+    _endpoints,
+    _grad,
+    _native,
+    _registry,
+    _store,
+    config as _config,
+    errors,
+)
 from jax_arx.errors import CollectiveError, ConfigError, InitializationError
 
 logger = logging.getLogger("jax_arx")

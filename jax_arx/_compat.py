@@ -21,14 +21,14 @@ from functools import partial
 from typing import Any
 
 import jax
-from jax._src import config as _jax_config
-from jax._src import core as _core
-from jax._src import dispatch as _dispatch
-from jax._src import distributed as _distributed
-from jax._src import source_info_util as _source_info_util
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import mlir as _mlir
+from jax._src import (
+    config as _jax_config,
+    core as _core,
+    dispatch as _dispatch,
+    distributed as _distributed,
+    source_info_util as _source_info_util,
+)
+from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 from jax._src.lax import parallel as _parallel
 
 # --- primitive machinery ----------------------------------------------------

@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_arx import _registry
-from jax_arx import _compat
-from jax_arx import _policy
-from jax_arx import config as _config
+from jax_arx import _compat, _policy, _registry, config as _config
 from jax_arx._psum import psum
 
 # Appended to a gradient sum's fallback message (jax_arx/_policy.py).

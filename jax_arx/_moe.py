@@ -14,10 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_arx import _compat
-from jax_arx import _ordering
-from jax_arx import _policy
-from jax_arx import _bulk
+from jax_arx import _bulk, _compat, _ordering, _policy
 from jax_arx._bulk import psum_scatter
 from jax_arx.errors import JaxArxFallbackError
 

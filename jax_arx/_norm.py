@@ -18,10 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_arx import _compat
-from jax_arx import _ordering
-from jax_arx import _policy
-from jax_arx import _psum
+from jax_arx import _compat, _ordering, _policy, _psum
 
 FFI_TARGET = "jax_arx_psum_add_norm"
 

@@ -33,9 +33,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_arx import _registry
-from jax_arx import _compat
-from jax_arx import config as _config
+from jax_arx import _compat, _registry, config as _config
 from jax_arx.errors import JaxArxFallbackError
 
 logger = logging.getLogger("jax_arx")

@@ -45,9 +45,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jax_arx import _compat
-from jax_arx import _ordering
-from jax_arx import _policy
+from jax_arx import _compat, _ordering, _policy
 
 FFI_TARGET = "jax_arx_psum"
 

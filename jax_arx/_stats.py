@@ -5,8 +5,7 @@ ffi/comm/endpoint.h), the fallbacks and the plans' unfused pairs in
 
 from __future__ import annotations
 
-from jax_arx import _registry
-from jax_arx import _policy
+from jax_arx import _policy, _registry
 
 OPS = ("psum", "all_gather", "psum_scatter", "moe_combine_psum_scatter")
 

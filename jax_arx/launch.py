@@ -56,7 +56,6 @@ import time
 
 from jax_arx._distributed import _ENV_ADDRESS, _ENV_ID, _ENV_NUM, initialize_distributed  # noqa: F401
 
-
 # --- the launcher -----------------------------------------------------------
 
 _VALUED = {"-n", "--nprocs", "--cpu-devices", "--gpus-per-process", "--grace-s"}

@@ -30,7 +30,6 @@ from bulk_reference import (
     reference_gather,
     reference_scatter,
     reference_sum,
-    tie_token,
 )
 
 RESULT = launched.RESULT

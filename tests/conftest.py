@@ -29,8 +29,9 @@ import os
 import pathlib
 import sys
 
-import needs
 import pytest
+
+import needs
 
 
 def _installed_core_for_the_source_tree() -> None:

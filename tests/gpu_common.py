@@ -51,8 +51,8 @@ import zlib
 import numpy as np
 import pytest
 
-import launched
 import bulk_cases as suites
+import launched
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT = launched.RESULT

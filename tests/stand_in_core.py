@@ -23,10 +23,10 @@ import functools
 import importlib.util
 
 import jax
-import needs
 import pytest
 
 import jax_arx
+import needs
 from jax_arx import _bulk, _bulk_endpoints, _compat, _native, _policy, _psum
 
 # This process's jax on 4 CPU devices, set in jax's configuration before its

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from stand_in_core import auto_mesh, inner_jaxpr, needs_4_devices, prim_names
 
 import jax_arx
 from jax_arx import _compat
+from stand_in_core import auto_mesh, inner_jaxpr, needs_4_devices, prim_names
 
 pytestmark = needs_4_devices
 
@@ -554,6 +554,7 @@ def test_moe_combine_is_the_documented_arithmetic(e4m3):
     the documented sum with full-precision float32 weights (and scales),
     clamps pos and zeroes the rows past T: the bits of the numpy reference."""
     import ml_dtypes
+
     from bulk_cases import reference_combine, tie_token
 
     rng = np.random.default_rng(0)

@@ -170,8 +170,7 @@ def suite_mesh2d():
 
     jax_arx.distributed_initialize()
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     rep = _Report()
     ran, endpoints = {}, {}

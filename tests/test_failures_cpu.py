@@ -226,7 +226,7 @@ def _try(port: int, hello: bytes, key: bytes | None, timeout: float = 2.0) -> st
                 s.sendall(struct.pack("<Q32s", _PROOF, mac))
                 head = s.recv(8, socket.MSG_WAITALL)
                 magic = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        except socket.timeout:
+        except TimeoutError:
             return "silent"  # the listener waits (e.g. for its own set-up): no stream either
         except OSError:
             return "closed"

@@ -156,6 +156,7 @@ def case_replay(w, runs=20):
     and again on the same inputs, every run checked; returns how often the
     handlers ran for the ``runs``."""
     import ml_dtypes
+
     import bulk_cases as suites
 
     jax_arx, P, n = w.jax_arx, w.P, w.world
@@ -206,8 +207,8 @@ def case_replay(w, runs=20):
 
 
 def worker(argv):
-    import jax_arx.config
     import bulk_cases as suites
+    import jax_arx.config
 
     smoke = "--cpu-smoke" in argv
     w = gpu_common.GpuWorker(smoke)

@@ -141,6 +141,7 @@ def _alive(pid: int) -> bool:
 
 def worker_peer_exit(smoke):
     import jax
+
     import launched
 
     # jax.distributed ends every process soon after one stops sending
@@ -151,8 +152,8 @@ def worker_peer_exit(smoke):
         process_id=int(os.environ["JAX_PROCESS_ID"]),
         heartbeat_timeout_seconds=600,
     )
-    from jax_arx import _compat
     from bulk_cases import _dtypes, reference_sum
+    from jax_arx import _compat
 
     w = gpu_common.GpuWorker(smoke)
     w.phase("peer_exit")

@@ -36,9 +36,10 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 import gpu_common
 import norm_reference as ref
-import pytest
 from gpu_common import AXIS
 
 pytestmark = pytest.mark.gpu

@@ -301,8 +301,9 @@ def case_aliased(w, counts):
     """The psum call with its input and output one buffer (the kernels' in
     == out paths), one count per algorithm."""
     import jax
-    from jax_arx import _comm
+
     from bulk_cases import _lift
+    from jax_arx import _comm
 
     comm_id = _comm.communicator(AXIS).comm_id
     for c in counts:

@@ -412,7 +412,7 @@ def _ll_on_time(c, peer, tag, seed):
 
 
 def case_ll_on_time_torn_stale(c):
-    from gpu_fake_peer import FakePeer, flag_word, ll_flag, lines_of
+    from gpu_fake_peer import FakePeer, flag_word, lines_of, ll_flag
 
     peer = FakePeer(9101, 0, timeout_s=SHORT_S, direct=True)
     n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9101, 21)
@@ -509,8 +509,8 @@ def case_ll_proxy_sent_mismatch(c):
         TRIGGER_HEADER,
         FakePeer,
         flag_word,
-        ll_flag,
         lines_of,
+        ll_flag,
     )
 
     peer = FakePeer(9107, 0, timeout_s=LONG_S)

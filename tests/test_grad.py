@@ -78,6 +78,7 @@ def _grad_jaxpr(jax, loss, world=4):
 @needs_4_devices
 def test_backward_sums_are_jax_arx_with_check_vma(fake_core, monkeypatch):
     import jax
+
     import jax_arx
 
     mesh = auto_mesh((4,), ("tp",))
@@ -99,6 +100,7 @@ def test_without_check_vma_shard_maps_input_sums_stay_jax(fake_core):
     # but shard_map's transpose sums its replicated inputs' cotangents (x, g)
     # with jax.lax.psum.
     import jax
+
     import jax_arx
 
     mesh = auto_mesh((4,), ("tp",))
@@ -110,6 +112,7 @@ def test_without_check_vma_shard_maps_input_sums_stay_jax(fake_core):
 @needs_4_devices
 def test_axes_jax_arx_does_not_run_keep_jax_sums_silently(fake_core, caplog):
     import jax
+
     import jax_arx
 
     unseen = auto_mesh((4,), ("tp",))  # no communicator for it
@@ -133,6 +136,7 @@ def test_axes_jax_arx_does_not_run_keep_jax_sums_silently(fake_core, caplog):
 @needs_4_devices
 def test_a_value_replicated_over_two_axes_is_summed_per_axis(fake_core):
     import jax
+
     import jax_arx
 
     mesh = auto_mesh((2, 2), ("dp", "tp"))
@@ -152,8 +156,8 @@ def test_a_value_replicated_over_two_axes_is_summed_per_axis(fake_core):
 @needs_4_devices
 def test_a_gradient_sum_past_the_envelope_falls_back_saying_so(fake_core, monkeypatch, caplog):
     import jax
-    import jax_arx
 
+    import jax_arx
     from jax_arx import _policy
 
     _policy._logged_reasons.clear()

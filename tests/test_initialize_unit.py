@@ -10,13 +10,13 @@ import subprocess
 import sys
 
 import jax
-import launched
 import numpy as np
 import pytest
-from stand_in_core import auto_mesh, needs_4_devices
 
 import jax_arx
+import launched
 from jax_arx import _carriers, _comm, _compat, _native, _registry, config, errors
+from stand_in_core import auto_mesh, needs_4_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

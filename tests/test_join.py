@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 
-import launched
 import pytest
 
+import launched
 from jax_arx import _join
 from jax_arx.errors import InitializationError
 

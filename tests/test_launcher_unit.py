@@ -11,10 +11,10 @@ import textwrap
 import time
 
 import pytest
-from stand_in_core import FAKE_CORE_SOURCE
 
 import jax_arx
 from jax_arx import launch
+from stand_in_core import FAKE_CORE_SOURCE
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,6 +34,7 @@ def test_initialize_distributed_under_a_cluster_manager(monkeypatch):
     ):
         monkeypatch.delenv(name, raising=False)
     import jax
+
     from jax_arx import _distributed
 
     calls = []
@@ -55,6 +56,7 @@ def test_a_process_alone_is_warned_once(monkeypatch, caplog):
     # so, once, naming distributed_initialize and the launcher.
     import jax
     import numpy as np
+
     from jax_arx import _distributed
 
     monkeypatch.setattr(_distributed, "_warned_alone", [])

@@ -294,6 +294,7 @@ def worker(suite):
     # isort: split
     # (jax and jax_arx after minilm: its import is the one that sets them up)
     import jax
+
     import jax_arx
 
     dtype, impls = suite.split("/")

@@ -48,10 +48,11 @@ import os
 import sys
 import zlib
 
-import launched
-import norm_reference as ref
 import numpy as np
 import pytest
+
+import launched
+import norm_reference as ref
 
 THIS = os.path.abspath(__file__)
 SLOT_BYTES = 64 * 1024
@@ -418,12 +419,12 @@ def test_steps_aside_where_the_plan_says_unfused(fake_core, lax_lowering, monkey
     import jax
     from jax.sharding import PartitionSpec as P
 
+    import jax_arx
+    from jax_arx import _comm, _policy
+
     # Here, not at the top: this file is also the workers' program, whose
     # processes take their devices from the launcher, not from stand_in_core.
     from stand_in_core import auto_mesh, inner_jaxpr, prim_names
-
-    import jax_arx
-    from jax_arx import _comm, _policy
 
     real_plan = _comm.Communicator.plan
     reason = "the fused norm measured slower (a test's plan)"

@@ -60,7 +60,7 @@ import os
 import pytest
 
 import launched
-from bulk_cases import PREFILL_SLOT_BYTES, FULL_CASES, QUICK_CASES
+from bulk_cases import FULL_CASES, PREFILL_SLOT_BYTES, QUICK_CASES
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bulk_cases.py")
 

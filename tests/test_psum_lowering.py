@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from stand_in_core import assert_bits_equal, auto_mesh, body_prims, needs_4_devices
 
 import jax_arx
 from jax_arx import _comm
+from stand_in_core import assert_bits_equal, auto_mesh, body_prims, needs_4_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

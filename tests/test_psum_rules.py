@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from stand_in_core import assert_bits_equal, auto_mesh, body_prims, inner_jaxpr, needs_4_devices, prim_names
 
 import jax_arx
 from jax_arx import _comm, _compat, _registry
+from stand_in_core import assert_bits_equal, auto_mesh, body_prims, inner_jaxpr, needs_4_devices, prim_names
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -188,6 +188,7 @@ def case_bursts(w, bursts=BURSTS):
     psum_scatters, a fused MoE combine; some dependent on others), each with
     fresh inputs, every result checked. Returns the collectives run."""
     import ml_dtypes
+
     from bulk_cases import (
         _lift,
         _moe_inputs,
@@ -325,8 +326,8 @@ def suite_relay_lost(w):
     again until the call fails (see the module doc)."""
     import time
 
-    from jax_arx import _compat
     from bulk_cases import _lift, reference_sum
+    from jax_arx import _compat
 
     w.jax_arx.shutdown()
     w.jax_arx.initialize(w.mesh, topology="ring")

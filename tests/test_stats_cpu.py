@@ -112,6 +112,7 @@ def _suite_stats():
     w = launched.MeshWorker("tp", tuning={"moe_fused": 1})  # the fused combine's own counters
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     import ml_dtypes
+
     from jax_arx import _compat
 
     client = _compat.distributed_client()

