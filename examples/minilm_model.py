@@ -132,7 +132,7 @@ def load_weights(folder, cfg):
     )
     layers = []
     for i in range(cfg.layers):
-        g = lambda name: w[f"encoder.layer.{i}.{name}"]  # noqa: E731
+        g = lambda name, i=i: w[f"encoder.layer.{i}.{name}"]  # noqa: E731
         layers.append(
             dict(
                 qkv=np.stack([g(f"attention.self.{n}.weight").T for n in ("query", "key", "value")]),

@@ -114,7 +114,7 @@ def case_first_use(w: _Worker):
     shared memory mapped since, and runs; psum still runs after it."""
     from jax_arx import _comm, _registry
 
-    jax, jax_arx, P = w.jax, w.jax_arx, w.P
+    jax_arx, P = w.jax_arx, w.P
     psum_eps = _comm.communicator("sp").endpoints
     shm = _comm.transport("sp") == "shm"
     region = sum(w.world * le.endpoint.region_bytes for le in psum_eps) if shm else 0
@@ -179,7 +179,7 @@ def case_gather(w: _Worker, dtype_names=None, shapes=((3, 5, 7), (1, 1, 1), (4, 
         xs = [w.put(p) for p in parts]
         specs = [(i, a, t) for i in range(len(shapes)) for a, t in GATHER_SPECS]
 
-        def body(*xs, gather):
+        def body(*xs, gather, specs=specs):
             return tuple(gather(xs[i], "sp", axis=a, tiled=t) for i, a, t in specs)
 
         f = w.smap(_lift(partial(body, gather=jax_arx.all_gather)), (P("sp"),) * len(xs), (P("sp"),) * len(specs))
@@ -387,7 +387,7 @@ def case_grad(w: _Worker):
             return (s * s).sum(keepdims=True) + jax_arx.all_gather(x, "sp").sum(keepdims=True)
 
         f = w.smap(_lift(body), P("sp"), P("sp"), check_vma=check_vma)
-        got = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
+        got = jax.jit(jax.grad(lambda x, f=f: f(x).sum()))(x)
         for r, g in w.mine(got).items():
             w.close("grad", g, ref[r], f"check_vma={check_vma} rank {r}", rtol=1e-5, atol=1e-5)
 
@@ -414,7 +414,7 @@ def case_moe(w: _Worker, shapes=MOE_SHAPES):
         args = [a for a in args if a is not None]
         per = 5 if e4m3 else 4
 
-        def body(*flat, scatter=None):
+        def body(*flat, scatter=None, cases=cases, per=per, e4m3=e4m3):
             """The fused op; with ``scatter``, the unfused program it
             promises to equal: scatter(moe_combine(...))."""
             outs = []

@@ -223,7 +223,7 @@ def worker(argv):
         gathered = ("float32", "bfloat16", "float16", "int8", "bool") if first and not smoke else ("bfloat16", "int8")
         scattered = ("float32", "bfloat16", "float16") if first else ("float32", "float16")
         ran = w.counted(
-            lambda: (
+            lambda gathered=gathered, scattered=scattered, first=first: (
                 suites.case_gather(w, gathered),
                 suites.case_scatter(w, scattered),
                 suites.case_moe(w, shapes=suites.MOE_SHAPES[0 if first else 1 : 4]),

@@ -359,7 +359,7 @@ def worker(argv):
         slot, send = cfg.slot_bytes, cfg.send_bytes
         limit = min(send, w.world * slot) if cuda else slot  # the host device side has no two-shot
         sizes = []
-        ran = w.counted(lambda: sizes.extend(case_sizes(w, slot, limit)))
+        ran = w.counted(lambda sizes=sizes, slot=slot, limit=limit: sizes.extend(case_sizes(w, slot, limit)))
         endpoint = w.endpoints()[0].endpoint
         plans = {n: list(endpoint.plan("psum", n)[:2]) for n in PIECE_BYTES}
         graph = case_graph(w, slot, twoshot=cuda)

@@ -172,7 +172,7 @@ def _run_hosts(names, coordinator, args=(), env_of=lambda i: {}, timeout=300):
     results = []
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-        line = [l for l in out.splitlines() if l.startswith("{")][-1]
+        line = [text for text in out.splitlines() if text.startswith("{")][-1]
         results.append(json.loads(line))
     return results
 

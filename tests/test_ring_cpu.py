@@ -241,16 +241,16 @@ def case_bursts(w, bursts=BURSTS):
         wants = []
         for i in range(3):
             wants += [
-                lambda r, i=i: p[i],
-                lambda r, i=i: reference_gather(b, i % 2, True),
-                lambda r: s[r],
-                lambda r: np.concatenate(s),
+                lambda r, i=i, p=p: p[i],
+                lambda r, i=i, b=b: reference_gather(b, i % 2, True),
+                lambda r, s=s: s[r],
+                lambda r, s=s: np.concatenate(s),
             ]
         wants += [
-            lambda r: reference_sum(d),
-            lambda r: m[r],
-            lambda r: np.concatenate(m),
-            lambda r: reference_sum([p[0] + p[2]] * n),
+            lambda r, d=d: reference_sum(d),
+            lambda r, m=m: m[r],
+            lambda r, m=m: np.concatenate(m),
+            lambda r, p=p: reference_sum([p[0] + p[2]] * n),
         ]
         for j, out in enumerate(f(*args)):
             for r, got in w.mine(out).items():

@@ -176,7 +176,7 @@ def _suite_soak(calls):
             combined = [
                 prefill.reference_combine(ys[r], poss[r], ws[r], shareds[r], None, tpad) for r in range(w.world)
             ]
-            wants = lambda r: [prefill.reference_scatter(combined, 0, True, r)]  # noqa: E731
+            wants = lambda r, combined=combined: [prefill.reference_scatter(combined, 0, True, r)]  # noqa: E731
             outs = (compiled[name](*args),)
         else:
             inputs, body, refs = programs[name]

@@ -117,7 +117,6 @@ def _suite_stats():
 
     client = _compat.distributed_client()
     me, n = jax.process_index(), w.world
-    jnp = jax.numpy
 
     def put(rows):
         g = np.stack(rows) if isinstance(rows, list) else rows

@@ -238,7 +238,7 @@ def lose_peer(phase, mesh, f, lost):
     message = error or check_error
     ok = message is not None and f"rank {lost}" in message and check_error is not None and took < limit
     lines = (message or "no error").strip().splitlines()
-    line = next((l for l in lines if f"rank {lost}" in l), lines[0] if lines else "")
+    line = next((text for text in lines if f"rank {lost}" in text), lines[0] if lines else "")
     say(
         f"{'PASS' if ok else 'FAIL'} {phase['name']}: psum failed {took:.1f} s after its first call without rank "
         f"{lost} ({calls} calls, {nan_calls} returned NaN; JAX_ARX_TIMEOUT_S={limit:g}), the error names the peer: "
