@@ -247,7 +247,7 @@ class Encoder:
             barrier("minilm: compiled")
 
     def __call__(self):
-        return [f(*args) for f, args in zip(self.compiled, self.inputs)]
+        return [f(*args) for f, args in zip(self.compiled, self.inputs, strict=True)]
 
 
 # Host-side exchanges go through jax.distributed's key-value store and
@@ -300,7 +300,7 @@ def every_rank_rows(outputs, model):
     every sentence's embedding (gathered by jax, not by jax_arx)."""
     n = len(model.sentences)
     out = np.zeros((model.world, n, model.cfg.hidden), np.float32)
-    for b, o in zip(model.batches, outputs):
+    for b, o in zip(model.batches, outputs, strict=True):
         every = _process_rows(o, model.world)
         keep = b.rows >= 0
         out[:, b.rows[keep]] = every[:, keep]
@@ -310,7 +310,7 @@ def every_rank_rows(outputs, model):
 def rows(outputs, model):
     """The unsharded outputs as numpy [N, hidden], in sentence order."""
     out = np.zeros((len(model.sentences), model.cfg.hidden), np.float32)
-    for b, o in zip(model.batches, outputs):
+    for b, o in zip(model.batches, outputs, strict=True):
         keep = b.rows >= 0
         out[b.rows[keep]] = np.asarray(o)[keep]
     return out

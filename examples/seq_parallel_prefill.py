@@ -235,7 +235,7 @@ def check_collectives(kinds, log):
     """Every recorded collective, on every rank, against numpy. Returns how
     many were checked."""
     every = lambda v: np.asarray(multihost_utils.process_allgather(v, tiled=True))  # noqa: E731  [n, ...]
-    for i, (kind, entry) in enumerate(zip(kinds, log)):
+    for i, (kind, entry) in enumerate(zip(kinds, log, strict=False)):
         arrays = [every(v) for v in entry]
         n = arrays[0].shape[0]
         out = arrays[4] if kind == "moe" else arrays[1]  # after the inputs; the rest is padding

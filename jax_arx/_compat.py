@@ -90,7 +90,7 @@ def lax_psum_lowering(ctx, xs, *, axes: tuple) -> list:
     psum primitives share it."""
     rule = _mlir._lowerings[lax_psum_p].rule
     out = []
-    for x, aval_in, aval_out in zip(xs, ctx.avals_in, ctx.avals_out):
+    for x, aval_in, aval_out in zip(xs, ctx.avals_in, ctx.avals_out, strict=False):
         leaf_ctx = ctx.replace(avals_in=[aval_in], avals_out=[aval_out])
         out.extend(rule(leaf_ctx, x, axes=axes, axis_index_groups=None))
     return out

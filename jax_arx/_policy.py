@@ -216,7 +216,7 @@ def _axis_communicator(op: str, axis, mesh, aval) -> _registry.Communicator | No
             f"{_describe(comm.mesh_axis_names, comm.mesh_shape)}",
         )
     manual = set(mesh.manual_axes)
-    auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1 and n not in manual]
+    auto = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s > 1 and n not in manual]
     if auto:
         return fallback(
             op,
@@ -254,4 +254,4 @@ def lowering_refusal(ctx, comm_id: int, axes: tuple) -> tuple[tuple, str] | None
 
 
 def _describe(names, sizes):
-    return "(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes)) + ")"
+    return "(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True)) + ")"

@@ -143,7 +143,7 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():  # one group in practice: one communicator
         # The first call prefetches; the hint is dropped with the leaves left to jax.lax.
-        for i, y in zip(idx, _bind([leaves[i] for i in idx], axes, decision, hint)):
+        for i, y in zip(idx, _bind([leaves[i] for i in idx], axes, decision, hint), strict=True):
             out[i] = y
         hint = ()
     return jax.tree.unflatten(treedef, out)
@@ -264,7 +264,7 @@ def _psum_jvp(prim, primals, tangents, *, axes, comm_id, prefetch):
     dys = [_compat.Zero(jax.typeof(y).to_tangent_aval()) for y in ys]
     live = [i for i, t in enumerate(dxs) if type(t) is not _compat.Zero]
     if live:
-        for i, dy in zip(live, prim.bind(*[dxs[i] for i in live], prefetch=0, **params)):
+        for i, dy in zip(live, prim.bind(*[dxs[i] for i in live], prefetch=0, **params), strict=True):
             dys[i] = dy
     return ys, dys
 
@@ -287,11 +287,13 @@ def _psum_transpose_rule(cts, *args, axes, comm_id, prefetch):
     xs, pf = _split(args, prefetch)
     out = [_no_ct(a) for a in xs]
     live = [
-        i for i, (ct, a) in enumerate(zip(cts, xs)) if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)
+        i
+        for i, (ct, a) in enumerate(zip(cts, xs, strict=True))
+        if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a)
     ]
     if live:
         summed = psum_p.bind(*[cts[i] for i in live], axes=axes, comm_id=comm_id, prefetch=0)
-        for i, y in zip(live, summed):
+        for i, y in zip(live, summed, strict=True):
             out[i] = y
     return out + [_no_ct(a) for a in pf]
 
@@ -302,7 +304,7 @@ def _psum_invariant_transpose_rule(cts, *args, axes, comm_id, prefetch):
     xs, pf = _split(args, prefetch)
     return [
         _compat.pvary(ct, axes) if type(ct) is not _compat.Zero and _compat.is_undefined_primal(a) else _no_ct(a)
-        for ct, a in zip(cts, xs)
+        for ct, a in zip(cts, xs, strict=True)
     ] + [_no_ct(a) for a in pf]
 
 
@@ -316,19 +318,19 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
         # hint included).
         pairs = [
             _compat.lax_psum_batcher(axis_data, [v], [d], axes=axes, invariant=invariant)
-            for v, d in zip(vals_in, dims_in)
+            for v, d in zip(vals_in, dims_in, strict=True)
         ]
         return [o for o, _ in pairs], [d for _, d in pairs]
     # A prefetch operand batched by this vmap is another array per batch
     # member, not the one the next kernels read: its hint is dropped. The
     # others stay with the first call.
-    pf = [v for v, d in zip(pf_vals, pf_dims) if d is None]
+    pf = [v for v, d in zip(pf_vals, pf_dims, strict=True) if d is None]
     # The sum is elementwise across devices, so each batch dimension stays
     # where it is; but a batched partial grew by the batch size, so decide
     # again for those leaves (and keep the others' decision).
     out = list(vals_in)
     ours: dict[_Decision, list[int]] = {}
-    for i, (v, d) in enumerate(zip(vals_in, dims_in)):
+    for i, (v, d) in enumerate(zip(vals_in, dims_in, strict=True)):
         decision = _Decision(comm_id) if d is None else _decide(jax.typeof(v), axes, None)
         if decision is None:
             out[i] = _compat.lax_psum_bind(v, axes=axes, invariant=invariant)
@@ -336,7 +338,7 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():
         summed = prim.bind(*[vals_in[i] for i in idx], *pf, axes=axes, comm_id=decision.comm_id, prefetch=len(pf))
-        for i, y in zip(idx, summed):
+        for i, y in zip(idx, summed, strict=True):
             out[i] = y
         pf = []
     return out, list(dims_in)

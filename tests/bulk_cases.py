@@ -224,7 +224,7 @@ def case_scatter(w: _Worker, dtype_names=("float32", "bfloat16", "float16"), spe
             # jax_arx takes it, as the numpy reference does.
             return tuple(
                 scatter(x, "sp", scatter_dimension=d if scatter is jax_arx.psum_scatter else d % x.ndim, tiled=t)
-                for x, (_, d, t) in zip(xs, specs)
+                for x, (_, d, t) in zip(xs, specs, strict=True)
             )
 
         f = w.smap(_lift(body), (P("sp"),) * len(xs), (P("sp"),) * len(xs))

@@ -246,7 +246,7 @@ class FakePeer:
     def trigger(self, index) -> dict:
         """Trigger ``index`` of the ring (its fields as the kernel wrote them)."""
         words = np.frombuffer(self.read(self.ring + 8 * len(TRIGGER) * (index % RING), 8 * len(TRIGGER)), np.uint64)
-        return {name: int(v) for name, v in zip(TRIGGER, words)}
+        return {name: int(v) for name, v in zip(TRIGGER, words, strict=True)}
 
     def failure(self) -> str:
         buf = ctypes.create_string_buffer(8192)

@@ -226,7 +226,7 @@ def _counts(itemsize, slot, limit):
 def _check_psums(w, case, specs, outs, parts):
     from bulk_cases import reference_sum
 
-    for (name, count), p, out in zip(specs, parts, outs):
+    for (name, count), p, out in zip(specs, parts, outs, strict=True):
         want = reference_sum(p)
         for r, got in w.mine(out).items():
             w.check(case, got, want, f"{name}[{count}] rank {r}")

@@ -210,7 +210,10 @@ def _worker_grad():
     jax, jax_arx, P = w.jax, w.jax_arx, w.P
     from jax_arx import _compat
 
-    args = [jax.device_put(a, jax.sharding.NamedSharding(w.mesh, s)) for a, s in zip(_args(w.world, seed=1), _specs(P))]
+    args = [
+        jax.device_put(a, jax.sharding.NamedSharding(w.mesh, s))
+        for a, s in zip(_args(w.world, seed=1), _specs(P), strict=True)
+    ]
     report = {"sums": {}, "checked": 0, "bad": []}
     for check_vma in (True, False):
         grads = {}
@@ -226,14 +229,16 @@ def _worker_grad():
             _compat.distributed_client().wait_at_barrier(f"test_grad/{key}", 600_000)
             grads[name] = compiled(*args)
         del os.environ["JAX_ARX_GRAD_SUMS"]
-        for i, (a, b) in enumerate(zip(grads["arx"], grads["lax"])):
+        for i, (a, b) in enumerate(zip(grads["arx"], grads["lax"], strict=True)):
             got = [np.asarray(s.data) for s in a.addressable_shards]
             want = [np.asarray(s.data) for s in b.addressable_shards]
             report["checked"] += 1
-            if any(g.tobytes() != v.tobytes() for g, v in zip(got, want)) or not all(np.isfinite(g).all() for g in got):
+            if any(g.tobytes() != v.tobytes() for g, v in zip(got, want, strict=True)) or not all(
+                np.isfinite(g).all() for g in got
+            ):
                 report["bad"].append(
                     f"check_vma={check_vma} argument {i}: "
-                    f"max |diff| {max(float(np.abs(g - v).max()) for g, v in zip(got, want))}"
+                    f"max |diff| {max(float(np.abs(g - v).max()) for g, v in zip(got, want, strict=True))}"
                 )
     jax_arx.shutdown()
     return report

@@ -329,7 +329,7 @@ def save_own_rows(outputs, model, pattern):
     """Each of this process's devices' copy of every embedding, read from
     its own shard of the outputs, as ``pattern.format(rank)``."""
     mine = {}
-    for b, o in zip(model.batches, outputs):
+    for b, o in zip(model.batches, outputs, strict=True):
         keep = b.rows >= 0
         for shard in o.addressable_shards:
             rank = shard.index[0].start or 0

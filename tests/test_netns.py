@@ -90,7 +90,7 @@ def two_hosts():
     try:
         names = [nets.add("arxA"), nets.add("arxB")]
         ends = nets.wire(names[0], "arxa", names[1], "arxb")
-        for i, (n, v) in enumerate(zip(names, ends)):
+        for i, (n, v) in enumerate(zip(names, ends, strict=True)):
             _ip("-n", n, "addr", "add", f"{NET}.{i + 1}/24", "dev", v)
         yield names
     finally:
@@ -170,7 +170,7 @@ def _run_hosts(names, coordinator, args=(), env_of=lambda i: {}, timeout=300):
             if p.poll() is None:
                 p.kill()
     results = []
-    for i, (p, out) in enumerate(zip(procs, outs)):
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
         line = [text for text in out.splitlines() if text.startswith("{")][-1]
         results.append(json.loads(line))

@@ -81,7 +81,7 @@ def test_independent_psums_lower_to_a_chain_with_distinct_stable_sites(mesh4):
     calls = lower()
     assert len(calls) == 4
     assert [len(ops) for _, ops, _ in calls] == [1, 2, 2, 2]
-    for prev, (_, ops, _) in zip(calls, calls[1:]):
+    for prev, (_, ops, _) in zip(calls, calls[1:], strict=False):
         assert ops[-1] == prev[0]  # each call reads the previous call's first result
     sites = [_site(line) for _, _, line in calls]
     assert len(set(sites)) == 4 and all(0 < s < 2**48 for s in sites)

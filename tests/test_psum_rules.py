@@ -205,7 +205,7 @@ def test_transpose_is_pvary_or_psum_like_lax(mesh4, check_vma):
 def test_rules_under_lax_lowering_jvp_matches_lax(mesh4, lax_lowering, check_vma):
     arx, lax = _pair(mesh4, lambda psum: lambda x: psum(x * x, "tp"), P("tp"), P("tp"), check_vma)
     x, t = jnp.arange(8.0), jnp.ones(8)
-    for a, b in zip(jax.jvp(arx, (x,), (t,)), jax.jvp(lax, (x,), (t,))):
+    for a, b in zip(jax.jvp(arx, (x,), (t,)), jax.jvp(lax, (x,), (t,)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -222,7 +222,7 @@ def test_rules_under_lax_lowering_pytree_with_leaves_not_differentiated(mesh4, l
     x, c = jnp.linspace(-1, 1, 8), jnp.arange(8.0)
     loss = lambda f: lambda x, c: (jnp.sin(f(x, c)["a"]) * f(x, c)["b"]).sum()
     np.testing.assert_array_equal(jax.grad(loss(arx))(x, c), jax.grad(loss(lax))(x, c))
-    for a, b in zip(jax.jvp(lambda x: arx(x, c), (x,), (x,)), jax.jvp(lambda x: lax(x, c), (x,), (x,))):
+    for a, b in zip(jax.jvp(lambda x: arx(x, c), (x,), (x,)), jax.jvp(lambda x: lax(x, c), (x,), (x,)), strict=True):
         assert_bits_equal(a, b)
     t_arx, t_lax = [jax.linear_transpose(lambda x, f=f: f(x, c)["a"], x) for f in (arx, lax)]
     ct = jnp.ones(2 if check_vma else 8)

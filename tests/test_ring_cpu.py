@@ -178,7 +178,7 @@ def case_psum(w):
     )
     if len(w.calls(f, *[w.put(p) for p in parts], target="jax_arx_psum")) != len(specs):
         w.fail("psum", "not every psum lowered to jax_arx")
-    for (name, c), p, out in zip(specs, parts, f(*[w.put(p) for p in parts])):
+    for (name, c), p, out in zip(specs, parts, f(*[w.put(p) for p in parts]), strict=True):
         for r, got in w.mine(out).items():
             w.check("psum", got, reference_sum(p), f"{name}[{c}] rank {r}")
 
@@ -275,14 +275,14 @@ def run_topology(w, topology):
     suites.case_moe(w, shapes=suites.MOE_SHAPES[1:3])
     bursts = case_bursts(w)
     after = stats()
-    collectives = sum(sum(a["calls"].values()) - sum(b["calls"].values()) for a, b in zip(after, before))
+    collectives = sum(sum(a["calls"].values()) - sum(b["calls"].values()) for a, b in zip(after, before, strict=True))
     w.jax_arx.check()
     return {
         "cases": w.cases,
         "digests": w.digests,
         "bursts": bursts,
         "collectives": collectives,
-        "relayed": sum(a["relayed_puts"] - b["relayed_puts"] for a, b in zip(after, before)),
+        "relayed": sum(a["relayed_puts"] - b["relayed_puts"] for a, b in zip(after, before, strict=True)),
         "topology": comm.topology,
         "transport": w.jax_arx.transport("sp"),
     }
