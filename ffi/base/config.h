@@ -16,10 +16,11 @@
 namespace arx {
 
 struct Config {
-  uint64_t slot_bytes = 1 << 20;  // per peer per parity: one-shot partial or two-shot chunk
-  uint64_t send_bytes = 4 << 20;  // per parity: a two-shot partial
+  uint64_t slot_bytes = 1 << 20;   // per peer per parity: one-shot partial or two-shot chunk
+  uint64_t send_bytes = 4 << 20;   // per parity: a two-shot partial
   uint64_t oneshot_max_bytes = 0;  // JAX_ARX_ONESHOT_MAX_BYTES: one-shot psum up to here (0: slot_bytes), then two-shot
-  uint64_t bulk_bytes = 32 << 20;  // JAX_ARX_PREFILL_SLOT_BYTES: per parity, a bulk op's gathered output / input (0: none)
+  uint64_t bulk_bytes =
+      32 << 20;  // JAX_ARX_PREFILL_SLOT_BYTES: per parity, a bulk op's gathered output / input (0: none)
   // Whether this endpoint's region holds the bulk lanes (bulk_bytes of
   // them, 4 x in all). jax_arx makes its psum endpoints without (false) and
   // gives the bulk collectives an endpoint of their own at their first call
@@ -36,16 +37,16 @@ struct Config {
   int64_t ib_gid_index = -1;      // verbs: forced GID index, -1 = find it
   // verbs: queue-pair settings (NCCL_IB_* style). A write not acknowledged
   // within 4.096 us << ib_timeout is resent, ib_retry_cnt times, then fails.
-  int64_t ib_timeout = 14;        // JAX_ARX_IB_TIMEOUT, 1..31 (14: 67 ms)
-  int64_t ib_retry_cnt = 7;       // JAX_ARX_IB_RETRY_CNT, 0..7 (soft-RoCE: 6, see verbs.cc)
-  int64_t ib_tc = 0;              // JAX_ARX_IB_TC: traffic class of RoCE packets, 0..255
-  int64_t ib_sl = 0;              // JAX_ARX_IB_SL: service level, 0..15
-  uint64_t ib_chunk_bytes = 0;    // tuning: split verbs data writes into pieces of at most this; 0 = whole
-  std::string ibverbs_lib;        // JAX_ARX_IBVERBS_LIB: the libibverbs to load; empty = the usual names
+  int64_t ib_timeout = 14;      // JAX_ARX_IB_TIMEOUT, 1..31 (14: 67 ms)
+  int64_t ib_retry_cnt = 7;     // JAX_ARX_IB_RETRY_CNT, 0..7 (soft-RoCE: 6, see verbs.cc)
+  int64_t ib_tc = 0;            // JAX_ARX_IB_TC: traffic class of RoCE packets, 0..255
+  int64_t ib_sl = 0;            // JAX_ARX_IB_SL: service level, 0..15
+  uint64_t ib_chunk_bytes = 0;  // tuning: split verbs data writes into pieces of at most this; 0 = whole
+  std::string ibverbs_lib;      // JAX_ARX_IBVERBS_LIB: the libibverbs to load; empty = the usual names
   // JAX_ARX_TOPOLOGY: mesh (every rank reaches every other), or ring (prev
   // and next only; base/topology.h).
   TopologyKind topology = TopologyKind::kMesh;
-  bool cuda_direct = true;         // JAX_ARX_CUDA_DIRECT: GPUs of one host write the peers' inboxes themselves
+  bool cuda_direct = true;  // JAX_ARX_CUDA_DIRECT: GPUs of one host write the peers' inboxes themselves
   // tuning: the pieces of a one-shot psum (comm/plan.cc); 0: built in.
   uint64_t cuda_chunk_bytes = 0;
   // tuning: the host device side cuts a bulk collective's lane into pieces
@@ -71,7 +72,7 @@ struct Config {
   // peer's (else the host region, with one log line); 0: never; 1: required
   // (set-up fails if it cannot be had).
   int64_t cuda_peer_memory = -1;
-  bool verbose = false;           // JAX_ARX_DEBUG: log set-up steps
+  bool verbose = false;  // JAX_ARX_DEBUG: log set-up steps
 
   // Parses {"slot_bytes": "1048576", ...}; unknown keys are an error, so a
   // typo in Python does not silently fall back to a default.

@@ -84,7 +84,7 @@ struct alignas(64) Control {
   // Host (proxy, carrier, handler) -> device side: non-zero fails every wait
   // at once, so nothing spins on a link that is known to be gone.
   uint64_t abort;
-  uint64_t failed_theirs[kDescriptorWords];  // for a mismatch: the peer's exact Descriptor (header)
+  uint64_t failed_theirs[kDescriptorWords];        // for a mismatch: the peer's exact Descriptor (header)
   uint64_t failed_type, failed_count, failed_tag;  // what this rank expected: the rest of its Descriptor
   // The trigger ring (proxy.h): entries published by a host producer (the
   // next index; CUDA producers keep theirs on the device), and taken by the
@@ -119,14 +119,14 @@ constexpr uint64_t kTriggerHeader = 1ull << 8;
 constexpr uint64_t kTriggerNoFlag = ~0ull;
 
 struct alignas(64) Trigger {
-  uint64_t src;    // offset of the bytes in this rank's region
+  uint64_t src;  // offset of the bytes in this rank's region
   uint64_t len;
-  uint64_t dst;    // offset where they land in the peer's region
-  uint64_t flag;   // flag page index of root 0's word, or kTriggerNoFlag
-  uint64_t value;  // the flag word
-  uint64_t dest;   // the peer's rank, or kEveryPeer
-  uint64_t family; // Family, | kTriggerHeader: put the staged header (family, parity) first
-  uint64_t tag;    // ring index + 1, written last
+  uint64_t dst;     // offset where they land in the peer's region
+  uint64_t flag;    // flag page index of root 0's word, or kTriggerNoFlag
+  uint64_t value;   // the flag word
+  uint64_t dest;    // the peer's rank, or kEveryPeer
+  uint64_t family;  // Family, | kTriggerHeader: put the staged header (family, parity) first
+  uint64_t tag;     // ring index + 1, written last
 };
 static_assert(sizeof(Trigger) == 64, "Trigger is written by kernels and read by the proxy: keep its layout fixed");
 static_assert(offsetof(Trigger, tag) == 56, "Trigger layout");
@@ -193,8 +193,9 @@ struct Layout {
   uint64_t slot_bytes = 0, send_bytes = 0;
   uint64_t bulk_lane = 0;  // bulk: one source's (or destination's) part, the largest slice a bulk op takes
   uint64_t control = 0, flags = 0, recv = 0, send = 0, ring = 0, bulk_recv = 0, bulk_send = 0, ll_recv = 0;
-  uint64_t relay = 0, relay_bulk = 0, relay_headers = 0, relay_ring = 0, relay_out = 0, total = 0;  // relay*: empty
-                                                                                                  // unless topo.relays()
+  uint64_t relay = 0, relay_bulk = 0, relay_headers = 0, relay_ring = 0, relay_out = 0,
+           total = 0;  // relay*: empty
+                       // unless topo.relays()
 
   static uint64_t page_up(uint64_t x) { return (x + kPage - 1) / kPage * kPage; }
 
@@ -270,8 +271,18 @@ struct Layout {
   ARX_HD bool lane_of(int src, uint64_t offset, Family& f, int& parity, uint64_t& lane_start) const {
     for (int p = 0; p < 2; ++p) {
       const uint64_t a = recv_offset(p, src), b = bulk_recv_offset(p, src);
-      if (offset >= a && offset < a + slot_bytes) { f = Family::kPsum; parity = p; lane_start = a; return true; }
-      if (bulk_lane && offset >= b && offset < b + bulk_lane) { f = Family::kBulk; parity = p; lane_start = b; return true; }
+      if (offset >= a && offset < a + slot_bytes) {
+        f = Family::kPsum;
+        parity = p;
+        lane_start = a;
+        return true;
+      }
+      if (bulk_lane && offset >= b && offset < b + bulk_lane) {
+        f = Family::kBulk;
+        parity = p;
+        lane_start = b;
+        return true;
+      }
     }
     return false;
   }

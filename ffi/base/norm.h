@@ -42,8 +42,8 @@ constexpr int kNormLanes = 256;
 struct AddNorm {
   const void* residual = nullptr;  // the shape of hidden
   const void* weight = nullptr;
-  const void* bias = nullptr;      // none: null
-  void* normed = nullptr;          // null: a plain psum
+  const void* bias = nullptr;  // none: null
+  void* normed = nullptr;      // null: a plain psum
   uint64_t width = 0;
   float eps = 0.f;
   NormKind kind = NormKind::kRms;

@@ -67,7 +67,8 @@ bool start_guard(const std::string& name, int& pid, int& fd) {
 // waiting at most a second: it exits as soon as it has read the line.
 void stop_guard(int& pid, int& fd) {
   if (fd >= 0) {
-    while (write(fd, "\n", 1) < 0 && errno == EINTR) {}
+    while (write(fd, "\n", 1) < 0 && errno == EINTR) {
+    }
     close(fd);
     fd = -1;
   }
@@ -99,8 +100,8 @@ Status Region::create(uint64_t bytes, bool shared, std::unique_ptr<Region>& out)
   if (!shared) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
-      return Status::Error(strf("jax_arx: could not allocate %llu bytes for an endpoint: %s",
-                                (unsigned long long)bytes, strerror(errno)));
+      return Status::Error(strf("jax_arx: could not allocate %llu bytes for an endpoint: %s", (unsigned long long)bytes,
+                                strerror(errno)));
     r->base_ = static_cast<uint8_t*>(p);
     out = std::move(r);
     return Status::Ok();
@@ -111,8 +112,8 @@ Status Region::create(uint64_t bytes, bool shared, std::unique_ptr<Region>& out)
   start_guard(name, r->guard_pid_, r->guard_fd_);
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0)
-    return Status::Error(strf("jax_arx: shm_open(%s) failed: %s; is /dev/shm mounted and writable?", name.c_str(),
-                              strerror(errno)));
+    return Status::Error(
+        strf("jax_arx: shm_open(%s) failed: %s; is /dev/shm mounted and writable?", name.c_str(), strerror(errno)));
   r->name_ = name;
   r->owner_ = true;
   // posix_fallocate reserves every page now: a tmpfs that cannot hold the
@@ -120,9 +121,10 @@ Status Region::create(uint64_t bytes, bool shared, std::unique_ptr<Region>& out)
   if (ftruncate(fd, (off_t)bytes) != 0 || (errno = posix_fallocate(fd, 0, (off_t)bytes)) != 0) {
     const int e = errno;
     close(fd);
-    return Status::Error(strf("jax_arx: could not size shared memory %s to %llu bytes: %s; /dev/shm may be too "
-                              "small (docker: --shm-size), or set JAX_ARX_TRANSPORT=tcp",
-                              name.c_str(), (unsigned long long)bytes, strerror(e)));
+    return Status::Error(
+        strf("jax_arx: could not size shared memory %s to %llu bytes: %s; /dev/shm may be too "
+             "small (docker: --shm-size), or set JAX_ARX_TRANSPORT=tcp",
+             name.c_str(), (unsigned long long)bytes, strerror(e)));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int e = errno;
@@ -137,10 +139,11 @@ Status Region::create(uint64_t bytes, bool shared, std::unique_ptr<Region>& out)
 Status Region::open_peer(const std::string& name, uint64_t bytes, std::unique_ptr<Region>& out) {
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0)
-    return Status::Error(strf("jax_arx: could not open a peer's shared memory %s: %s; the shm carrier needs every "
-                              "rank on this host (set JAX_ARX_TRANSPORT=tcp across hosts)",
-                              name.c_str(), strerror(errno)));
-  struct stat st{};
+    return Status::Error(
+        strf("jax_arx: could not open a peer's shared memory %s: %s; the shm carrier needs every "
+             "rank on this host (set JAX_ARX_TRANSPORT=tcp across hosts)",
+             name.c_str(), strerror(errno)));
+  struct stat st {};
   if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != bytes) {
     close(fd);
     return Status::Error(strf("jax_arx: peer shared memory %s has %lld bytes, expected %llu", name.c_str(),

@@ -40,10 +40,10 @@ inline std::string strf(const char* fmt, ...) {
   return s;
 }
 
-#define ARX_RETURN_IF_ERROR(expr)        \
-  do {                                   \
-    ::arx::Status arx_s_ = (expr);       \
-    if (!arx_s_.ok()) return arx_s_;     \
+#define ARX_RETURN_IF_ERROR(expr)    \
+  do {                               \
+    ::arx::Status arx_s_ = (expr);   \
+    if (!arx_s_.ok()) return arx_s_; \
   } while (0)
 
 }  // namespace arx

@@ -39,9 +39,7 @@ struct Topology {
     return carrier == src ? linked(src, dest) : relay(src, dest) == carrier;
   }
   // The source whose puts `m` relays (its prev), or -1 where nothing is relayed.
-  ARX_HD int relayed_source(int m) const {
-    return ring && world > 3 ? prev(m) : -1;
-  }
+  ARX_HD int relayed_source(int m) const { return ring && world > 3 ? prev(m) : -1; }
   bool relays() const { return ring && world > 3; }
 };
 

@@ -48,8 +48,8 @@ inline uint64_t trace_now() {
 }  // namespace arx
 
 #if defined(ARX_TRACE)
-#define ARX_STAMP(buf, family, seq, stage, now)                                                         \
-  do {                                                                                                  \
+#define ARX_STAMP(buf, family, seq, stage, now)                                                            \
+  do {                                                                                                     \
     if (buf) store_relaxed(&(buf)->t[(int)(family)][(seq) % ::arx::kTraceSeqs][(stage)], (uint64_t)(now)); \
   } while (0)
 #else

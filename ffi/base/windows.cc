@@ -31,9 +31,10 @@ Status PeerWindows::open(const std::vector<std::string>& details, int rank, cons
       return Status::Error(strf("jax_arx: %s: malformed shared-memory details from rank %d", label.c_str(), j));
     const std::string name = d.substr(0, nl), their_host = d.substr(nl + 1);
     if (their_host != host)
-      return Status::Error(strf("jax_arx: %s: the shm carrier needs every rank on one host, but rank %d is on "
-                                "'%s' and this rank on '%s'; set JAX_ARX_TRANSPORT=tcp (or verbs)",
-                                label.c_str(), j, their_host.c_str(), host.c_str()));
+      return Status::Error(
+          strf("jax_arx: %s: the shm carrier needs every rank on one host, but rank %d is on "
+               "'%s' and this rank on '%s'; set JAX_ARX_TRANSPORT=tcp (or verbs)",
+               label.c_str(), j, their_host.c_str(), host.c_str()));
     ARX_RETURN_IF_ERROR(Region::open_peer(name, layout.total, peers_[j]));
     // Tell rank j that its region is mapped here.
     store_release(reinterpret_cast<uint64_t*>(peers_[j]->base() + layout.handshake_offset(rank)), 1);
@@ -43,8 +44,8 @@ Status PeerWindows::open(const std::vector<std::string>& details, int rank, cons
     if (j == rank) continue;
     const uint64_t* word = reinterpret_cast<const uint64_t*>(mine.base() + layout.handshake_offset(j));
     if (wait_nonzero(word, deadline) == 0)
-      return Status::Error(strf("jax_arx: %s: rank %d did not map this rank's shared memory within %g s",
-                                label.c_str(), j, timeout_s));
+      return Status::Error(
+          strf("jax_arx: %s: rank %d did not map this rank's shared memory within %g s", label.c_str(), j, timeout_s));
   }
   mine.unlink();
   mapped_ = true;

@@ -40,12 +40,12 @@ ARX_HD uint64_t flag_desc(uint64_t flag) { return flag & kDescMask; }
 
 // What a collective is, for its descriptor.
 enum class OpCode : uint64_t {
-  kPsum = 1,           // one-shot psum
-  kPsumScatter = 2,    // two-shot psum, first half: chunk j to rank j
-  kPsumGather = 3,     // two-shot psum, second half: the summed chunk to every rank
+  kPsum = 1,         // one-shot psum
+  kPsumScatter = 2,  // two-shot psum, first half: chunk j to rank j
+  kPsumGather = 3,   // two-shot psum, second half: the summed chunk to every rank
   kAllGather = 4,
   kReduceScatter = 5,
-  kMoeCombine = 6,     // the fused MoE combine + reduce-scatter
+  kMoeCombine = 6,  // the fused MoE combine + reduce-scatter
 };
 
 // What a collective is, exactly: its op, a type code (DType for the reducing
@@ -154,7 +154,8 @@ ARX_HD FlagWords bulk_words(int roots) { return FlagWords{kBulkWordBase, kChunks
 ARX_HD bool src_owns_word(int src, int index, int world) {
   if (index >= kPsumWordBase && index < kPsumWordBase + psum_stride(world) * world)
     return (index - kPsumWordBase) / psum_stride(world) == src;
-  if (index >= kBulkWordBase && index < kBulkWordBase + kBulkWords) return (index - kBulkWordBase) / (kChunks * kRoots) == src;
+  if (index >= kBulkWordBase && index < kBulkWordBase + kBulkWords)
+    return (index - kBulkWordBase) / (kChunks * kRoots) == src;
   return index == notice_word(src);
 }
 

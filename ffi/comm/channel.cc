@@ -21,8 +21,10 @@ FamilyPlace place_of(const Layout& L, Family f, bool ll_lines) {
 
 FlagWords words_of(const Layout& L, Family f, int roots) {
   switch (f) {
-    case Family::kPsum: return psum_words(L.world, roots);
-    case Family::kBulk: return bulk_words(roots);
+    case Family::kPsum:
+      return psum_words(L.world, roots);
+    case Family::kBulk:
+      return bulk_words(roots);
   }
   return {};
 }

@@ -206,12 +206,12 @@ struct ProxyChannel {
   Inbox in;
   int rank = 0, world = 0;
   Family family = Family::kPsum;
-  uint8_t* stage = nullptr;        // staging lane 0 of parity 0
+  uint8_t* stage = nullptr;  // staging lane 0 of parity 0
   uint64_t stage_parity_bytes = 0;
-  uint64_t stage_offset = 0;       // region offset of `stage`
-  uint64_t inbox_offset = 0;       // region offset of in.data, here and in every peer's region
+  uint64_t stage_offset = 0;  // region offset of `stage`
+  uint64_t inbox_offset = 0;  // region offset of in.data, here and in every peer's region
   Trigger* ring = nullptr;
-  uint64_t* staged = nullptr;      // this family's staged headers, by parity (Layout::staged_header_offset)
+  uint64_t* staged = nullptr;  // this family's staged headers, by parity (Layout::staged_header_offset)
 
   static constexpr bool kStaged = true;
   struct Out;

@@ -42,13 +42,14 @@ Status Endpoint::create(const EndpointSpec& spec, std::shared_ptr<Endpoint>& out
     return Status::Error(strf("jax_arx: communicator '%s' has %d ranks; jax_arx supports 2 to %d", spec.name.c_str(),
                               spec.world, kMaxWorld));
   if (spec.rank < 0 || spec.rank >= spec.world)
-    return Status::Error(strf("jax_arx: rank %d is outside communicator '%s' of %d ranks", spec.rank,
-                              spec.name.c_str(), spec.world));
+    return Status::Error(
+        strf("jax_arx: rank %d is outside communicator '%s' of %d ranks", spec.rank, spec.name.c_str(), spec.world));
   if (spec.config.topology == TopologyKind::kRing && spec.world > kMaxRingWorld)
-    return Status::Error(strf("jax_arx: communicator '%s' has %d ranks; a ring (JAX_ARX_TOPOLOGY=ring) takes 2 to %d: "
-                              "past that, what a rank sends would go through more than one relay. Connect the "
-                              "boxes through a switch and use JAX_ARX_TOPOLOGY=mesh",
-                              spec.name.c_str(), spec.world, kMaxRingWorld));
+    return Status::Error(
+        strf("jax_arx: communicator '%s' has %d ranks; a ring (JAX_ARX_TOPOLOGY=ring) takes 2 to %d: "
+             "past that, what a rank sends would go through more than one relay. Connect the "
+             "boxes through a switch and use JAX_ARX_TOPOLOGY=mesh",
+             spec.name.c_str(), spec.world, kMaxRingWorld));
   std::shared_ptr<Endpoint> ep(new Endpoint());
   ep->spec_ = spec;
   ep->layout_ = Layout::of(Geometry{(uint32_t)spec.world, spec.config.slot_bytes, spec.config.send_bytes,
@@ -88,8 +89,8 @@ std::string Endpoint::details() const {
 Status Endpoint::connect(const std::vector<std::string>& all) {
   if (connected_) return Status::Error(strf("jax_arx: %s is already connected", label_.c_str()));
   if ((int)all.size() != spec_.world)
-    return Status::Error(strf("jax_arx: %s got details from %zu ranks, expected %d", label_.c_str(), all.size(),
-                              spec_.world));
+    return Status::Error(
+        strf("jax_arx: %s got details from %zu ranks, expected %d", label_.c_str(), all.size(), spec_.world));
   std::vector<std::string> shared(all.size()), carrier(all.size());
   for (int j = 0; j < spec_.world; ++j) {
     std::string rest;

@@ -10,12 +10,18 @@ namespace {
 
 const char* op_name(uint64_t op) {
   switch ((OpCode)op) {
-    case OpCode::kPsum: return "psum";
-    case OpCode::kPsumScatter: return "psum (two-shot, reduce-scatter half)";
-    case OpCode::kPsumGather: return "psum (two-shot, all-gather half)";
-    case OpCode::kAllGather: return "all_gather";
-    case OpCode::kReduceScatter: return "psum_scatter";
-    case OpCode::kMoeCombine: return "moe_combine_psum_scatter";
+    case OpCode::kPsum:
+      return "psum";
+    case OpCode::kPsumScatter:
+      return "psum (two-shot, reduce-scatter half)";
+    case OpCode::kPsumGather:
+      return "psum (two-shot, all-gather half)";
+    case OpCode::kAllGather:
+      return "all_gather";
+    case OpCode::kReduceScatter:
+      return "psum_scatter";
+    case OpCode::kMoeCombine:
+      return "moe_combine_psum_scatter";
   }
   return "collective";
 }
@@ -34,8 +40,10 @@ std::string describe_exactly(uint64_t op, uint64_t type, uint64_t count, uint64_
 
 const char* family_name(Family f) {
   switch (f) {
-    case Family::kPsum: return "psum";
-    case Family::kBulk: return "bulk";
+    case Family::kPsum:
+      return "psum";
+    case Family::kBulk:
+      return "bulk";
   }
   return "?";
 }
@@ -96,31 +104,32 @@ std::string Endpoint::describe_recorded_failure() const {
       // A rank that was stopped itself (host/steps.h, HostPoll) says so
       // first: its peers have most likely given up on it meanwhile.
       const std::string itself =
-          not_running > 0 ? strf(" This rank itself was not running for %.1f s during that wait (the process was "
-                                 "stopped, or starved of the CPU), which is not counted in the timeout; its peers "
-                                 "have likely given up on it meanwhile.",
-                                 not_running)
+          not_running > 0 ? strf(
+                                " This rank itself was not running for %.1f s during that wait (the process was "
+                                "stopped, or starved of the CPU), which is not counted in the timeout; its peers "
+                                "have likely given up on it meanwhile.",
+                                not_running)
                           : std::string();
-      return strf("jax_arx: %s: %s timed out after %g s waiting for rank %s.%s Last heard from each peer:%s. The "
-                  "peer may have exited or crashed, be stopped, or be issuing different collectives; raise "
-                  "JAX_ARX_TIMEOUT_S if it is only slow",
-                  label_.c_str(), what.c_str(), spec_.config.timeout_s, who.c_str(), itself.c_str(),
-                  heard_from_peers().c_str());
+      return strf(
+          "jax_arx: %s: %s timed out after %g s waiting for rank %s.%s Last heard from each peer:%s. The "
+          "peer may have exited or crashed, be stopped, or be issuing different collectives; raise "
+          "JAX_ARX_TIMEOUT_S if it is only slow",
+          label_.c_str(), what.c_str(), spec_.config.timeout_s, who.c_str(), itself.c_str(),
+          heard_from_peers().c_str());
     }
     case FailureKind::kMismatch: {
       uint64_t theirs[kDescriptorWords];
       for (int i = 0; i < kDescriptorWords; ++i) theirs[i] = load_relaxed(&ctl->failed_theirs[i]);
       const std::string mine = describe_exactly(load_relaxed(&ctl->failed_op), load_relaxed(&ctl->failed_type),
                                                 load_relaxed(&ctl->failed_count), load_relaxed(&ctl->failed_tag));
-      const std::string peer =
-          theirs[0] ? describe_exactly(theirs[0], theirs[1], theirs[2], theirs[3])
-                    : strf("another collective (descriptor %06llx, this rank's %06llx)",
-                           (unsigned long long)flag_desc(load_relaxed(&ctl->failed_flag)),
-                           (unsigned long long)(load_relaxed(&ctl->failed_desc) & kDescMask));
-      return strf("jax_arx: %s: at %s rank %llu issued a different collective: %s, where this rank issued %s. "
-                  "Every rank must issue the same collectives in the same order with the same shapes",
-                  label_.c_str(), what.c_str(), (unsigned long long)load_relaxed(&ctl->failed_src), peer.c_str(),
-                  mine.c_str());
+      const std::string peer = theirs[0] ? describe_exactly(theirs[0], theirs[1], theirs[2], theirs[3])
+                                         : strf("another collective (descriptor %06llx, this rank's %06llx)",
+                                                (unsigned long long)flag_desc(load_relaxed(&ctl->failed_flag)),
+                                                (unsigned long long)(load_relaxed(&ctl->failed_desc) & kDescMask));
+      return strf(
+          "jax_arx: %s: at %s rank %llu issued a different collective: %s, where this rank issued %s. "
+          "Every rank must issue the same collectives in the same order with the same shapes",
+          label_.c_str(), what.c_str(), (unsigned long long)load_relaxed(&ctl->failed_src), peer.c_str(), mine.c_str());
     }
     case FailureKind::kAborted:
       return strf("jax_arx: %s: %s was abandoned because the endpoint had already failed", label_.c_str(),

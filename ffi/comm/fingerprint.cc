@@ -8,8 +8,10 @@ namespace {
 
 const char* platform_name(Platform p) {
   switch (p) {
-    case Platform::kHost: return "cpu";
-    case Platform::kCuda: return "cuda";
+    case Platform::kHost:
+      return "cpu";
+    case Platform::kCuda:
+      return "cuda";
   }
   return "unknown";
 }
@@ -26,7 +28,7 @@ struct Fingerprint {
   // descriptors, but a difference found here is a clearer message).
   uint64_t cuda_chunk_bytes, bulk_piece_bytes;
   int64_t cuda_ll_max_bytes;
-  uint32_t moe_fused;  // whether the MoE combine runs fused: a rank that differs would issue other collectives
+  uint32_t moe_fused;   // whether the MoE combine runs fused: a rank that differs would issue other collectives
   uint32_t norm_fused;  // the same for psum_add_norm
   uint32_t cuda_direct;
   uint32_t bulk_lanes;  // whether the region holds the bulk lanes (base/config.h)
@@ -82,14 +84,15 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
   if (std::memcmp(theirs.magic, kMagic, sizeof kMagic) != 0)
     return strf("rank %d sent details that are not from jax_arx (or from an incompatible version)", j);
   if (std::strncmp(mine.version, theirs.version, sizeof mine.version) != 0)
-    return strf("rank %d runs jax_arx %.16s, this rank %.16s; install the same version everywhere", j,
-                theirs.version, mine.version);
+    return strf("rank %d runs jax_arx %.16s, this rank %.16s; install the same version everywhere", j, theirs.version,
+                mine.version);
   if (mine.layout_bytes != theirs.layout_bytes)
     return strf("rank %d was built with a different control block layout; rebuild jax_arx everywhere", j);
   if (std::strncmp(mine.name, theirs.name, sizeof mine.name) != 0 || mine.comm_id != theirs.comm_id)
-    return strf("rank %d set up communicator '%.48s' (id %lld), this rank '%.48s' (id %lld); every process must "
-                "call jax_arx.initialize with the same mesh",
-                j, theirs.name, (long long)theirs.comm_id, mine.name, (long long)mine.comm_id);
+    return strf(
+        "rank %d set up communicator '%.48s' (id %lld), this rank '%.48s' (id %lld); every process must "
+        "call jax_arx.initialize with the same mesh",
+        j, theirs.name, (long long)theirs.comm_id, mine.name, (long long)mine.comm_id);
   if (theirs.rank != (uint32_t)j) return strf("the details at index %d came from rank %u", j, theirs.rank);
   if (mine.world != theirs.world) return num("world size", mine.world, theirs.world, "check the mesh");
   if (mine.slot_bytes != theirs.slot_bytes)
@@ -99,9 +102,10 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
   if (mine.bulk_bytes != theirs.bulk_bytes)
     return num("bulk bytes", mine.bulk_bytes, theirs.bulk_bytes, "set JAX_ARX_PREFILL_SLOT_BYTES the same everywhere");
   if (mine.bulk_lanes != theirs.bulk_lanes)
-    return strf("rank %d %s the bulk lanes, this rank %s; every rank of a communicator must lay its region out "
-                "alike (a bug of the caller: jax_arx sets this, not the user)",
-                j, theirs.bulk_lanes ? "holds" : "does not hold", mine.bulk_lanes ? "does" : "does not");
+    return strf(
+        "rank %d %s the bulk lanes, this rank %s; every rank of a communicator must lay its region out "
+        "alike (a bug of the caller: jax_arx sets this, not the user)",
+        j, theirs.bulk_lanes ? "holds" : "does not hold", mine.bulk_lanes ? "does" : "does not");
   if (mine.oneshot_max_bytes != theirs.oneshot_max_bytes)
     return num("oneshot_max_bytes", mine.oneshot_max_bytes, theirs.oneshot_max_bytes,
                "set JAX_ARX_ONESHOT_MAX_BYTES the same everywhere");
@@ -112,13 +116,14 @@ std::string check_fingerprint(const EndpointSpec& spec, const std::string& detai
   if (mine.cuda_chunk_bytes != theirs.cuda_chunk_bytes || mine.cuda_ll_max_bytes != theirs.cuda_ll_max_bytes ||
       mine.bulk_piece_bytes != theirs.bulk_piece_bytes || mine.moe_fused != theirs.moe_fused ||
       mine.norm_fused != theirs.norm_fused)
-    return strf("rank %d was set up with other tuning (chunk %llu, LL up to %lld bytes, bulk pieces of %llu, MoE "
-                "fused %u, norm fused %u; this rank %llu, %lld, %llu, %u, %u): pass the same _tuning to "
-                "jax_arx.initialize everywhere",
-                j, (unsigned long long)theirs.cuda_chunk_bytes, (long long)theirs.cuda_ll_max_bytes,
-                (unsigned long long)theirs.bulk_piece_bytes, theirs.moe_fused, theirs.norm_fused,
-                (unsigned long long)mine.cuda_chunk_bytes,
-                (long long)mine.cuda_ll_max_bytes, (unsigned long long)mine.bulk_piece_bytes, mine.moe_fused, mine.norm_fused);
+    return strf(
+        "rank %d was set up with other tuning (chunk %llu, LL up to %lld bytes, bulk pieces of %llu, MoE "
+        "fused %u, norm fused %u; this rank %llu, %lld, %llu, %u, %u): pass the same _tuning to "
+        "jax_arx.initialize everywhere",
+        j, (unsigned long long)theirs.cuda_chunk_bytes, (long long)theirs.cuda_ll_max_bytes,
+        (unsigned long long)theirs.bulk_piece_bytes, theirs.moe_fused, theirs.norm_fused,
+        (unsigned long long)mine.cuda_chunk_bytes, (long long)mine.cuda_ll_max_bytes,
+        (unsigned long long)mine.bulk_piece_bytes, mine.moe_fused, mine.norm_fused);
   if (mine.transport != theirs.transport)
     return strf("rank %d uses the %s carrier, this rank %s; set JAX_ARX_TRANSPORT the same everywhere", j,
                 transport_name((TransportKind)theirs.transport), transport_name((TransportKind)mine.transport));

@@ -52,8 +52,7 @@ uint64_t ll_limit(const Endpoint& ep) {
 // the whole partial.
 bool ll_runs(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   if (ep.spec().platform != Platform::kCuda || bytes > ll_limit(ep)) return false;
-  if (row_bytes && bytes > kLLBlockPayload && (row_bytes > kLLBlockPayload || row_bytes % kLLLinePayload))
-    return false;
+  if (row_bytes && bytes > kLLBlockPayload && (row_bytes > kLLBlockPayload || row_bytes % kLLLinePayload)) return false;
   if (ep.route().direct) return true;
   const Layout& L = ep.layout();
   const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload * kLLLineBytes;
@@ -121,8 +120,8 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   Plan p;
   const bool host_inboxes = cuda && ep.route().direct && !ep.route().gpu_inboxes;
   const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes)
-                               : host_inboxes       ? std::min(kOneShotMaxHostInboxes, L.slot_bytes)
-                                                    : L.slot_bytes;
+                               : host_inboxes        ? std::min(kOneShotMaxHostInboxes, L.slot_bytes)
+                                                     : L.slot_bytes;
   // The two-shot partial is staged whole (send_bytes), and each rank's chunk
   // fills at most a slot.
   const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;
@@ -148,17 +147,19 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   // refuses less).
   const std::string need = size_setting(bytes);
   if (cfg.oneshot_max_bytes && oneshot_max < L.slot_bytes && bytes <= L.slot_bytes) {
-    p.why_not = strf("a partial of %llu bytes exceeds JAX_ARX_ONESHOT_MAX_BYTES=%llu; set "
-                     "JAX_ARX_ONESHOT_MAX_BYTES=%s or unset it on every process to run it with jax_arx",
-                     (unsigned long long)bytes, (unsigned long long)oneshot_max, need.c_str());
+    p.why_not = strf(
+        "a partial of %llu bytes exceeds JAX_ARX_ONESHOT_MAX_BYTES=%llu; set "
+        "JAX_ARX_ONESHOT_MAX_BYTES=%s or unset it on every process to run it with jax_arx",
+        (unsigned long long)bytes, (unsigned long long)oneshot_max, need.c_str());
     return p;
   }
   std::string fix = "JAX_ARX_SLOT_BYTES=" + need;
   if (bytes > L.send_bytes) fix += " and JAX_ARX_SEND_BYTES=" + need + " (the send buffer must hold a slot)";
-  p.why_not = strf("a partial of %llu bytes exceeds the %s limit of %llu bytes; set %s on every process to run it "
-                   "with jax_arx (each endpoint pins 2 x world x JAX_ARX_SLOT_BYTES + 2 x JAX_ARX_SEND_BYTES)",
-                   (unsigned long long)bytes, cuda ? "two-shot" : "one-shot",
-                   (unsigned long long)std::max(oneshot_max, twoshot_max), fix.c_str());
+  p.why_not = strf(
+      "a partial of %llu bytes exceeds the %s limit of %llu bytes; set %s on every process to run it "
+      "with jax_arx (each endpoint pins 2 x world x JAX_ARX_SLOT_BYTES + 2 x JAX_ARX_SEND_BYTES)",
+      (unsigned long long)bytes, cuda ? "two-shot" : "one-shot", (unsigned long long)std::max(oneshot_max, twoshot_max),
+      fix.c_str());
   return p;
 }
 
@@ -177,18 +178,18 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
     p.pieces = bulk_pieces(ep, lane_bytes);
     return p;
   }
-  p.why_not = strf("%s moves %llu bytes per rank, %llu for all %d ranks, more than JAX_ARX_PREFILL_SLOT_BYTES=%llu; "
-                   "set JAX_ARX_PREFILL_SLOT_BYTES=%s on every process to run it with jax_arx (the bulk collectives pin "
-                   "4 x JAX_ARX_PREFILL_SLOT_BYTES per device, from their first call on)",
-                   op, (unsigned long long)lane_bytes, (unsigned long long)(lane_bytes * L.world), L.world,
-                   (unsigned long long)ep.spec().config.bulk_bytes, size_setting(lane_bytes * L.world).c_str());
+  p.why_not = strf(
+      "%s moves %llu bytes per rank, %llu for all %d ranks, more than JAX_ARX_PREFILL_SLOT_BYTES=%llu; "
+      "set JAX_ARX_PREFILL_SLOT_BYTES=%s on every process to run it with jax_arx (the bulk collectives pin "
+      "4 x JAX_ARX_PREFILL_SLOT_BYTES per device, from their first call on)",
+      op, (unsigned long long)lane_bytes, (unsigned long long)(lane_bytes * L.world), L.world,
+      (unsigned long long)ep.spec().config.bulk_bytes, size_setting(lane_bytes * L.world).c_str());
   return p;
 }
 
 Plan plan_add_norm(const Endpoint& ep, uint64_t bytes) {
   Plan p = plan_psum(ep, bytes);
-  if (p.algorithm == Algorithm::kNone || ep.spec().platform != Platform::kCuda || ep.spec().config.norm_fused)
-    return p;
+  if (p.algorithm == Algorithm::kNone || ep.spec().platform != Platform::kCuda || ep.spec().config.norm_fused) return p;
   // On GPUs the norm in the psum kernels' epilogue runs on the blocks that
   // summed each row, a row at a time, where XLA's separate add and norm
   // kernel takes the whole GPU: measured, the fused call lost to the
@@ -199,8 +200,9 @@ Plan plan_add_norm(const Endpoint& ep, uint64_t bytes) {
   // communicator's.
   Plan unfused;
   unfused.algorithm = Algorithm::kUnfused;
-  unfused.reason = "the fused norm measured slower than jax_arx.psum, then the add and the norm in jax, on this route (" +
-                   route_words(ep) + "; docs/performance.md, \"The fused norm\")";
+  unfused.reason =
+      "the fused norm measured slower than jax_arx.psum, then the add and the norm in jax, on this route (" +
+      route_words(ep) + "; docs/performance.md, \"The fused norm\")";
   return unfused;
 }
 

@@ -62,7 +62,8 @@ Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
   // A bad entry is a bug of a device side. The carriers refuse what would
   // land outside this rank's slots of a peer's inbox; the source must lie in
   // one of this rank's staging buffers.
-  const bool in_send = t.src >= L.send && t.src <= L.send + 2 * L.send_bytes && t.len <= L.send + 2 * L.send_bytes - t.src;
+  const bool in_send =
+      t.src >= L.send && t.src <= L.send + 2 * L.send_bytes && t.len <= L.send + 2 * L.send_bytes - t.src;
   const uint64_t bulk_end = L.bulk_send + 2 * (uint64_t)world * L.bulk_lane;
   const bool in_bulk = t.src >= L.bulk_send && t.src <= bulk_end && t.len <= bulk_end - t.src;
   if (!(in_send || in_bulk) || (t.dest != kEveryPeer && (t.dest >= (uint64_t)world || t.dest == (uint64_t)rank)) ||
@@ -90,9 +91,10 @@ Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
       // rank zeroes once it has read them: lines are never relayed (the plan
       // runs no LL through a relay).
       if (t.flag == kTriggerNoFlag)
-        return Status::Error(strf("jax_arx: %s: trigger %llu puts LL lines to rank %d, which this rank reaches only "
-                                  "through a relay; a bug of jax_arx's plan, please report it",
-                                  ep.label().c_str(), (unsigned long long)t.tag - 1, peer));
+        return Status::Error(
+            strf("jax_arx: %s: trigger %llu puts LL lines to rank %d, which this rank reaches only "
+                 "through a relay; a bug of jax_arx's plan, please report it",
+                 ep.label().c_str(), (unsigned long long)t.tag - 1, peer));
       if (t.family & kTriggerHeader) ARX_RETURN_IF_ERROR(relay.header(t, peer, header));
       for (int root = 0; root < roots; ++root) {
         uint64_t off, len;
@@ -156,13 +158,13 @@ class Watchdog {
     // A stall is no failure (a peer may still be compiling); if it becomes
     // one, the failure says so in its own message. The report is kept for
     // jax_arx.stats(), and printed with JAX_ARX_DEBUG only.
-    const std::string report =
-        strf("jax_arx: %s: no progress for %.0f s: psum #%llu and bulk collective #%llu began, #%llu and #%llu "
-             "finished. Last heard from each peer:%s. Waiting for the peers (one may be slow to start, stopped, "
-             "or issuing other collectives); the collective fails after JAX_ARX_TIMEOUT_S=%g s",
-             ep_.label().c_str(), std::chrono::duration<double>(now - last_move_).count(),
-             (unsigned long long)begun[0], (unsigned long long)begun[1], (unsigned long long)done[0],
-             (unsigned long long)done[1], ep_.heard_from_peers().c_str(), ep_.spec().config.timeout_s);
+    const std::string report = strf(
+        "jax_arx: %s: no progress for %.0f s: psum #%llu and bulk collective #%llu began, #%llu and #%llu "
+        "finished. Last heard from each peer:%s. Waiting for the peers (one may be slow to start, stopped, "
+        "or issuing other collectives); the collective fails after JAX_ARX_TIMEOUT_S=%g s",
+        ep_.label().c_str(), std::chrono::duration<double>(now - last_move_).count(), (unsigned long long)begun[0],
+        (unsigned long long)begun[1], (unsigned long long)done[0], (unsigned long long)done[1],
+        ep_.heard_from_peers().c_str(), ep_.spec().config.timeout_s);
     ep_.note_stall(report);
     if (ep_.spec().config.verbose) fprintf(stderr, "%s\n", report.c_str());
     return true;
@@ -265,19 +267,27 @@ std::string waited_for(uint64_t v) {
 std::string notice_message(const Endpoint& ep, int from, uint64_t v) {
   const uint64_t family = flag_desc(v) & 0xff;
   const FailureKind kind = notice_kind(v);
-  const std::string what = strf("%s #%llu", family == 2 ? "bulk collective" : family == 1 ? "psum" : "a collective",
+  const std::string what = strf("%s #%llu",
+                                family == 2   ? "bulk collective"
+                                : family == 1 ? "psum"
+                                              : "a collective",
                                 (unsigned long long)flag_seq(v));
   const std::string cause =
       kind == FailureKind::kMismatch  ? strf("found that the ranks issued a different collective at %s", what.c_str())
-      : kind == FailureKind::kTimeout  ? strf("gave up on %s: its wait for %s timed out after its "
-                                              "JAX_ARX_TIMEOUT_S", what.c_str(), waited_for(v).c_str())
-      : kind == FailureKind::kPeerLost ? strf("lost %s (its link to it closed: the process exited or crashed) and "
-                                              "gave up on %s", waited_for(v).c_str(), what.c_str())
+      : kind == FailureKind::kTimeout ? strf(
+                                            "gave up on %s: its wait for %s timed out after its "
+                                            "JAX_ARX_TIMEOUT_S",
+                                            what.c_str(), waited_for(v).c_str())
+      : kind == FailureKind::kPeerLost ? strf(
+                                             "lost %s (its link to it closed: the process exited or crashed) and "
+                                             "gave up on %s",
+                                             waited_for(v).c_str(), what.c_str())
                                        : strf("gave up on %s", what.c_str());
-  return strf("jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
-              "collective after it), as every rank does. Rank %d's own error (or the rank it names) says more: see "
-              "its log",
-              ep.label().c_str(), from, cause.c_str(), from);
+  return strf(
+      "jax_arx: %s: rank %d %s, and said so; this rank fails it too (or, if it had finished it, the "
+      "collective after it), as every rank does. Rank %d's own error (or the rank it names) says more: see "
+      "its log",
+      ep.label().c_str(), from, cause.c_str(), from);
 }
 
 }  // namespace

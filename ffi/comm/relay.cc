@@ -53,9 +53,10 @@ Status Relay::data(const Trigger& t, int dest, int root, uint64_t off, uint64_t 
   int par;
   uint64_t lane_start;
   if (!L.lane_of(rank, t.dst, f, par, lane_start) || t.dst - lane_start + off + len > L.relay_lane_bytes(f))
-    return Status::Error(strf("jax_arx: %s: a put to rank %d at %llu is in no inbox lane of this rank's; nothing "
-                              "to relay it through",
-                              ep_.label().c_str(), dest, (unsigned long long)t.dst));
+    return Status::Error(
+        strf("jax_arx: %s: a put to rank %d at %llu is in no inbox lane of this rank's; nothing "
+             "to relay it through",
+             ep_.label().c_str(), dest, (unsigned long long)t.dst));
   const uint64_t staged = L.relay_offset(f, par) + (t.dst - lane_start) + off;
   ARX_RETURN_IF_ERROR(ep_.transport()->put(next, root, ep_.base() + t.src + off, staged, len, kNoFlag, 0));
   return record(root, staged, len, t.dst + off, flag, t.value);
@@ -76,10 +77,10 @@ Status Relay::forward(bool& moved) {
     // prev's count only grows and never runs more than a ring ahead of
     // what was taken (relay.h); anything else is not from jax_arx.
     if (count < taken_[root] || count - taken_[root] > (uint64_t)kRing)
-      return Status::Error(strf("jax_arx: %s: rank %d announced relay record %llu on root %d, where %llu were "
-                                "taken; it is not a jax_arx peer, or a broken one",
-                                ep_.label().c_str(), prev, (unsigned long long)count, root,
-                                (unsigned long long)taken_[root]));
+      return Status::Error(
+          strf("jax_arx: %s: rank %d announced relay record %llu on root %d, where %llu were "
+               "taken; it is not a jax_arx peer, or a broken one",
+               ep_.label().c_str(), prev, (unsigned long long)count, root, (unsigned long long)taken_[root]));
     for (; taken_[root] < count; ++taken_[root]) {
       RelayRecord r;
       std::memcpy(&r, ep_.base() + L.relay_record_offset(root, taken_[root]), sizeof r);
@@ -89,9 +90,10 @@ Status Relay::forward(bool& moved) {
       const bool from_ok = r.len == 0 || L.src_may_write(prev, r.from, r.len) ||
                            (r.from >= L.relay_lo() && r.from <= L.relay_ring && r.len <= L.relay_ring - r.from);
       if (!from_ok)
-        return Status::Error(strf("jax_arx: %s: rank %d asked to relay %llu bytes at %llu, which are not its "
-                                  "own; it is not a jax_arx peer, or a broken one",
-                                  ep_.label().c_str(), prev, (unsigned long long)r.len, (unsigned long long)r.from));
+        return Status::Error(
+            strf("jax_arx: %s: rank %d asked to relay %llu bytes at %llu, which are not its "
+                 "own; it is not a jax_arx peer, or a broken one",
+                 ep_.label().c_str(), prev, (unsigned long long)r.len, (unsigned long long)r.from));
       ARX_RETURN_IF_ERROR(ep_.transport()->put(dest, root, ep_.base() + r.from, r.dst, r.len, r.flag_offset, r.value));
       ep_.stats.relayed.fetch_add(1, std::memory_order_relaxed);
       moved = true;

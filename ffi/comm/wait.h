@@ -100,21 +100,25 @@ ARX_HD WaitEnd wait_piece(const Inbox& in, int src, int piece, uint64_t seq, con
 struct FailureRecord {
   uint64_t seq = 0;
   FailureKind kind = FailureKind::kNone;
-  uint64_t missing = 0;  // bit src per source that had not arrived (timeout, abort)
-  uint64_t flag = 0;     // mismatch: the word that disagreed
-  uint64_t src = 0;      // mismatch: its source
-  Descriptor mine;       // what this rank expected
+  uint64_t missing = 0;                    // bit src per source that had not arrived (timeout, abort)
+  uint64_t flag = 0;                       // mismatch: the word that disagreed
+  uint64_t src = 0;                        // mismatch: its source
+  Descriptor mine;                         // what this rank expected
   uint64_t theirs[kDescriptorWords] = {};  // mismatch: the peer's exact Descriptor, if it got that far
   Family family = Family::kPsum;
 };
 
 ARX_HD FailureKind failure_kind(WaitEnd e) {
   switch (e) {
-    case WaitEnd::kMismatch: return FailureKind::kMismatch;
-    case WaitEnd::kAborted: return FailureKind::kAborted;
+    case WaitEnd::kMismatch:
+      return FailureKind::kMismatch;
+    case WaitEnd::kAborted:
+      return FailureKind::kAborted;
     case WaitEnd::kTimeout:
-    case WaitEnd::kStopped: return FailureKind::kTimeout;
-    case WaitEnd::kArrived: break;
+    case WaitEnd::kStopped:
+      return FailureKind::kTimeout;
+    case WaitEnd::kArrived:
+      break;
   }
   return FailureKind::kNone;
 }

@@ -92,8 +92,8 @@ Status attach(Endpoint& ep) {
   Channels& c = st->channels;
   // The blocks of a two-shot grid wait for each other, so they must all be
   // resident: a quarter of the multiprocessors at most, one block each.
-  c.grid = Grid{st->words, reinterpret_cast<Control*>(base + L.control),
-                (uint64_t)(ep.spec().config.timeout_s * 1e9), std::clamp(sms / 4, 1, 32), nullptr};
+  c.grid = Grid{st->words, reinterpret_cast<Control*>(base + L.control), (uint64_t)(ep.spec().config.timeout_s * 1e9),
+                std::clamp(sms / 4, 1, 32), nullptr};
   if (ep.trace()) {
     uint8_t* trace = nullptr;
     e = map_host(*st, reinterpret_cast<uint8_t*>(ep.trace()), sizeof(TraceBuffer), trace);
@@ -102,7 +102,8 @@ Status attach(Endpoint& ep) {
   }
   c.psum_proxy = make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base);
   c.bulk_proxy = make_proxy_channel(L, Family::kBulk, rank, ep.roots(), base);
-  c.ll_proxy = LLChannel<ProxyChannel>{c.psum_proxy, make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base, true)};
+  c.ll_proxy =
+      LLChannel<ProxyChannel>{c.psum_proxy, make_proxy_channel(L, Family::kPsum, rank, ep.roots(), base, true)};
   Endpoint::Route route;
   route.direct = ep.route().direct && ep.spec().config.cuda_direct;  // the host's choice: mapped peers, no ring
   if (route.direct) {

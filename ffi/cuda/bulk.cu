@@ -131,8 +131,8 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
     done = lo + 16 * nvec;
   }
   for (uint64_t p = done + (uint64_t)t * E::kSize; p < hi; p += (uint64_t)n * E::kSize) {
-    const float acc =
-        sum_one(world, [&](int src) { return src == rank ? E::load(own + o_at(p)) : E::load_cv(lane0 + src * lane + p); });
+    const float acc = sum_one(
+        world, [&](int src) { return src == rank ? E::load(own + o_at(p)) : E::load_cv(lane0 + src * lane + p); });
     E::store(out + p, acc);
   }
 }
@@ -154,8 +154,10 @@ __device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, 
     uint8_t* row = dst + (r - r0) * op.row_bytes;
     if (t >= a.tokens) {  // padding rows are zero
       for (uint64_t b = lane * 16; b < op.row_bytes; b += 32 * 16) {
-        if (b + 16 <= op.row_bytes && aligned16(row)) *reinterpret_cast<uint4*>(row + b) = make_uint4(0, 0, 0, 0);
-        else for (uint64_t q = b; q < min(b + 16, op.row_bytes); ++q) row[q] = 0;
+        if (b + 16 <= op.row_bytes && aligned16(row))
+          *reinterpret_cast<uint4*>(row + b) = make_uint4(0, 0, 0, 0);
+        else
+          for (uint64_t q = b; q < min(b + 16, op.row_bytes); ++q) row[q] = 0;
       }
       continue;
     }
@@ -279,8 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       } else if (K == BulkKind::kScatter) {
         for (int step = 1; step < world; ++step) {
           const int j = (rank + step) % world;
-          copy_part<false>(send.put_dst((uint64_t)j), false, op.in + j * op.block, true, lo, hi,
-                           op.block, op.stride);
+          copy_part<false>(send.put_dst((uint64_t)j), false, op.in + j * op.block, true, lo, hi, op.block, op.stride);
         }
       } else {
         // This rank's own rows last, into out, where the consumers sum them
@@ -340,14 +341,13 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       __syncthreads();  // s_failed is read by every thread at the next piece
     }
   }
-  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, send.entries(kChunks),
-         [&](int t, int n) {
-           if (op.nan_type < 0) {
-             for (uint64_t p = t; p < op.out_bytes; p += n) op.out[p] = 0xFF;
-           } else {
-             fill_nan_range<D>(op.out, 0, op.out_bytes, t, n);
-           }
-         });
+  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, send.entries(kChunks), [&](int t, int n) {
+    if (op.nan_type < 0) {
+      for (uint64_t p = t; p < op.out_bytes; p += n) op.out[p] = 0xFF;
+    } else {
+      fill_nan_range<D>(op.out, 0, op.out_bytes, t, n);
+    }
+  });
 }
 
 // G producer blocks and G consumer blocks: one each per kShareBytes of a
@@ -367,9 +367,12 @@ cudaError_t launch_kind(const Grid& g, const Ch& ch, const BulkOp& op, cudaStrea
 template <typename Ch, BulkKind K>
 cudaError_t launch_typed(const Grid& g, const Ch& ch, const BulkOp& op, cudaStream_t stream) {
   switch (op.dtype) {
-    case DType::kF32: return launch_kind<Ch, K, DType::kF32>(g, ch, op, stream);
-    case DType::kBF16: return launch_kind<Ch, K, DType::kBF16>(g, ch, op, stream);
-    case DType::kF16: return launch_kind<Ch, K, DType::kF16>(g, ch, op, stream);
+    case DType::kF32:
+      return launch_kind<Ch, K, DType::kF32>(g, ch, op, stream);
+    case DType::kBF16:
+      return launch_kind<Ch, K, DType::kBF16>(g, ch, op, stream);
+    case DType::kF16:
+      return launch_kind<Ch, K, DType::kF16>(g, ch, op, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -379,9 +382,12 @@ cudaError_t launch_typed(const Grid& g, const Ch& ch, const BulkOp& op, cudaStre
 template <typename Ch>
 cudaError_t launch_bulk(const Grid& g, const Ch& ch, const BulkOp& op, cudaStream_t stream) {
   switch (op.kind) {
-    case BulkKind::kGather: return launch_typed<Ch, BulkKind::kGather>(g, ch, op, stream);
-    case BulkKind::kScatter: return launch_typed<Ch, BulkKind::kScatter>(g, ch, op, stream);
-    case BulkKind::kMoe: return launch_kind<Ch, BulkKind::kMoe, DType::kBF16>(g, ch, op, stream);
+    case BulkKind::kGather:
+      return launch_typed<Ch, BulkKind::kGather>(g, ch, op, stream);
+    case BulkKind::kScatter:
+      return launch_typed<Ch, BulkKind::kScatter>(g, ch, op, stream);
+    case BulkKind::kMoe:
+      return launch_kind<Ch, BulkKind::kMoe, DType::kBF16>(g, ch, op, stream);
   }
   return cudaErrorInvalidValue;
 }

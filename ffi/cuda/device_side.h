@@ -58,10 +58,10 @@ static_assert(sizeof(DeviceWords) == 4 * 64, "DeviceWords: four lines");
 // What every kernel gets besides its channel.
 struct Grid {
   DeviceWords* words;
-  Control* ctl;          // the Control block, as the device addresses it
-  uint64_t timeout_ns;   // Config::timeout_s, measured with %globaltimer
-  int max_blocks;        // grid size cap
-  TraceBuffer* trace;    // the stage timestamps, as the device addresses them (base/trace.h): null but in a trace build
+  Control* ctl;         // the Control block, as the device addresses it
+  uint64_t timeout_ns;  // Config::timeout_s, measured with %globaltimer
+  int max_blocks;       // grid size cap
+  TraceBuffer* trace;   // the stage timestamps, as the device addresses them (base/trace.h): null but in a trace build
 };
 
 // The LL one-shot's channels (ll.cu), of one medium: its lines, which carry

@@ -189,8 +189,7 @@ __device__ void settle(const Grid& g, const Ch& ch, Family f, const SeqStart& s,
   DeviceWords* w = g.words;
   const int block_gave_up = __syncthreads_or(gave_up || s.prior);
   if (threadIdx.x == 0) {
-    const unsigned long long n =
-        count_arrival(&w->family[(int)f].finished, block_gave_up ? kGaveUpUnit + 1 : 1);
+    const unsigned long long n = count_arrival(&w->family[(int)f].finished, block_gave_up ? kGaveUpUnit + 1 : 1);
     s_last = n >> 16 == s.seq && (n & kFinishedMask) == gridDim.x;
     s_any = s_last && (n & kGaveUpMask) != 0;
   }
@@ -233,8 +232,10 @@ template <DType D>
 __device__ void fill_nan_range(uint8_t* out, uint64_t lo, uint64_t hi, uint64_t t, uint64_t n) {
   using E = Elem<D>;
   for (uint64_t e = lo / E::kSize + t; e < hi / E::kSize; e += n) {
-    if (E::kSize == 4) *reinterpret_cast<uint32_t*>(out + 4 * e) = E::kNan;
-    else *reinterpret_cast<uint16_t*>(out + 2 * e) = (uint16_t)E::kNan;
+    if (E::kSize == 4)
+      *reinterpret_cast<uint32_t*>(out + 4 * e) = E::kNan;
+    else
+      *reinterpret_cast<uint16_t*>(out + 2 * e) = (uint16_t)E::kNan;
   }
 }
 

@@ -26,8 +26,8 @@ cudaError_t launch_twoshot(const Grid& g, const Ch& ch, DType dtype, const void*
 
 // ll.cu: the LL one-shot.
 template <typename Ch>
-cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out,
-                      uint64_t count, uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream);
+cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out, uint64_t count,
+                      uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream);
 
 // norm.cu: a fused call's epilogue on its own, over `hidden` that holds the
 // sum (after the two-shot, whose rows no one block holds).
@@ -41,12 +41,12 @@ struct BulkOp {
   uint8_t* out;
   uint64_t slice, block, stride;  // a lane's bytes; the rows of the strided side (see bulk.cu)
   Descriptor d;
-  int nan_type;                   // DType of the NaN a failed op leaves, or -1: every byte 0xFF
+  int nan_type;  // DType of the NaN a failed op leaves, or -1: every byte 0xFF
   uint64_t out_bytes;
-  DType dtype;                    // the reducing type (kScatter, kMoe)
+  DType dtype;  // the reducing type (kScatter, kMoe)
   MoeCombine moe;
   uint64_t rows_per_rank, row_bytes;
-  uint64_t piece_bytes;           // about how much work one piece is (sizes the grid)
+  uint64_t piece_bytes;  // about how much work one piece is (sizes the grid)
 };
 template <typename Ch>
 cudaError_t launch_bulk(const Grid& g, const Ch& ch, const BulkOp& op, cudaStream_t stream);

@@ -139,9 +139,11 @@ __device__ __forceinline__ uint2 ll_payload(const uint8_t* p, uint64_t line, uin
 #pragma unroll
   for (int h = 0; h < 4; ++h) {
     if (at + 2 * h >= bytes) break;
-    const uint32_t u = (uint32_t)*reinterpret_cast<const uint16_t*>(p + at + 2 * h) << (16 * (h & 1));
-    if (h < 2) w0 |= u;
-    else w1 |= u;
+    const uint32_t u = (uint32_t) * reinterpret_cast<const uint16_t*>(p + at + 2 * h) << (16 * (h & 1));
+    if (h < 2)
+      w0 |= u;
+    else
+      w1 |= u;
   }
   return make_uint2(w0, w1);
 }
@@ -203,14 +205,13 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
       for (int k = 0; k < kLLLinesPerThread; ++k) {
         const uint32_t bit = 1u << (src * kLLLinesPerThread + k);
         // Both halves: each carries its own flag, and they may arrive apart.
-        if ((pending & bit) && (uint32_t)(lo[k][src] >> 32) == f && (uint32_t)(hi[k][src] >> 32) == f)
-          pending &= ~bit;
+        if ((pending & bit) && (uint32_t)(lo[k][src] >> 32) == f && (uint32_t)(hi[k][src] >> 32) == f) pending &= ~bit;
       }
     if (!pending) break;
     // A peer that issued another collective at this seq never writes our
     // lines; the service block finds it out and gives up for the grid, which
     // ends this wait too (poll.stopped).
-    const WaitEnd e = poll.aborted(turn) ? WaitEnd::kAborted
+    const WaitEnd e = poll.aborted(turn)   ? WaitEnd::kAborted
                       : poll.stopped(turn) ? WaitEnd::kStopped
                       : poll.expired()     ? WaitEnd::kTimeout
                                            : WaitEnd::kArrived;
@@ -225,9 +226,9 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
 }
 
 template <typename Ch, DType D>
-__global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> ch, const uint8_t* in, uint8_t* out,
-                                                         uint64_t count, uint64_t tag, Prefetch pf, AddNorm nm,
-                                                         uint64_t block_rows) {
+__global__ void __launch_bounds__(kThreads, 1)
+    ll_kernel(Grid g, LLChannel<Ch> ch, const uint8_t* in, uint8_t* out, uint64_t count, uint64_t tag, Prefetch pf,
+              AddNorm nm, uint64_t block_rows) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
@@ -259,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
     return;
   }
   // This thread's lines: first, first + stride, ... below end (see the top).
-  uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (uint64_t)blocks * blockDim.x,
-           end = lines, r0 = 0, r1 = 0;
+  uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (uint64_t)blocks * blockDim.x, end = lines,
+           r0 = 0, r1 = 0;
   if (nm.on()) {
     const uint64_t row_bytes = nm.width * E::kSize;
     r0 = min(rows, blockIdx.x * block_rows);
@@ -281,7 +282,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
         if (first + k * stride < end)
-          st_line(slot + kLLLineBytes * (first + k * stride), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
+          st_line(slot + kLLLineBytes * (first + k * stride), (uint64_t)f << 32 | mine[k].x,
+                  (uint64_t)f << 32 | mine[k].y);
     }
     // Staged lines reach system scope before the put that reads them: the
     // last block to arrive publishes them all (last_to_arrive).
@@ -308,8 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(Grid g, LLChannel<Ch> c
   // A thread that gave up writes NaN over its lines: the last block out
   // fills the whole output with NaN anyway; this keeps them from a wrong sum
   // meanwhile.
-  const uint2 nan2 = E::kSize == 4 ? make_uint2(E::kNan, E::kNan)
-                                   : make_uint2(E::kNan | E::kNan << 16, E::kNan | E::kNan << 16);
+  const uint2 nan2 =
+      E::kSize == 4 ? make_uint2(E::kNan, E::kNan) : make_uint2(E::kNan | E::kNan << 16, E::kNan | E::kNan << 16);
 #pragma unroll
   for (int k = 0; k < kLLLinesPerThread; ++k)
     if (first + k * stride < end)
@@ -348,8 +350,8 @@ void ll_norm_grid(uint64_t bytes, uint64_t row_bytes, int& blocks, int& threads,
   block_rows = std::max<uint64_t>(1, bytes <= kLLBlockPayload ? rows : kLLBlockPayload / row_bytes);
   blocks = (int)std::max<uint64_t>(1, (rows + block_rows - 1) / block_rows);
   const uint64_t per_block = blocks == 1 ? bytes : block_rows * row_bytes;
-  const uint64_t need = std::max<uint64_t>(1, (per_block + kLLLinePayload * kLLLinesPerThread - 1) /
-                                                  (kLLLinePayload * kLLLinesPerThread));
+  const uint64_t need = std::max<uint64_t>(
+      1, (per_block + kLLLinePayload * kLLLinesPerThread - 1) / (kLLLinePayload * kLLLinesPerThread));
   threads = (int)std::min<uint64_t>((need + 31) / 32 * 32, kThreads);
 }
 
@@ -358,8 +360,10 @@ cudaError_t launch_typed(const Grid& g, const LLChannel<Ch>& ch, const void* in,
                          uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream) {
   int blocks = 0, threads = 0;
   uint64_t block_rows = 0;
-  if (nm.on()) ll_norm_grid(count * Elem<D>::kSize, nm.width * Elem<D>::kSize, blocks, threads, block_rows);
-  else ll_grid(count * Elem<D>::kSize, blocks, threads);
+  if (nm.on())
+    ll_norm_grid(count * Elem<D>::kSize, nm.width * Elem<D>::kSize, blocks, threads, block_rows);
+  else
+    ll_grid(count * Elem<D>::kSize, blocks, threads);
   ll_kernel<Ch, D><<<blocks + 1, threads, 0, stream>>>(g, ch, static_cast<const uint8_t*>(in),
                                                        static_cast<uint8_t*>(out), count, tag, pf, nm, block_rows);
   return cudaGetLastError();  // may be an earlier kernel's error
@@ -368,19 +372,21 @@ cudaError_t launch_typed(const Grid& g, const LLChannel<Ch>& ch, const void* in,
 }  // namespace
 
 template <typename Ch>
-cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out,
-                      uint64_t count, uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream) {
+cudaError_t launch_ll(const Grid& g, const LLChannel<Ch>& ch, DType dtype, const void* in, void* out, uint64_t count,
+                      uint64_t tag, const Prefetch& pf, const AddNorm& nm, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, nm, stream);
-    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, nm, stream);
-    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, nm, stream);
+    case DType::kF32:
+      return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, nm, stream);
+    case DType::kBF16:
+      return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, nm, stream);
+    case DType::kF16:
+      return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, nm, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-template cudaError_t launch_ll<DirectChannel>(const Grid&, const LLChannel<DirectChannel>&, DType, const void*,
-                                              void*, uint64_t, uint64_t, const Prefetch&, const AddNorm&,
-                                              cudaStream_t);
+template cudaError_t launch_ll<DirectChannel>(const Grid&, const LLChannel<DirectChannel>&, DType, const void*, void*,
+                                              uint64_t, uint64_t, const Prefetch&, const AddNorm&, cudaStream_t);
 template cudaError_t launch_ll<ProxyChannel>(const Grid&, const LLChannel<ProxyChannel>&, DType, const void*, void*,
                                              uint64_t, uint64_t, const Prefetch&, const AddNorm&, cudaStream_t);
 

@@ -32,9 +32,12 @@ cudaError_t launch_add_norm(DType dtype, void* hidden, uint64_t count, const Add
   const uint64_t rows = nm.width ? count / nm.width : 0;
   if (rows == 0) return cudaSuccess;
   switch (dtype) {
-    case DType::kF32: return launch_typed<DType::kF32>(hidden, rows, nm, stream);
-    case DType::kBF16: return launch_typed<DType::kBF16>(hidden, rows, nm, stream);
-    case DType::kF16: return launch_typed<DType::kF16>(hidden, rows, nm, stream);
+    case DType::kF32:
+      return launch_typed<DType::kF32>(hidden, rows, nm, stream);
+    case DType::kBF16:
+      return launch_typed<DType::kBF16>(hidden, rows, nm, stream);
+    case DType::kF16:
+      return launch_typed<DType::kF16>(hidden, rows, nm, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -108,9 +108,9 @@ __device__ void reduce_range(int rank, int world, const uint8_t* lane0, uint64_t
 }
 
 template <typename Ch, DType D>
-__global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, const uint8_t* in, uint8_t* out,
-                                                              uint64_t count, uint64_t tag, Prefetch pf, int pieces,
-                                                              AddNorm nm) {
+__global__ void __launch_bounds__(kThreads, 1)
+    oneshot_kernel(Grid g, Ch ch, const uint8_t* in, uint8_t* out, uint64_t count, uint64_t tag, Prefetch pf,
+                   int pieces, AddNorm nm) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
   const uint64_t rows = nm.on() ? count / nm.width : 0, row_bytes = nm.on() ? nm.width * E::kSize : 0;
@@ -136,8 +136,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
     settle(g, ch, Family::kPsum, s, false, entries, nan);
     return;
   }
-  __shared__ unsigned s_sent;        // pieces of this block whose copy has read `in`
-  __shared__ volatile int s_failed;  // this block gave up on the seq
+  __shared__ unsigned s_sent;            // pieces of this block whose copy has read `in`
+  __shared__ volatile int s_failed;      // this block gave up on the seq
   __shared__ float s_lanes[kNormLanes];  // a fused call's row sums (the consumers')
   const int b = (int)blockIdx.x, t = (int)threadIdx.x;
   const int mine = (pieces - b + blocks - 1) / blocks;  // pieces b, b + blocks, ...
@@ -155,8 +155,10 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
       piece(c, lo, hi, r0, r1);
       for (int i = 0; i < send.fanout(kEveryPeer) && !s.prior; ++i)  // send order: rank + 1, rank + 2, ...
         copy_piece(send.put_dst(kEveryPeer, i) + lo, in + lo, hi - lo, t, nprod);
-      if (split) bar_sync(1, nprod);
-      else __syncthreads();
+      if (split)
+        bar_sync(1, nprod);
+      else
+        __syncthreads();
       if (t == 0) {
         // The consumers may now overwrite piece c of `in` (in == out).
         st_release_cta(&s_sent, (unsigned)k + 1);
@@ -179,8 +181,10 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
       if (ct < ch.world && ct != ch.rank && !s_failed && !wait_for(g, ch, s, ct, c)) s_failed = 1;
       if (ct == 0)
         while (ld_acquire_cta(&s_sent) <= (unsigned)k) __nanosleep(32);
-      if (split) bar_sync(2, ncons);
-      else __syncthreads();
+      if (split)
+        bar_sync(2, ncons);
+      else
+        __syncthreads();
       // The peers' piece c happens-before this through the flags' acquire
       // loads and the barrier. After a give-up the last block out fills the
       // whole output with NaN anyway; this keeps the piece from a wrong sum
@@ -188,13 +192,17 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(Grid g, Ch ch, con
       // s_failed changes only in the waits of the next piece, after every
       // consumer passed the bars of this one: they all take one branch.
       const bool failed = s_failed;
-      if (failed) fill_nan_range<D>(out, lo, hi, ct, ncons);
-      else reduce_range<D>(ch.rank, ch.world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in, out, lo, hi, ct, ncons);
+      if (failed)
+        fill_nan_range<D>(out, lo, hi, ct, ncons);
+      else
+        reduce_range<D>(ch.rank, ch.world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in, out, lo, hi, ct, ncons);
       if (nm.on()) {
         if (failed) fill_nan_rows<D>(nm, r0, r1, ct, ncons);
         auto bar = [&] {
-          if (split) bar_sync(2, ncons);
-          else __syncthreads();
+          if (split)
+            bar_sync(2, ncons);
+          else
+            __syncthreads();
         };
         for (uint64_t row = r0; row < r1 && !failed; ++row) add_norm_row<D>(nm, out, row, ct, ncons, s_lanes, bar);
       }
@@ -217,9 +225,12 @@ template <typename Ch>
 cudaError_t launch_oneshot(const Grid& g, const Ch& ch, DType dtype, const void* in, void* out, uint64_t count,
                            uint64_t tag, const Prefetch& pf, int pieces, const AddNorm& nm, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
-    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
-    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
+    case DType::kF32:
+      return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
+    case DType::kBF16:
+      return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
+    case DType::kF16:
+      return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, pieces, nm, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -227,8 +238,7 @@ cudaError_t launch_oneshot(const Grid& g, const Ch& ch, DType dtype, const void*
 template cudaError_t launch_oneshot<DirectChannel>(const Grid&, const DirectChannel&, DType, const void*, void*,
                                                    uint64_t, uint64_t, const Prefetch&, int, const AddNorm&,
                                                    cudaStream_t);
-template cudaError_t launch_oneshot<ProxyChannel>(const Grid&, const ProxyChannel&, DType, const void*, void*,
-                                                  uint64_t, uint64_t, const Prefetch&, int, const AddNorm&,
-                                                  cudaStream_t);
+template cudaError_t launch_oneshot<ProxyChannel>(const Grid&, const ProxyChannel&, DType, const void*, void*, uint64_t,
+                                                  uint64_t, const Prefetch&, int, const AddNorm&, cudaStream_t);
 
 }  // namespace arx::cuda

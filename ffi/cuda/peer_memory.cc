@@ -209,9 +209,10 @@ Status map_peer_memory(Endpoint& ep, int device, uint64_t bytes, PeerInboxes& ou
     if (p == rank) continue;
     const uint64_t offer = wait_nonzero(peer_word(ep, p, kPeerMemoryOfferWord), deadline);
     if (offer == 0)
-      return Status::Error(strf("jax_arx: %s: rank %d did not offer its GPU inbox (or say it has none) within %g s; "
-                                "it may have failed to set up, see its log",
-                                ep.label().c_str(), p, timeout_s));
+      return Status::Error(
+          strf("jax_arx: %s: rank %d did not offer its GPU inbox (or say it has none) within %g s; "
+               "it may have failed to set up, see its log",
+               ep.label().c_str(), p, timeout_s));
     if (!why.empty()) continue;  // this rank says no: the others will not use theirs either
     if (offer == kPeerMemoryNone) {
       why = strf("rank %d has none", p);
@@ -237,9 +238,10 @@ Status map_peer_memory(Endpoint& ep, int device, uint64_t bytes, PeerInboxes& ou
   }
   if (!why.empty()) {
     if (want == 1)
-      return Status::Error(strf("jax_arx: %s: JAX_ARX_CUDA_PEER_MEMORY=1, but the psum inboxes cannot live in GPU "
-                                "memory: %s; unset it to use the pinned host region instead",
-                                ep.label().c_str(), why.c_str()));
+      return Status::Error(
+          strf("jax_arx: %s: JAX_ARX_CUDA_PEER_MEMORY=1, but the psum inboxes cannot live in GPU "
+               "memory: %s; unset it to use the pinned host region instead",
+               ep.label().c_str(), why.c_str()));
     if (want != 0)
       fprintf(stderr, "jax_arx: %s: psum inboxes in pinned host memory, not in GPU memory: %s\n", ep.label().c_str(),
               why.c_str());

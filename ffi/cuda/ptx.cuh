@@ -52,9 +52,7 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 // Peer data: bypass the caches (the proxy, a NIC or a peer GPU wrote it).
 __device__ __forceinline__ uint4 ld_cv_v4(const void* p) {
   uint4 v;
-  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 

@@ -55,7 +55,8 @@ __device__ void reduce(int rank, int world, const uint8_t* lane0, uint64_t lane,
 #pragma unroll
     for (int src = 0; src < kMaxWorld; ++src)  // every load in flight before the first add
       if (src < world)
-        part[src] = src == rank ? *reinterpret_cast<const uint4*>(mine + 16 * i) : ld_cv_v4(lane0 + src * lane + 16 * i);
+        part[src] =
+            src == rank ? *reinterpret_cast<const uint4*>(mine + 16 * i) : ld_cv_v4(lane0 + src * lane + 16 * i);
     *reinterpret_cast<uint4*>(out + 16 * i) = sum_rank_order<D>(part, world);
   }
   for (uint64_t e = nvec * E::kPerVec + global_thread(); e < count; e += grid_threads()) {
@@ -135,8 +136,8 @@ __host__ __device__ inline uint64_t chunk_step(uint64_t bytes, int world) {
 }
 
 template <typename Ch, DType D>
-__global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, const uint8_t* in, uint8_t* out,
-                                                              uint64_t count, uint64_t tag, Prefetch pf) {
+__global__ void __launch_bounds__(kThreads, 1)
+    scatter_kernel(Grid g, Ch ch, const uint8_t* in, uint8_t* out, uint64_t count, uint64_t tag, Prefetch pf) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize, lane = chunk_step(bytes, ch.world);
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsumScatter, (uint64_t)D, count, tag));
@@ -152,19 +153,24 @@ __global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, con
     }
   }
   bool gave_up = false;
-  const bool failed = signal_and_wait(g, ch, s, [&] {
-    for (int step = 1; step < world; ++step) {
-      const int j = (rank + step) % world;
-      uint64_t lo, hi;
-      chunk_range(bytes, world, j, lo, hi);
-      send.signal((uint64_t)j, 0, 0, hi - lo);
-    }
-    note_published(g, Family::kPsum, s);
-  }, &pf, gave_up);
+  const bool failed = signal_and_wait(
+      g, ch, s,
+      [&] {
+        for (int step = 1; step < world; ++step) {
+          const int j = (rank + step) % world;
+          uint64_t lo, hi;
+          chunk_range(bytes, world, j, lo, hi);
+          send.signal((uint64_t)j, 0, 0, hi - lo);
+        }
+        note_published(g, Family::kPsum, s);
+      },
+      &pf, gave_up);
   uint64_t lo, hi;
   chunk_range(bytes, world, rank, lo, hi);
-  if (failed) fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
-  else reduce<D>(rank, world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in + lo, out + lo, (hi - lo) / E::kSize);
+  if (failed)
+    fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
+  else
+    reduce<D>(rank, world, ch.in.lane(s.par, 0), ch.in.lane_bytes, in + lo, out + lo, (hi - lo) / E::kSize);
   settle(g, ch, Family::kPsum, s, gave_up, send.entries(1),
          [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); });
 }
@@ -172,8 +178,8 @@ __global__ void __launch_bounds__(kThreads, 1) scatter_kernel(Grid g, Ch ch, con
 // The second kernel: this rank's summed chunk (in out, where the first kernel
 // wrote it) to every peer, and every peer's chunk into out.
 template <typename Ch, DType D>
-__global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint8_t* out, uint64_t count,
-                                                             uint64_t tag) {
+__global__ void __launch_bounds__(kThreads, 1)
+    gather_kernel(Grid g, Ch ch, uint8_t* out, uint64_t count, uint64_t tag) {
   using E = Elem<D>;
   const uint64_t bytes = count * E::kSize;
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsumGather, (uint64_t)D, count, tag));
@@ -187,10 +193,13 @@ __global__ void __launch_bounds__(kThreads, 1) gather_kernel(Grid g, Ch ch, uint
   for (int i = 0; i < send.fanout(kEveryPeer) && !s.prior; ++i)
     copy_bytes<false>(send.put_dst(kEveryPeer, i), out + lo, hi - lo);
   bool gave_up = false;
-  const bool failed = signal_and_wait(g, ch, s, [&] {
-    send.signal(kEveryPeer, 0, 0, hi - lo);
-    note_published(g, Family::kPsum, s);
-  }, nullptr, gave_up);
+  const bool failed = signal_and_wait(
+      g, ch, s,
+      [&] {
+        send.signal(kEveryPeer, 0, 0, hi - lo);
+        note_published(g, Family::kPsum, s);
+      },
+      nullptr, gave_up);
   if (failed) {
     fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
   } else {
@@ -230,16 +239,19 @@ template <typename Ch>
 cudaError_t launch_twoshot(const Grid& g, const Ch& ch, DType dtype, const void* in, void* out, uint64_t count,
                            uint64_t tag, const Prefetch& pf, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kF32: return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, stream);
-    case DType::kBF16: return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, stream);
-    case DType::kF16: return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kF32:
+      return launch_typed<Ch, DType::kF32>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kBF16:
+      return launch_typed<Ch, DType::kBF16>(g, ch, in, out, count, tag, pf, stream);
+    case DType::kF16:
+      return launch_typed<Ch, DType::kF16>(g, ch, in, out, count, tag, pf, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template cudaError_t launch_twoshot<DirectChannel>(const Grid&, const DirectChannel&, DType, const void*, void*,
                                                    uint64_t, uint64_t, const Prefetch&, cudaStream_t);
-template cudaError_t launch_twoshot<ProxyChannel>(const Grid&, const ProxyChannel&, DType, const void*, void*,
-                                                  uint64_t, uint64_t, const Prefetch&, cudaStream_t);
+template cudaError_t launch_twoshot<ProxyChannel>(const Grid&, const ProxyChannel&, DType, const void*, void*, uint64_t,
+                                                  uint64_t, const Prefetch&, cudaStream_t);
 
 }  // namespace arx::cuda

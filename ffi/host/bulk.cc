@@ -99,8 +99,10 @@ Status all_gather(Endpoint& ep, const Plan& plan, const void* in, void* out, uin
   const int rank = ep.spec().rank, world = ep.spec().world;
   const uint64_t total = bytes * world;
   auto nan = [&] {
-    if (nan_type) fill_nan(*nan_type, out, total / dtype_size(*nan_type));
-    else std::memset(out, 0xFF, total);
+    if (nan_type)
+      fill_nan(*nan_type, out, total / dtype_size(*nan_type));
+    else
+      std::memset(out, 0xFF, total);
   };
   if (ep.failed()) {
     nan();
@@ -154,8 +156,8 @@ Status reduce_scatter(Endpoint& ep, const Plan& plan, DType dtype, const void* i
   const int pieces = pieces_of(plan, "psum_scatter", why);
   if (!pieces) return why;
   if (outer == 0 || count % outer)
-    return Status::Error(strf("jax_arx: psum_scatter on %s: %llu elements do not make %llu rows",
-                              ep.label().c_str(), (unsigned long long)count, (unsigned long long)outer));
+    return Status::Error(strf("jax_arx: psum_scatter on %s: %llu elements do not make %llu rows", ep.label().c_str(),
+                              (unsigned long long)count, (unsigned long long)outer));
   const uint64_t block = slice / outer, stride = block * world;
   Collective c(ep, Family::kBulk, descriptor(OpCode::kReduceScatter, (uint64_t)dtype | outer << 8, count * world, tag));
   const uint8_t* src = static_cast<const uint8_t*>(in);
@@ -196,11 +198,12 @@ Status moe_combine_reduce_scatter(Endpoint& ep, const Plan& plan, const MoeCombi
     return Status::Error(ep.failure());
   }
   if (a.padded % world || a.tokens > a.padded || (a.y_scale && H % 128) || (a.rows == 0 && a.tokens && a.topk))
-    return Status::Error(strf("jax_arx: moe_combine_psum_scatter on %s: %llu padded rows over %d ranks, %llu tokens, "
-                              "hidden %llu, %llu expert rows: padded rows must be a multiple of the ranks and at "
-                              "least the tokens; e4m3 y needs hidden %% 128 == 0; pos needs rows to point at",
-                              ep.label().c_str(), (unsigned long long)a.padded, world, (unsigned long long)a.tokens,
-                              (unsigned long long)H, (unsigned long long)a.rows));
+    return Status::Error(
+        strf("jax_arx: moe_combine_psum_scatter on %s: %llu padded rows over %d ranks, %llu tokens, "
+             "hidden %llu, %llu expert rows: padded rows must be a multiple of the ranks and at "
+             "least the tokens; e4m3 y needs hidden %% 128 == 0; pos needs rows to point at",
+             ep.label().c_str(), (unsigned long long)a.padded, world, (unsigned long long)a.tokens,
+             (unsigned long long)H, (unsigned long long)a.rows));
   Status why;
   const int pieces = pieces_of(plan, "moe_combine_psum_scatter", why);
   if (!pieces) return why;

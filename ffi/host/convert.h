@@ -22,7 +22,7 @@ inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040);  // NaN stays NaN (quiet)
-  u += 0x7fffu + ((u >> 16) & 1);  // round to nearest, ties to even
+  u += 0x7fffu + ((u >> 16) & 1);                                              // round to nearest, ties to even
   return (uint16_t)(u >> 16);
 }
 
@@ -52,7 +52,7 @@ inline uint16_t f32_to_f16(float f) {  // round to nearest, ties to even
   u &= 0x7fffffffu;
   if (u > 0x7f800000u) return sign | 0x7e00;   // NaN stays NaN (quiet)
   if (u >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds to infinity
-  if (u < 0x38800000u) {                        // below 2^-14: subnormal or zero
+  if (u < 0x38800000u) {                       // below 2^-14: subnormal or zero
     float a;
     std::memcpy(&a, &u, 4);
     const float s = a * 16777216.0f;  // |f| * 2^24 < 1024, exact

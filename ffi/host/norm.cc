@@ -50,7 +50,8 @@ void rows(uint64_t count, uint64_t esize, uint8_t* hidden, const AddNorm& n, Loa
     const float scale = norm_scale(stat, width, n.eps);
     for (uint64_t e = 0; e < width; ++e) {
       const float bias = b ? load(b + e * esize) : 0.f;
-      store(o + e * esize, norm_out(n.kind, load(h + e * esize), mean, scale, load(w + e * esize), b ? &bias : nullptr));
+      store(o + e * esize,
+            norm_out(n.kind, load(h + e * esize), mean, scale, load(w + e * esize), b ? &bias : nullptr));
     }
   }
 }
@@ -61,16 +62,40 @@ void add_norm(DType dtype, void* hidden, uint64_t count, const AddNorm& n) {
   uint8_t* h = static_cast<uint8_t*>(hidden);
   switch (dtype) {
     case DType::kF32:
-      rows(count, 4, h, n, [](const uint8_t* p) { float f; std::memcpy(&f, p, 4); return f; },
-           [](uint8_t* p, float f) { std::memcpy(p, &f, 4); });
+      rows(
+          count, 4, h, n,
+          [](const uint8_t* p) {
+            float f;
+            std::memcpy(&f, p, 4);
+            return f;
+          },
+          [](uint8_t* p, float f) { std::memcpy(p, &f, 4); });
       return;
     case DType::kBF16:
-      rows(count, 2, h, n, [](const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return bf16_to_f32(v); },
-           [](uint8_t* p, float f) { const uint16_t v = f32_to_bf16(f); std::memcpy(p, &v, 2); });
+      rows(
+          count, 2, h, n,
+          [](const uint8_t* p) {
+            uint16_t v;
+            std::memcpy(&v, p, 2);
+            return bf16_to_f32(v);
+          },
+          [](uint8_t* p, float f) {
+            const uint16_t v = f32_to_bf16(f);
+            std::memcpy(p, &v, 2);
+          });
       return;
     case DType::kF16:
-      rows(count, 2, h, n, [](const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return f16_to_f32(v); },
-           [](uint8_t* p, float f) { const uint16_t v = f32_to_f16(f); std::memcpy(p, &v, 2); });
+      rows(
+          count, 2, h, n,
+          [](const uint8_t* p) {
+            uint16_t v;
+            std::memcpy(&v, p, 2);
+            return f16_to_f32(v);
+          },
+          [](uint8_t* p, float f) {
+            const uint16_t v = f32_to_f16(f);
+            std::memcpy(p, &v, 2);
+          });
       return;
   }
 }

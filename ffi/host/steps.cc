@@ -7,8 +7,7 @@
 
 namespace arx::host {
 
-Collective::Collective(Endpoint& ep, Family f, const Descriptor& d)
-    : ep_(ep), ctl_(ep.control()), family_(f), d_(d) {
+Collective::Collective(Endpoint& ep, Family f, const Descriptor& d) : ep_(ep), ctl_(ep.control()), family_(f), d_(d) {
   // The sequence state lives with the endpoint (Control::done), not in the
   // handler: the next collective is the one after the last finished.
   seq_ = load_relaxed(&ctl_->done[(int)f]) + 1;
@@ -16,9 +15,9 @@ Collective::Collective(Endpoint& ep, Family f, const Descriptor& d)
   store_relaxed(&ctl_->begun[(int)f], seq_);
   ARX_STAMP(ep.trace(), f, seq_, kBegin, trace_now());
   ARX_STAMP(ep.trace(), f, seq_, kSeq, seq_);
-  poll_ = HostPoll{ctl_, HostPoll::Clock::now(),
-                   std::chrono::duration_cast<HostPoll::Clock::duration>(
-                       std::chrono::duration<double>(ep.spec().config.timeout_s))};
+  poll_ = HostPoll{
+      ctl_, HostPoll::Clock::now(),
+      std::chrono::duration_cast<HostPoll::Clock::duration>(std::chrono::duration<double>(ep.spec().config.timeout_s))};
 }
 
 bool Collective::wait_peers(const Inbox& in, int piece) {
@@ -58,8 +57,7 @@ Status Collective::finish() {
   return Status::Ok();
 }
 
-void gather_rows(uint8_t* contig, const uint8_t* strided, uint64_t lo, uint64_t hi, uint64_t block,
-                 uint64_t stride) {
+void gather_rows(uint8_t* contig, const uint8_t* strided, uint64_t lo, uint64_t hi, uint64_t block, uint64_t stride) {
   for (uint64_t p = lo; p < hi;) {
     const uint64_t o = p / block, b = p % block, n = std::min(hi - p, block - b);
     std::memcpy(contig + p, strided + o * stride + b, n);
@@ -67,8 +65,7 @@ void gather_rows(uint8_t* contig, const uint8_t* strided, uint64_t lo, uint64_t 
   }
 }
 
-void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t hi, uint64_t block,
-                  uint64_t stride) {
+void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t hi, uint64_t block, uint64_t stride) {
   for (uint64_t p = lo; p < hi;) {
     const uint64_t o = p / block, b = p % block, n = std::min(hi - p, block - b);
     std::memcpy(strided + o * stride + b, contig + p, n);
@@ -79,8 +76,7 @@ void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t
 namespace {
 
 template <typename Load, typename Store>
-void sum_blocks(const uint8_t* const* parts, int world, uint64_t count, int esize, void* out, Load load,
-                Store store) {
+void sum_blocks(const uint8_t* const* parts, int world, uint64_t count, int esize, void* out, Load load, Store store) {
   constexpr uint64_t kBlock = 512;
   float acc[kBlock];
   for (uint64_t base = 0; base < count; base += kBlock) {
@@ -102,20 +98,39 @@ void sum_rank_order(DType dtype, const uint8_t* const* parts, int world, uint64_
   switch (dtype) {
     case DType::kF32:
       sum_blocks(
-          parts, world, count, 4, out, [](const uint8_t* p) { float f; std::memcpy(&f, p, 4); return f; },
+          parts, world, count, 4, out,
+          [](const uint8_t* p) {
+            float f;
+            std::memcpy(&f, p, 4);
+            return f;
+          },
           [](uint8_t* p, float f) { std::memcpy(p, &f, 4); });
       return;
     case DType::kBF16:
       sum_blocks(
           parts, world, count, 2, out,
-          [](const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return bf16_to_f32(h); },
-          [](uint8_t* p, float f) { const uint16_t h = f32_to_bf16(f); std::memcpy(p, &h, 2); });
+          [](const uint8_t* p) {
+            uint16_t h;
+            std::memcpy(&h, p, 2);
+            return bf16_to_f32(h);
+          },
+          [](uint8_t* p, float f) {
+            const uint16_t h = f32_to_bf16(f);
+            std::memcpy(p, &h, 2);
+          });
       return;
     case DType::kF16:
       sum_blocks(
           parts, world, count, 2, out,
-          [](const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return f16_to_f32(h); },
-          [](uint8_t* p, float f) { const uint16_t h = f32_to_f16(f); std::memcpy(p, &h, 2); });
+          [](const uint8_t* p) {
+            uint16_t h;
+            std::memcpy(&h, p, 2);
+            return f16_to_f32(h);
+          },
+          [](uint8_t* p, float f) {
+            const uint16_t h = f32_to_f16(f);
+            std::memcpy(p, &h, 2);
+          });
       return;
   }
 }

@@ -84,10 +84,10 @@ class Collective {
   Status reserve(uint64_t entries) {
     if (entries == 0) return Status::Ok();
     if (ring_ + entries - load_acquire(&ctl_->ring_consumed) > (uint64_t)kRing)
-      return Status::Error(strf("jax_arx: %s: the trigger ring is full (%llu published, %llu taken); this is a "
-                                "bug in jax_arx",
-                                ep_.label().c_str(), (unsigned long long)ring_,
-                                (unsigned long long)load_acquire(&ctl_->ring_consumed)));
+      return Status::Error(
+          strf("jax_arx: %s: the trigger ring is full (%llu published, %llu taken); this is a "
+               "bug in jax_arx",
+               ep_.label().c_str(), (unsigned long long)ring_, (unsigned long long)load_acquire(&ctl_->ring_consumed)));
     store_relaxed(&ctl_->ring_published, ring_ + entries);
     return Status::Ok();
   }
@@ -134,8 +134,7 @@ Status with_channel(Endpoint& ep, Family f, Body body) {
 // `stride` bytes apart in `strided` (row o at o * stride), to the same bytes
 // of the contiguous `contig`; and back.
 void gather_rows(uint8_t* contig, const uint8_t* strided, uint64_t lo, uint64_t hi, uint64_t block, uint64_t stride);
-void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t hi, uint64_t block,
-                  uint64_t stride);
+void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t hi, uint64_t block, uint64_t stride);
 
 // out[count] = sum over src of parts[src][count], fp32 in rank order
 // starting from rank 0's element, rounded once to dtype: every rank gets the

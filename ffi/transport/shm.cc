@@ -26,8 +26,8 @@ class ShmTransport final : public Transport {
 
   Status connect(const std::vector<std::string>&, double) override {
     if (!ctx_.windows || !ctx_.windows->mapped())
-      return Status::Error(strf("jax_arx: %s: the shm carrier needs the peers' regions mapped first",
-                                ctx_.label.c_str()));
+      return Status::Error(
+          strf("jax_arx: %s: the shm carrier needs the peers' regions mapped first", ctx_.label.c_str()));
     return Status::Ok();
   }
 
@@ -38,10 +38,11 @@ class ShmTransport final : public Transport {
     uint8_t* base = ctx_.windows ? ctx_.windows->base(peer) : nullptr;
     if (!base || !ctx_.layout.may_write(ctx_.rank, peer, offset, len) ||
         (flag_offset != kNoFlag && !ctx_.layout.may_flag(ctx_.rank, peer, flag_offset)))
-      return Status::Error(strf("jax_arx: %s: refused a put to rank %d at [%llu, +%llu) flag %llu: outside this "
-                                "rank's slots in its inbox",
-                                ctx_.label.c_str(), peer, (unsigned long long)offset, (unsigned long long)len,
-                                (unsigned long long)flag_offset));
+      return Status::Error(
+          strf("jax_arx: %s: refused a put to rank %d at [%llu, +%llu) flag %llu: outside this "
+               "rank's slots in its inbox",
+               ctx_.label.c_str(), peer, (unsigned long long)offset, (unsigned long long)len,
+               (unsigned long long)flag_offset));
     if (len) copy(base + offset, src, offset, len);
     if (flag_offset != kNoFlag) store_release(reinterpret_cast<uint64_t*>(base + flag_offset), flag_value);
     return Status::Ok();

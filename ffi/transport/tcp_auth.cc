@@ -121,9 +121,10 @@ Reject check_hello(const Hello& h, int my_rank, int world, const Digest& my_view
     return Reject::kHello;
   }
   if (!crypto::equal_ct(h.view, my_view.b, sizeof h.view)) {
-    why = strf("it says it is rank %d, but read other connection details from the rendezvous than this rank did "
-               "(another run or communicator, or the store was altered during set-up)",
-               h.rank);
+    why = strf(
+        "it says it is rank %d, but read other connection details from the rendezvous than this rank did "
+        "(another run or communicator, or the store was altered during set-up)",
+        h.rank);
     return Reject::kView;
   }
   return Reject::kNone;

@@ -72,7 +72,7 @@ struct InLink {
     kPayload  // reading a frame's payload into the region
   };
   int fd = -1;
-  std::string from;  // "ip:port", for messages
+  std::string from;            // "ip:port", for messages
   Clock::time_point deadline;  // to authenticate by
   Stage stage = Stage::kHello;
   int peer = -1, root = -1;  // set once authenticated; peer >= 0 means authenticated

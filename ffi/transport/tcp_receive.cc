@@ -35,8 +35,10 @@ void TcpTransport::receive_loop() {
     // otherwise sleep until some other event with them still open.
     size_t keep = 0;
     for (size_t i = 0; i < in_.size(); ++i) {
-      if (in_[i]->drop) ::close(in_[i]->fd);
-      else in_[keep++] = std::move(in_[i]);
+      if (in_[i]->drop)
+        ::close(in_[i]->fd);
+      else
+        in_[keep++] = std::move(in_[i]);
     }
     in_.resize(keep);
     fds.clear();
@@ -67,7 +69,8 @@ void TcpTransport::receive_loop() {
     if (stop_.load()) break;
     if (n > 0 && (fds[0].revents & POLLIN)) {
       uint64_t v;
-      while (::read(wake_fd_, &v, sizeof v) < 0 && errno == EINTR) {}
+      while (::read(wake_fd_, &v, sizeof v) < 0 && errno == EINTR) {
+      }
     }
     if (n > 0 && (fds[1].revents & POLLIN)) accept_all();
     // accept_all() only appends to in_ (a link it evicts is marked, not
@@ -152,10 +155,17 @@ bool TcpTransport::service(InLink& c) {
     uint8_t* dst = nullptr;
     size_t want = 0;
     switch (c.stage) {
-      case InLink::Stage::kHello: want = sizeof(Hello); break;
-      case InLink::Stage::kProof: want = sizeof(Proof); break;
-      case InLink::Stage::kHeader: want = sizeof(FrameHeader); break;
-      case InLink::Stage::kParked: return true;  // read nothing until the keys are there
+      case InLink::Stage::kHello:
+        want = sizeof(Hello);
+        break;
+      case InLink::Stage::kProof:
+        want = sizeof(Proof);
+        break;
+      case InLink::Stage::kHeader:
+        want = sizeof(FrameHeader);
+        break;
+      case InLink::Stage::kParked:
+        return true;  // read nothing until the keys are there
       case InLink::Stage::kPayload:
         // Inside the sender's own slots: on_header() checked [offset, offset + len).
         dst = base + c.hdr.offset + c.payload_got;
@@ -187,10 +197,15 @@ bool TcpTransport::service(InLink& c) {
         memcpy(&c.hello, c.buf, sizeof c.hello);
         keep = on_hello(c);
         break;
-      case InLink::Stage::kProof: keep = on_proof(c); break;
-      case InLink::Stage::kHeader: keep = on_header(c); break;
+      case InLink::Stage::kProof:
+        keep = on_proof(c);
+        break;
+      case InLink::Stage::kHeader:
+        keep = on_header(c);
+        break;
       case InLink::Stage::kParked:
-      case InLink::Stage::kPayload: break;
+      case InLink::Stage::kPayload:
+        break;
     }
     if (!keep) return false;
     if (c.stage == InLink::Stage::kParked) return true;
@@ -210,7 +225,8 @@ void TcpTransport::reject(const InLink& c, const std::string& why) {
 // bytes into an empty socket buffer, so they go whole without waiting.
 bool TcpTransport::answer(InLink& c, const void* msg, size_t len) {
   ssize_t w;
-  while ((w = ::send(c.fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT)) < 0 && errno == EINTR) {}
+  while ((w = ::send(c.fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT)) < 0 && errno == EINTR) {
+  }
   if (w == (ssize_t)len) return true;
   reject(c, strf("could not answer its handshake: %s", w < 0 ? errno_text(errno).c_str() : "short write"));
   return false;
@@ -261,10 +277,11 @@ bool TcpTransport::on_proof(InLink& c) {
     // check and the set cannot race with another hello.
     std::lock_guard<std::mutex> lk(auth_mu_);
     if (authenticated_[idx]) {
-      duplicate = strf("a second stream from %s proved it holds rank %d's key (root %d) while the one from %s was "
-                       "already authenticated: two processes run as rank %d, or someone took a rank's place by "
-                       "altering the rendezvous (see docs/failures.md)",
-                       c.from.c_str(), rank, root, from_[idx].c_str(), rank);
+      duplicate = strf(
+          "a second stream from %s proved it holds rank %d's key (root %d) while the one from %s was "
+          "already authenticated: two processes run as rank %d, or someone took a rank's place by "
+          "altering the rendezvous (see docs/failures.md)",
+          c.from.c_str(), rank, root, from_[idx].c_str(), rank);
       // Before connect() returns, it fails with this; after, the endpoint fails.
       lost = connected_.load();
       if (!lost && alarm_.empty()) alarm_ = duplicate;
@@ -338,9 +355,10 @@ bool TcpTransport::link_down(InLink& c, const std::string& why, bool eof) {
       !eof ? strf("connection from rank %d (root %d) failed%s: %s; that rank exited or its host became unreachable",
                   c.peer, c.root, where, why.c_str())
       : c.said_bye ? strf("connection closed by rank %d (root %d): it closed its endpoint", c.peer, c.root)
-                   : strf("connection closed by rank %d (root %d)%s without a goodbye: that rank exited, crashed, or "
-                          "gave up sending to this rank",
-                          c.peer, c.root, where);
+                   : strf(
+                         "connection closed by rank %d (root %d)%s without a goodbye: that rank exited, crashed, or "
+                         "gave up sending to this rank",
+                         c.peer, c.root, where);
   log(msg);
   if (ctx_.on_peer_lost) ctx_.on_peer_lost(c.peer, msg);
   return false;

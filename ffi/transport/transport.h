@@ -37,7 +37,7 @@ struct TransportContext {
   // Peers on one host: their regions mapped here (the shm carrier puts
   // through them). Mapped by the endpoint before connect(); null elsewhere.
   const PeerWindows* windows = nullptr;
-  std::string secret;        // the communicator's random secret, from the rendezvous
+  std::string secret;  // the communicator's random secret, from the rendezvous
   const Config* config = nullptr;
   std::string label;  // "communicator 'tp' rank 0 of 2", for messages
   // The receiving side of a carrier reports a peer whose link broke (the

@@ -46,10 +46,10 @@ Status VerbsTransport::make_room(Link& l, int root, uint64_t need) {
     reap();
     if (!error_.ok()) return error_;
     if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_s) {
-      const std::string why = strf("the send queue to %s over root %d (%s) stayed full for %.0f s: the NIC "
-                                   "completed none of %llu writes",
-                                   l.remote.c_str(), root, where(l.dev).c_str(), limit_s,
-                                   (unsigned long long)(l.posted - l.completed));
+      const std::string why = strf(
+          "the send queue to %s over root %d (%s) stayed full for %.0f s: the NIC "
+          "completed none of %llu writes",
+          l.remote.c_str(), root, where(l.dev).c_str(), limit_s, (unsigned long long)(l.posted - l.completed));
       report_lost(l.peer, why);
       return fail("jax_arx: " + why);
     }
@@ -68,7 +68,8 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
     return labelled(strf("jax_arx: verbs put() to rank %d over root %d: no such link (world %d, %d roots%s)", peer,
                          root, ctx_.world, roots_,
                          ring_ ? strf("; in a ring this rank reaches ranks %d and %d only",
-                                      ctx_.layout.topo.prev(ctx_.rank), ctx_.layout.topo.next(ctx_.rank)).c_str()
+                                      ctx_.layout.topo.prev(ctx_.rank), ctx_.layout.topo.next(ctx_.rank))
+                                     .c_str()
                                : ""));
   Link& l = links_[slot][root];
   const uint8_t* s = static_cast<const uint8_t*>(src);
@@ -76,9 +77,10 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
   const uint64_t size = ctx_.region->size();
   // A peer can only be written inside the inbox it advertised.
   if (len && (s < base || len > size || (uint64_t)(s - base) > size - len))
-    return labelled(strf("jax_arx: verbs put() of %llu bytes from %p: the source is not inside this endpoint's "
-                         "region",
-                         (unsigned long long)len, src));
+    return labelled(
+        strf("jax_arx: verbs put() of %llu bytes from %p: the source is not inside this endpoint's "
+             "region",
+             (unsigned long long)len, src));
   // Only where this rank may write in the peer's region (its own slots, and
   // what it relays: every rank has the same layout), and through the window
   // (MR) that holds the place.
@@ -90,10 +92,10 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
       (with_flag && (!ctx_.layout.may_flag(ctx_.rank, peer, flag_offset) || flag_offset < l.inbox_lo ||
                      flag_offset + 8 > l.inbox_hi)) ||
       (!bulk && !relay && offset < l.inbox_lo) || offset > hi || len > hi - offset)
-    return labelled(strf("jax_arx: verbs put() to %s: %llu bytes at offset %llu and a flag at %llu do not lie inside "
-                         "this rank's slots of its inbox",
-                         l.remote.c_str(), (unsigned long long)len, (unsigned long long)offset,
-                         (unsigned long long)flag_offset));
+    return labelled(
+        strf("jax_arx: verbs put() to %s: %llu bytes at offset %llu and a flag at %llu do not lie inside "
+             "this rank's slots of its inbox",
+             l.remote.c_str(), (unsigned long long)len, (unsigned long long)offset, (unsigned long long)flag_offset));
   const uint32_t data_rkey = bulk ? l.bulk_rkey : relay ? l.relay_rkey : l.rkey;
   const uint32_t lkey = local_mr_[l.dev]->lkey;
   // The flag goes inline: the NIC driver copies it into the WQE inside

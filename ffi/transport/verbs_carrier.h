@@ -65,7 +65,7 @@ namespace arx {
 
 // QP settings: timeout, retry count, traffic class and service level come
 // from Config (the reference's 14 = 67 ms and 7 by default, see config.h).
-constexpr int kRnrRetry = 7;   // 7 = retry forever; no receive WRs are ever involved
+constexpr int kRnrRetry = 7;  // 7 = retry forever; no receive WRs are ever involved
 constexpr int kMinRnrTimer = 12;
 constexpr uint32_t kSqDepth = 512;  // WRs per QP; a put takes 2 (1 without data)
 constexpr int kChain = 16;          // WRs per ibv_post_send call
@@ -150,8 +150,9 @@ class VerbsTransport final : public Transport {
   // ring, 0 (out of the prev port) and 1 (out of the next port).
   int slots() const { return ring_ ? 2 : ctx_.world; }
   bool in_use(int slot) const { return ring_ || slot != ctx_.rank; }
-  int peer_of(int slot) const { return !ring_ ? slot : slot ? ctx_.layout.topo.next(ctx_.rank)
-                                                            : ctx_.layout.topo.prev(ctx_.rank); }
+  int peer_of(int slot) const {
+    return !ring_ ? slot : slot ? ctx_.layout.topo.next(ctx_.rank) : ctx_.layout.topo.prev(ctx_.rank);
+  }
   // The slot put() takes to `peer`: next before prev (world 2); -1: no link.
   int slot_to(int peer) const;
   int dev_of(int slot, int root) const { return ring_ ? slot * roots_ + root : root; }

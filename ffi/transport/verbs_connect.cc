@@ -55,19 +55,19 @@ Status VerbsTransport::check_device_list(const std::string& hca) const {
   const std::string what = specs.empty() ? std::string("JAX_ARX_IB_HCA names no device")
                                          : strf("JAX_ARX_IB_HCA=%s lists %zu device%s", hca.c_str(), specs.size(),
                                                 specs.size() == 1 ? "" : "s");
-  return Status::Error(strf(
-      "jax_arx: %s; in a ring (JAX_ARX_TOPOLOGY=ring) rank %d lists the port facing the previous rank (rank %d), "
-      "then the port facing the next rank (rank %d), each as its two functions (root 0, root 1): four devices, "
-      "e.g. JAX_ARX_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3 where mlx5_0 and mlx5_1 are the port cabled to rank %d; "
-      "or one device per port, two in all",
-      what.c_str(), ctx_.rank, prev, next, prev));
+  return Status::Error(
+      strf("jax_arx: %s; in a ring (JAX_ARX_TOPOLOGY=ring) rank %d lists the port facing the previous rank (rank %d), "
+           "then the port facing the next rank (rank %d), each as its two functions (root 0, root 1): four devices, "
+           "e.g. JAX_ARX_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3 where mlx5_0 and mlx5_1 are the port cabled to rank %d; "
+           "or one device per port, two in all",
+           what.c_str(), ctx_.rank, prev, next, prev));
 }
 
 Status VerbsTransport::open() {
   const Layout& lay = ctx_.layout;
   Region* region = ctx_.region;
-  if (!region || !ctx_.config || ctx_.world < 1 || ctx_.world > kMaxWorld || ctx_.rank < 0 ||
-      ctx_.rank >= ctx_.world || lay.total > region->size() || lay.world != ctx_.world)
+  if (!region || !ctx_.config || ctx_.world < 1 || ctx_.world > kMaxWorld || ctx_.rank < 0 || ctx_.rank >= ctx_.world ||
+      lay.total > region->size() || lay.world != ctx_.world)
     return labelled("jax_arx: verbs carrier given an invalid context (region, config, rank/world or inbox)");
   const Config& cfg = *ctx_.config;
   Status knobs = knob("ib_timeout", "JAX_ARX_IB_TIMEOUT", cfg.ib_timeout, 1, 31, timeout_);
@@ -79,8 +79,8 @@ Status VerbsTransport::open() {
   // tests exercise the chunked path that only multi-GB puts take otherwise.
   if (cfg.ib_chunk_bytes) chunk_ = std::clamp<uint64_t>(cfg.ib_chunk_bytes, 64, kMaxChunk);
   Status st = check_device_list(cfg.ib_hca);
-  if (st.ok()) st = verbs::open_devices(api_, cfg.ib_hca, cfg.ib_gid_index, ring_ ? kMaxDevices : kRoots, devices_,
-                                        note_);
+  if (st.ok())
+    st = verbs::open_devices(api_, cfg.ib_hca, cfg.ib_gid_index, ring_ ? kMaxDevices : kRoots, devices_, note_);
   if (!st.ok()) return labelled(st.message());
   roots_ = ring_ ? (int)devices_.size() / 2 : (int)devices_.size();
 
@@ -189,20 +189,22 @@ Status VerbsTransport::create_link(int slot, int root) {
   ia.cap.max_inline_data = 64;  // the flag (8 bytes) goes inline
   errno = 0;
   if (!(l.qp = api_.create_qp(pd_[dev], &ia)))
-    return labelled(strf("jax_arx: ibv_create_qp (RC, %llu send WRs, 64 B inline) on %s for rank %d failed: %s; "
-                         "the device may be out of queue pairs or locked memory (ulimit -l)",
-                         (unsigned long long)sq_depth_, where(dev).c_str(), l.peer, verbs::error_text(-1).c_str()));
+    return labelled(
+        strf("jax_arx: ibv_create_qp (RC, %llu send WRs, 64 B inline) on %s for rank %d failed: %s; "
+             "the device may be out of queue pairs or locked memory (ulimit -l)",
+             (unsigned long long)sq_depth_, where(dev).c_str(), l.peer, verbs::error_text(-1).c_str()));
   if (ia.cap.max_inline_data < 8)
-    return labelled(strf("jax_arx: %s gives queue pairs %u bytes of inline data; the verbs carrier needs 8 for "
-                         "its flag writes. Name another device in JAX_ARX_IB_HCA",
-                         where(dev).c_str(), ia.cap.max_inline_data));
+    return labelled(
+        strf("jax_arx: %s gives queue pairs %u bytes of inline data; the verbs carrier needs 8 for "
+             "its flag writes. Name another device in JAX_ARX_IB_HCA",
+             where(dev).c_str(), ia.cap.max_inline_data));
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_INIT;
   a.pkey_index = 0;
   a.port_num = (uint8_t)d.port;
   a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
-  ARX_RETURN_IF_ERROR(modify(l, a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
-                             "RESET->INIT", "JAX_ARX_IB_HCA (another device or port)"));
+  ARX_RETURN_IF_ERROR(modify(l, a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "RESET->INIT",
+                             "JAX_ARX_IB_HCA (another device or port)"));
   wire_.qpn[slot][root] = l.qp->qp_num;
   return Status::Ok();
 }
@@ -222,34 +224,38 @@ Status VerbsTransport::connect(const std::vector<std::string>& details, double t
   if (closed_) return labelled("jax_arx: verbs carrier connect() after close()");
   if (connected_) return labelled("jax_arx: verbs carrier connect() called twice");
   if ((int)details.size() != ctx_.world)
-    return labelled(strf("jax_arx: verbs connect() got %zu ranks' details for a world of %d", details.size(),
-                         ctx_.world));
+    return labelled(
+        strf("jax_arx: verbs connect() got %zu ranks' details for a world of %d", details.size(), ctx_.world));
   std::vector<Wire> peers(ctx_.world);
   for (int j = 0; j < ctx_.world; ++j) {
     Wire& p = peers[j];
     if (details[j].size() != sizeof(Wire))
-      return labelled(strf("jax_arx: rank %d's connection details are %zu bytes, not a verbs carrier's %zu: does "
-                           "every rank use the same carrier (JAX_ARX_TRANSPORT) and jax_arx version?",
-                           j, details[j].size(), sizeof(Wire)));
+      return labelled(
+          strf("jax_arx: rank %d's connection details are %zu bytes, not a verbs carrier's %zu: does "
+               "every rank use the same carrier (JAX_ARX_TRANSPORT) and jax_arx version?",
+               j, details[j].size(), sizeof(Wire)));
     memcpy(&p, details[j].data(), sizeof(Wire));
     if (p.magic != kWireMagic || p.version != kWireVersion)
-      return labelled(strf("jax_arx: rank %d's connection details are not a verbs carrier's (magic 0x%x, version "
-                           "%u; expected 0x%x, %u)",
-                           j, p.magic, p.version, kWireMagic, kWireVersion));
+      return labelled(
+          strf("jax_arx: rank %d's connection details are not a verbs carrier's (magic 0x%x, version "
+               "%u; expected 0x%x, %u)",
+               j, p.magic, p.version, kWireMagic, kWireVersion));
     if (p.rank != j || p.world != ctx_.world)
       return labelled(strf("jax_arx: rank %d's connection details belong to rank %d of %d", j, p.rank, p.world));
     if (p.ring != wire_.ring)
-      return labelled(strf("jax_arx: rank %d is cabled as a %s, this rank as a %s; set JAX_ARX_TOPOLOGY the same "
-                           "everywhere",
-                           j, p.ring ? "ring" : "mesh", ring_ ? "ring" : "mesh"));
+      return labelled(
+          strf("jax_arx: rank %d is cabled as a %s, this rank as a %s; set JAX_ARX_TOPOLOGY the same "
+               "everywhere",
+               j, p.ring ? "ring" : "mesh", ring_ ? "ring" : "mesh"));
     if (p.roots != roots_) {
       const int n = ring_ ? 2 : 1;
       std::string theirs, mine;
       for (int d = 0; d < p.roots * n && d < kMaxDevices; ++d) theirs += (d ? "," : "") + std::string(p.dev[d].name);
       for (const verbs::Device& d : devices_) mine += (mine.empty() ? "" : ",") + d.name;
-      return labelled(strf("jax_arx: rank %d has %d verbs root%s (%s) and this rank has %d (%s): every rank must name "
-                           "as many devices in JAX_ARX_IB_HCA",
-                           j, p.roots, p.roots == 1 ? "" : "s", theirs.c_str(), roots_, mine.c_str()));
+      return labelled(
+          strf("jax_arx: rank %d has %d verbs root%s (%s) and this rank has %d (%s): every rank must name "
+               "as many devices in JAX_ARX_IB_HCA",
+               j, p.roots, p.roots == 1 ? "" : "s", theirs.c_str(), roots_, mine.c_str()));
     }
   }
   for (int s = 0; s < slots(); ++s)
@@ -267,8 +273,10 @@ Status VerbsTransport::connect(const std::vector<std::string>& details, double t
           hi = std::max(hi, links_[s][r].path_mtu);
         }
     line += strf("%sroot %d %s", d ? "; " : "", d % roots_, where(d).c_str());
-    if (hi && lo == hi) line += strf(", path MTU %d", lo);
-    else if (hi) line += strf(", path MTU %d-%d", lo, hi);
+    if (hi && lo == hi)
+      line += strf(", path MTU %d", lo);
+    else if (hi)
+      line += strf(", path MTU %d-%d", lo, hi);
   }
   fprintf(stderr, "jax_arx verbs: %s: %s%s%s\n", ctx_.label.c_str(), line.c_str(), note_.empty() ? "" : "; ",
           note_.c_str());
@@ -294,10 +302,11 @@ Status VerbsTransport::bring_up(int slot, int root, const Wire& p) {
   l.remote = strf("rank %d (%s port %u, GID %s, QP 0x%x)", l.peer, pr.name, pr.port, verbs::gid_text(pr.gid).c_str(),
                   l.remote_qpn);
   if ((bool)pr.ethernet != d.ethernet)
-    return labelled(strf("jax_arx: %s is %s but %s of %s is %s: root %d must be the same kind of link on every "
-                         "rank (JAX_ARX_IB_HCA)",
-                         where(l.dev).c_str(), d.ethernet ? "RoCE" : "InfiniBand", pr.name, l.remote.c_str(),
-                         pr.ethernet ? "RoCE" : "InfiniBand", root));
+    return labelled(
+        strf("jax_arx: %s is %s but %s of %s is %s: root %d must be the same kind of link on every "
+             "rank (JAX_ARX_IB_HCA)",
+             where(l.dev).c_str(), d.ethernet ? "RoCE" : "InfiniBand", pr.name, l.remote.c_str(),
+             pr.ethernet ? "RoCE" : "InfiniBand", root));
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
   a.path_mtu = (ibv_mtu)std::min<uint32_t>(d.port_attr.active_mtu, pr.mtu);
@@ -332,10 +341,10 @@ Status VerbsTransport::bring_up(int slot, int root, const Wire& p) {
   a.rnr_retry = kRnrRetry;
   a.sq_psn = 0;
   a.max_rd_atomic = 1;
-  ARX_RETURN_IF_ERROR(modify(l, a,
-                             IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                                 IBV_QP_MAX_QP_RD_ATOMIC,
-                             "RTR->RTS", "JAX_ARX_IB_TIMEOUT and JAX_ARX_IB_RETRY_CNT"));
+  ARX_RETURN_IF_ERROR(modify(
+      l, a,
+      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+      "RTR->RTS", "JAX_ARX_IB_TIMEOUT and JAX_ARX_IB_RETRY_CNT"));
   if (ctx_.config->verbose)
     fprintf(stderr, "jax_arx verbs: %s: root %d %s QP 0x%x <-> %s: path MTU %d (ours %d, peer's %d)\n",
             ctx_.label.c_str(), root, where(l.dev).c_str(), l.qp->qp_num, l.remote.c_str(), l.path_mtu,
@@ -389,23 +398,25 @@ Status VerbsTransport::probe(double timeout_s) {
         const bool silent = wc[i].status == IBV_WC_RETRY_EXC_ERR;
         std::string fix = completion_hint(wc[i].status);
         if (silent && ring_)
-          fix = strf("check that this port is cabled to rank %d's port facing %s, and that JAX_ARX_IB_HCA on both "
-                     "ranks lists the port facing the previous rank first, then the port facing the next",
-                     l->peer, l->dev / roots_ ? "prev" : "next");
-        return labelled(strf("jax_arx: no answer from %s over root %d from %s: the connection probe failed: %s "
-                             "(status %d, vendor_err 0x%x; QP timeout %.0f ms x %d tries); %s%s",
-                             l->remote.c_str(), root, where(d).c_str(), api_.wc_status_str(wc[i].status),
-                             (int)wc[i].status, wc[i].vendor_err, 4.096e-3 * (double)(1ull << timeout_),
-                             retry_cnt_ + 1, fix.c_str(),
-                             silent ? ". (A peer that reached jax_arx.initialize much later than this rank looks the "
-                                      "same: raise JAX_ARX_IB_TIMEOUT.)"
-                                    : ""));
+          fix = strf(
+              "check that this port is cabled to rank %d's port facing %s, and that JAX_ARX_IB_HCA on both "
+              "ranks lists the port facing the previous rank first, then the port facing the next",
+              l->peer, l->dev / roots_ ? "prev" : "next");
+        return labelled(
+            strf("jax_arx: no answer from %s over root %d from %s: the connection probe failed: %s "
+                 "(status %d, vendor_err 0x%x; QP timeout %.0f ms x %d tries); %s%s",
+                 l->remote.c_str(), root, where(d).c_str(), api_.wc_status_str(wc[i].status), (int)wc[i].status,
+                 wc[i].vendor_err, 4.096e-3 * (double)(1ull << timeout_), retry_cnt_ + 1, fix.c_str(),
+                 silent ? ". (A peer that reached jax_arx.initialize much later than this rank looks the "
+                          "same: raise JAX_ARX_IB_TIMEOUT.)"
+                        : ""));
       }
     }
     if (pending > 0 && std::chrono::steady_clock::now() > deadline)
-      return labelled(strf("jax_arx: the connection probes of %d link%s completed neither way within %.0f s: the "
-                           "NIC reports nothing (JAX_ARX_TIMEOUT_S bounds this wait)",
-                           pending, pending == 1 ? "" : "s", timeout_s));
+      return labelled(
+          strf("jax_arx: the connection probes of %d link%s completed neither way within %.0f s: the "
+               "NIC reports nothing (JAX_ARX_TIMEOUT_S bounds this wait)",
+               pending, pending == 1 ? "" : "s", timeout_s));
     sched_yield();  // the peer's set-up may need this core (2-core machines)
   }
   return Status::Ok();

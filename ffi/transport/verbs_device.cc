@@ -60,9 +60,10 @@ Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out, size_t
   if (!t.empty() && t[0] == '=') t = t.substr(1);  // NCCL's "exact names" prefix: names are always exact here
   if (t.empty()) return Status::Ok();
   if (t[0] == '^')
-    return Status::Error(strf("jax_arx: JAX_ARX_IB_HCA=%s: exclusion lists ('^') are not supported; name the "
-                              "device of each root, e.g. JAX_ARX_IB_HCA=mlx5_0,mlx5_1",
-                              text.c_str()));
+    return Status::Error(
+        strf("jax_arx: JAX_ARX_IB_HCA=%s: exclusion lists ('^') are not supported; name the "
+             "device of each root, e.g. JAX_ARX_IB_HCA=mlx5_0,mlx5_1",
+             text.c_str()));
   size_t start = 0;
   while (start <= t.size()) {
     const size_t comma = std::min(t.find(',', start), t.size());
@@ -79,20 +80,23 @@ Status parse_hca_list(const std::string& text, std::vector<HcaSpec>& out, size_t
       spec.port = (int)port;
     }
     if (spec.name.empty())
-      return Status::Error(strf("jax_arx: JAX_ARX_IB_HCA=%s: '%s' is not a device name with an optional port "
-                                "(mlx5_0 or mlx5_0:1)",
-                                text.c_str(), item.c_str()));
+      return Status::Error(
+          strf("jax_arx: JAX_ARX_IB_HCA=%s: '%s' is not a device name with an optional port "
+               "(mlx5_0 or mlx5_0:1)",
+               text.c_str(), item.c_str()));
     out.push_back(spec);
   }
   if (out.size() > max_entries && max_entries <= 2)
-    return Status::Error(strf("jax_arx: JAX_ARX_IB_HCA=%s lists %zu devices; the verbs carrier takes one or two, "
-                              "the devices of root 0 and root 1 (e.g. the two PCIe functions of one port on GB10; "
-                              "four, two ports of two, only in a ring: JAX_ARX_TOPOLOGY=ring)",
-                              text.c_str(), out.size()));
+    return Status::Error(
+        strf("jax_arx: JAX_ARX_IB_HCA=%s lists %zu devices; the verbs carrier takes one or two, "
+             "the devices of root 0 and root 1 (e.g. the two PCIe functions of one port on GB10; "
+             "four, two ports of two, only in a ring: JAX_ARX_TOPOLOGY=ring)",
+             text.c_str(), out.size()));
   if (out.size() > max_entries)
-    return Status::Error(strf("jax_arx: JAX_ARX_IB_HCA=%s lists %zu devices; a ring takes at most four: the port "
-                              "facing the previous rank, then the port facing the next, each as its two functions",
-                              text.c_str(), out.size()));
+    return Status::Error(
+        strf("jax_arx: JAX_ARX_IB_HCA=%s lists %zu devices; a ring takes at most four: the port "
+             "facing the previous rank, then the port facing the next, each as its two functions",
+             text.c_str(), out.size()));
   return Status::Ok();
 }
 
@@ -170,28 +174,35 @@ namespace {
 
 const char* port_state_name(ibv_port_state s) {
   switch (s) {
-    case IBV_PORT_NOP: return "NOP";
-    case IBV_PORT_DOWN: return "DOWN";
-    case IBV_PORT_INIT: return "INIT";
-    case IBV_PORT_ARMED: return "ARMED";
-    case IBV_PORT_ACTIVE: return "ACTIVE";
-    case IBV_PORT_ACTIVE_DEFER: return "ACTIVE_DEFER";
-    default: return "unknown";
+    case IBV_PORT_NOP:
+      return "NOP";
+    case IBV_PORT_DOWN:
+      return "DOWN";
+    case IBV_PORT_INIT:
+      return "INIT";
+    case IBV_PORT_ARMED:
+      return "ARMED";
+    case IBV_PORT_ACTIVE:
+      return "ACTIVE";
+    case IBV_PORT_ACTIVE_DEFER:
+      return "ACTIVE_DEFER";
+    default:
+      return "unknown";
   }
 }
 
 // Opens `dev`, picks its port (want_port, or the first active one) and its GID.
-Status open_one(const Api& api, ibv_device* dev, const std::string& name, int want_port, int64_t gid_index,
-                Device& d) {
+Status open_one(const Api& api, ibv_device* dev, const std::string& name, int want_port, int64_t gid_index, Device& d) {
   d = Device();
   d.name = name;
   errno = 0;
   d.ctx = api.open_device(dev);
   if (!d.ctx)
-    return Status::Error(strf("jax_arx: ibv_open_device(%s) failed: %s; the user needs read-write access to "
-                              "/dev/infiniband/uverbs* (containers: pass --device=/dev/infiniband), or name another "
-                              "device in JAX_ARX_IB_HCA",
-                              name.c_str(), error_text(-1).c_str()));
+    return Status::Error(
+        strf("jax_arx: ibv_open_device(%s) failed: %s; the user needs read-write access to "
+             "/dev/infiniband/uverbs* (containers: pass --device=/dev/infiniband), or name another "
+             "device in JAX_ARX_IB_HCA",
+             name.c_str(), error_text(-1).c_str()));
   auto fail = [&](std::string message) {
     api.close_device(d.ctx);
     d.ctx = nullptr;
@@ -217,28 +228,31 @@ Status open_one(const Api& api, ibv_device* dev, const std::string& name, int wa
                    (int)pa.phys_state);
   }
   if (!d.port)
-    return fail(strf("jax_arx: %s has no active port: %s. Bring its link up (check the cable and `ip link` of its "
-                     "netdev; ibv_devinfo shows the port state) or name another device in JAX_ARX_IB_HCA",
-                     name.c_str(), states.c_str()));
+    return fail(
+        strf("jax_arx: %s has no active port: %s. Bring its link up (check the cable and `ip link` of its "
+             "netdev; ibv_devinfo shows the port state) or name another device in JAX_ARX_IB_HCA",
+             name.c_str(), states.c_str()));
   d.ethernet = d.port_attr.link_layer == IBV_LINK_LAYER_ETHERNET;
   const std::string where = strf("%s port %d", name.c_str(), d.port);
-  const std::vector<GidEntry> table = d.ethernet ? read_gid_table(kSysfsInfiniband, name, d.port)
-                                                 : std::vector<GidEntry>();
+  const std::vector<GidEntry> table =
+      d.ethernet ? read_gid_table(kSysfsInfiniband, name, d.port) : std::vector<GidEntry>();
   if (gid_index >= 0) {
     d.gid_forced = true;
     if (gid_index >= d.port_attr.gid_tbl_len)
-      return fail(strf("jax_arx: JAX_ARX_IB_GID_INDEX=%lld, but the GID table of %s has %d entries; unset it to "
-                       "find the RoCE v2 GID, or pick an index that show_gids (or ibv_devinfo -v) lists",
-                       (long long)gid_index, where.c_str(), d.port_attr.gid_tbl_len));
+      return fail(
+          strf("jax_arx: JAX_ARX_IB_GID_INDEX=%lld, but the GID table of %s has %d entries; unset it to "
+               "find the RoCE v2 GID, or pick an index that show_gids (or ibv_devinfo -v) lists",
+               (long long)gid_index, where.c_str(), d.port_attr.gid_tbl_len));
     d.gid_index = (int)gid_index;
   } else if (d.ethernet) {
     std::string why;
     d.gid_index = pick_roce_v2_gid(table, own_netdevs(kSysfsInfiniband, name), why);
     if (d.gid_index < 0)
-      return fail(strf("jax_arx: %s: %s. RoCE v2 needs an IPv4 address on the device's netdev (ip addr add "
-                       "ADDR/PREFIX dev NETDEV; `rdma link` shows which netdev), or set JAX_ARX_IB_GID_INDEX to "
-                       "the GID to use",
-                       where.c_str(), why.c_str()));
+      return fail(
+          strf("jax_arx: %s: %s. RoCE v2 needs an IPv4 address on the device's netdev (ip addr add "
+               "ADDR/PREFIX dev NETDEV; `rdma link` shows which netdev), or set JAX_ARX_IB_GID_INDEX to "
+               "the GID to use",
+               where.c_str(), why.c_str()));
   } else {
     d.gid_index = 0;  // InfiniBand: GID 0 is the port GUID's; peers are addressed by LID
   }
@@ -280,11 +294,12 @@ Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, s
   if (!list || n <= 0) {
     const std::string e = error_text(-1);
     if (list) api.free_device_list(list);
-    return Status::Error(strf("jax_arx: no RDMA devices found (ibv_get_device_list: %s). No RDMA driver is loaded "
-                              "(mlx5_ib; rdma_rxe for soft-RoCE), or /dev/infiniband and /sys/class/infiniband are "
-                              "not visible here (containers). ibv_devices lists the devices; set "
-                              "JAX_ARX_TRANSPORT=tcp to run without RDMA",
-                              n == 0 && list ? "none" : e.c_str()));
+    return Status::Error(
+        strf("jax_arx: no RDMA devices found (ibv_get_device_list: %s). No RDMA driver is loaded "
+             "(mlx5_ib; rdma_rxe for soft-RoCE), or /dev/infiniband and /sys/class/infiniband are "
+             "not visible here (containers). ibv_devices lists the devices; set "
+             "JAX_ARX_TRANSPORT=tcp to run without RDMA",
+             n == 0 && list ? "none" : e.c_str()));
   }
   std::vector<std::pair<std::string, ibv_device*>> all;
   for (int i = 0; i < n; ++i) all.emplace_back(api.get_device_name(list[i]), list[i]);
@@ -298,9 +313,10 @@ Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, s
     for (const HcaSpec& spec : specs) {
       auto it = std::find_if(all.begin(), all.end(), [&](const auto& p) { return p.first == spec.name; });
       if (it == all.end()) {
-        st = Status::Error(strf("jax_arx: JAX_ARX_IB_HCA names %s, which is not an RDMA device of this host (it has "
-                                "%s); set JAX_ARX_IB_HCA to one or two of these",
-                                spec.name.c_str(), names.c_str()));
+        st =
+            Status::Error(strf("jax_arx: JAX_ARX_IB_HCA names %s, which is not an RDMA device of this host (it has "
+                               "%s); set JAX_ARX_IB_HCA to one or two of these",
+                               spec.name.c_str(), names.c_str()));
         break;
       }
       Device d;
@@ -321,9 +337,10 @@ Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, s
       if (devices.size() == 2) break;
     }
     if (devices.empty())
-      st = Status::Error(strf("jax_arx: none of this host's RDMA devices (%s) has an active port with a usable GID:%s"
-                              "\nSet JAX_ARX_IB_HCA (and, if needed, JAX_ARX_IB_GID_INDEX), or JAX_ARX_TRANSPORT=tcp",
-                              names.c_str(), skipped.c_str()));
+      st =
+          Status::Error(strf("jax_arx: none of this host's RDMA devices (%s) has an active port with a usable GID:%s"
+                             "\nSet JAX_ARX_IB_HCA (and, if needed, JAX_ARX_IB_GID_INDEX), or JAX_ARX_TRANSPORT=tcp",
+                             names.c_str(), skipped.c_str()));
     else if (all.size() > devices.size())
       note = strf("devices chosen among %s; set JAX_ARX_IB_HCA to choose", names.c_str());
   }

@@ -78,8 +78,8 @@ struct Device {
 };
 
 // Opens the devices `hca` names (at most `max_entries`, as parse_hca_list;
-// or finds one or two, when empty) and picks each one's port and GID. Errors say which device, port or GID was wrong and
-// which setting fixes it; on error nothing stays open.
+// or finds one or two, when empty) and picks each one's port and GID. Errors say which device, port or GID was wrong
+// and which setting fixes it; on error nothing stays open.
 Status open_devices(const Api& api, const std::string& hca, int64_t gid_index, size_t max_entries,
                     std::vector<Device>& out, std::string& note);
 void close_devices(const Api& api, std::vector<Device>& devices);

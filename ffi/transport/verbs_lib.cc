@@ -27,8 +27,10 @@ void bind(void* lib, F& slot, const char* name, const char* version, std::string
 
 void load_once(const std::string& lib_name) {
   std::vector<std::string> names;
-  if (!lib_name.empty()) names.push_back(lib_name);  // an explicit choice: no silent fallback past it
-  else names = {"libibverbs.so.1", "libibverbs.so"};
+  if (!lib_name.empty())
+    names.push_back(lib_name);  // an explicit choice: no silent fallback past it
+  else
+    names = {"libibverbs.so.1", "libibverbs.so"};
   void* lib = nullptr;
   std::string tried, loaded;
   for (const std::string& name : names) {
@@ -41,11 +43,11 @@ void load_once(const std::string& lib_name) {
     tried += strf("%s%s (%s)", tried.empty() ? "" : ", ", name.c_str(), e ? e : "not found");
   }
   if (!lib) {
-    g_status = Status::Error(strf(
-        "jax_arx: the verbs carrier could not load libibverbs: tried %s. Install rdma-core's libibverbs1 and "
-        "ibverbs-providers (Debian/Ubuntu; rdma-core on RHEL), point JAX_ARX_IBVERBS_LIB at the library, or set "
-        "JAX_ARX_TRANSPORT=tcp",
-        tried.c_str()));
+    g_status = Status::Error(
+        strf("jax_arx: the verbs carrier could not load libibverbs: tried %s. Install rdma-core's libibverbs1 and "
+             "ibverbs-providers (Debian/Ubuntu; rdma-core on RHEL), point JAX_ARX_IBVERBS_LIB at the library, or set "
+             "JAX_ARX_TRANSPORT=tcp",
+             tried.c_str()));
     return;
   }
   // Every one of these has carried IBVERBS_1.1 since rdma-core's first
@@ -73,10 +75,11 @@ void load_once(const std::string& lib_name) {
   bind(lib, a.wc_status_str, "ibv_wc_status_str", v, missing);
   if (!missing.empty()) {
     // The library stays loaded: unloading a half-used libibverbs is not safe.
-    g_status = Status::Error(strf("jax_arx: the libibverbs that was loaded (%s) lacks %s; it is older than "
-                                  "rdma-core or not libibverbs at all. Check JAX_ARX_IBVERBS_LIB, or set "
-                                  "JAX_ARX_TRANSPORT=tcp",
-                                  loaded.c_str(), missing.c_str()));
+    g_status =
+        Status::Error(strf("jax_arx: the libibverbs that was loaded (%s) lacks %s; it is older than "
+                           "rdma-core or not libibverbs at all. Check JAX_ARX_IBVERBS_LIB, or set "
+                           "JAX_ARX_TRANSPORT=tcp",
+                           loaded.c_str(), missing.c_str()));
   }
 }
 

@@ -22,10 +22,14 @@ namespace ffi = ::xla::ffi;
 // The reducing ops' element types; nullopt for any other.
 inline std::optional<DType> dtype_of(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F32: return DType::kF32;
-    case ffi::DataType::BF16: return DType::kBF16;
-    case ffi::DataType::F16: return DType::kF16;
-    default: return std::nullopt;  // XLA's enum, not ours: every other type is unsupported
+    case ffi::DataType::F32:
+      return DType::kF32;
+    case ffi::DataType::BF16:
+      return DType::kBF16;
+    case ffi::DataType::F16:
+      return DType::kF16;
+    default:
+      return std::nullopt;  // XLA's enum, not ours: every other type is unsupported
   }
 }
 
@@ -37,15 +41,15 @@ inline ffi::Error endpoint_for(int64_t comm_id, int32_t device_ordinal, std::sha
                                Family family = Family::kPsum) {
   ep = find_endpoint(comm_id, device_ordinal);
   if (!ep)
-    return ffi::Error::InvalidArgument(strf(
-        "jax_arx: no communicator %lld on local device %d in this process; call jax_arx.initialize(mesh) (after "
-        "jax.distributed.initialize) with the mesh the collective runs over, before running it",
-        (long long)comm_id, (int)device_ordinal));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx: no communicator %lld on local device %d in this process; call jax_arx.initialize(mesh) (after "
+             "jax.distributed.initialize) with the mesh the collective runs over, before running it",
+             (long long)comm_id, (int)device_ordinal));
   if (family == Family::kBulk && ep->layout().bulk_lane == 0)
-    return ffi::Error::InvalidArgument(strf(
-        "jax_arx: %s holds no bulk lanes, so no all_gather, psum_scatter or MoE combine runs on it (communicator "
-        "%lld is not the one jax_arx made for them; JAX_ARX_PREFILL_SLOT_BYTES=0 turns them off)",
-        ep->label().c_str(), (long long)comm_id));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx: %s holds no bulk lanes, so no all_gather, psum_scatter or MoE combine runs on it (communicator "
+             "%lld is not the one jax_arx made for them; JAX_ARX_PREFILL_SLOT_BYTES=0 turns them off)",
+             ep->label().c_str(), (long long)comm_id));
   return ffi::Error::Success();
 }
 
@@ -72,7 +76,8 @@ struct PsumAttributes {
 };
 
 inline ffi::Error psum_attributes(const ffi::Dictionary& attrs, size_t args, size_t rets, PsumAttributes& at) {
-  if (!attrs.contains("comm_id")) return ffi::Error::InvalidArgument("jax_arx.psum: the call has no 'comm_id' attribute");
+  if (!attrs.contains("comm_id"))
+    return ffi::Error::InvalidArgument("jax_arx.psum: the call has no 'comm_id' attribute");
   auto get = [&](const char* name, int64_t& out) -> ffi::Error {
     if (!attrs.contains(name)) return ffi::Error::Success();
     auto v = attrs.get<int64_t>(name);
@@ -127,9 +132,10 @@ struct AddNormCall {
 
 inline ffi::Error add_norm_call(ffi::RemainingArgs& args, ffi::RemainingRets& rets, const ffi::Dictionary& attrs,
                                 AddNormCall& c) {
-  constexpr const char* kWhat = "jax_arx.psum_add_norm: expected operands x, residual (x's shape and dtype), weight "
-                                "[x.shape[-1]] and, with bias=1, bias [x.shape[-1]], all float32, bfloat16 or "
-                                "float16, and results normed, hidden of x's shape and dtype";
+  constexpr const char* kWhat =
+      "jax_arx.psum_add_norm: expected operands x, residual (x's shape and dtype), weight "
+      "[x.shape[-1]] and, with bias=1, bias [x.shape[-1]], all float32, bfloat16 or "
+      "float16, and results normed, hidden of x's shape and dtype";
   if (rets.size() != 2) return ffi::Error::InvalidArgument(kWhat);
   auto int_attr = [&](const char* name, int64_t& out) -> ffi::Error {
     auto v = attrs.get<int64_t>(name);
@@ -143,8 +149,9 @@ inline ffi::Error add_norm_call(ffi::RemainingArgs& args, ffi::RemainingRets& re
   auto eps = attrs.get<float>("eps");
   if (eps.has_error()) return ffi::Error::InvalidArgument("jax_arx.psum_add_norm: no float attribute 'eps'");
   if ((kind != 0 && kind != 1) || (bias != 0 && bias != 1) || !(*eps >= 0.f))
-    return ffi::Error::InvalidArgument("jax_arx.psum_add_norm: kind must be 0 (rms) or 1 (layer), bias 0 or 1, eps "
-                                       ">= 0");
+    return ffi::Error::InvalidArgument(
+        "jax_arx.psum_add_norm: kind must be 0 (rms) or 1 (layer), bias 0 or 1, eps "
+        ">= 0");
   const size_t n = bias ? 4 : 3;
   if (args.size() < n) return ffi::Error::InvalidArgument(kWhat);
   if (ffi::Error e = psum_attributes(attrs, args.size() - (n - 1), 1, c.at); e.failure()) return e;
@@ -211,14 +218,13 @@ auto bulk_collective_binding(Binding bind) {
 inline ffi::Error outer_rows(const ffi::AnyBuffer& x, int64_t dimension, uint64_t& outer) {
   const auto dims = x.dimensions();
   if (dimension < 0 || dimension > (int64_t)dims.size())
-    return ffi::Error::InvalidArgument(strf("jax_arx: dimension %lld of a rank-%zu operand", (long long)dimension,
-                                            dims.size()));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx: dimension %lld of a rank-%zu operand", (long long)dimension, dims.size()));
   outer = 1;
   for (int64_t d = 0; d < dimension; ++d) outer *= (uint64_t)dims[d];
   if (outer == 0) outer = 1;  // no elements: any row count describes them
   return ffi::Error::Success();
 }
-
 
 // Pair i of a bulk call, x_i -> y_i, checked as both platforms' handlers
 // check it: all_gather (`gather`): y has x's dtype and world times its
@@ -233,8 +239,8 @@ struct BulkPair {
   std::optional<DType> dtype;  // the reducing type; for all_gather, nullopt if x has none
 };
 
-inline ffi::Error bulk_pair(bool gather, ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i,
-                               uint64_t world, int64_t dimension, BulkPair& p) {
+inline ffi::Error bulk_pair(bool gather, ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t i, uint64_t world,
+                            int64_t dimension, BulkPair& p) {
   const char* op = gather ? "all_gather" : "psum_scatter";
   auto x = args.get<ffi::AnyBuffer>(i);
   auto y = rets.get<ffi::AnyBuffer>(i);
@@ -248,19 +254,20 @@ inline ffi::Error bulk_pair(bool gather, ffi::RemainingArgs& args, ffi::Remainin
   p.dtype = dtype_of(p.type);
   if (!gather && !p.dtype)
     return ffi::Error::InvalidArgument("jax_arx.psum_scatter: takes float32, bfloat16 or float16");
-  const bool shaped = gather ? (*y)->size_bytes() == world * x->size_bytes()
-                             : (*y)->element_count() * world == x->element_count();
+  const bool shaped =
+      gather ? (*y)->size_bytes() == world * x->size_bytes() : (*y)->element_count() * world == x->element_count();
   if ((*y)->element_type() != p.type || !shaped)
-    return ffi::Error::InvalidArgument(strf("jax_arx.%s: result %zu must have its operand's dtype and %s%llu %s its "
-                                            "elements",
-                                            op, i, gather ? "" : "1/", (unsigned long long)world,
-                                            gather ? "times" : "of"));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx.%s: result %zu must have its operand's dtype and %s%llu %s its "
+             "elements",
+             op, i, gather ? "" : "1/", (unsigned long long)world, gather ? "times" : "of"));
   if (ffi::Error e = outer_rows(*x, dimension, p.outer); e.failure()) return e;
   const uint64_t part = gather ? p.in_bytes : p.out_count;
   if (part % p.outer)
-    return ffi::Error::InvalidArgument(strf("jax_arx.%s: operand %zu does not split into %llu rows along dimension "
-                                            "%lld",
-                                            op, i, (unsigned long long)p.outer, (long long)dimension));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx.%s: operand %zu does not split into %llu rows along dimension "
+             "%lld",
+             op, i, (unsigned long long)p.outer, (long long)dimension));
   return ffi::Error::Success();
 }
 
@@ -273,8 +280,8 @@ inline ffi::Error moe_operands(ffi::RemainingArgs& args, const ffi::AnyBuffer& o
                                MoeCombine& m) {
   const size_t n = scaled ? 5 : 4;
   if (args.size() < n)
-    return ffi::Error::InvalidArgument(strf("jax_arx.moe_combine_psum_scatter: %zu operands, expected at least %zu",
-                                            args.size(), n));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx.moe_combine_psum_scatter: %zu operands, expected at least %zu", args.size(), n));
   std::vector<ffi::AnyBuffer> b;
   for (size_t i = 0; i < n; ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
@@ -302,8 +309,9 @@ inline ffi::Error moe_operands(ffi::RemainingArgs& args, const ffi::AnyBuffer& o
   if (scaled) {
     int64_t R5, S5;
     if (!dims(b[1], R5, S5) || R5 != R || H % 128 || S5 != H / 128 || b[1].element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("jax_arx.moe_combine_psum_scatter: y_scale must be [R, H / 128] float32, "
-                                         "with H a multiple of 128");
+      return ffi::Error::InvalidArgument(
+          "jax_arx.moe_combine_psum_scatter: y_scale must be [R, H / 128] float32, "
+          "with H a multiple of 128");
   }
   m.y = y.untyped_data();
   m.y_scale = scaled ? static_cast<const float*>(b[1].untyped_data()) : nullptr;
@@ -316,11 +324,11 @@ inline ffi::Error moe_operands(ffi::RemainingArgs& args, const ffi::AnyBuffer& o
   m.hidden = (uint64_t)H;
   m.topk = (uint64_t)K;
   if (m.tokens > m.padded || (m.rows == 0 && m.tokens && m.topk))
-    return ffi::Error::InvalidArgument(strf("jax_arx.moe_combine_psum_scatter: %llu tokens, %llu padded rows, %llu "
-                                            "expert rows: the padded rows must be at least the tokens, and pos needs "
-                                            "expert rows to point at",
-                                            (unsigned long long)m.tokens, (unsigned long long)m.padded,
-                                            (unsigned long long)m.rows));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx.moe_combine_psum_scatter: %llu tokens, %llu padded rows, %llu "
+             "expert rows: the padded rows must be at least the tokens, and pos needs "
+             "expert rows to point at",
+             (unsigned long long)m.tokens, (unsigned long long)m.padded, (unsigned long long)m.rows));
   return ffi::Error::Success();
 }
 

@@ -25,23 +25,25 @@ ffi::Error cuda_endpoint(const char* op, int64_t comm_id, int32_t device_ordinal
                          Family family = Family::kPsum) {
   if (ffi::Error e = endpoint_for(comm_id, device_ordinal, ep, family); e.failure()) return e;
   if (!cuda::attached(*ep))
-    return ffi::Error::InvalidArgument(strf("jax_arx.%s: %s was not set up for CUDA (platform 'cuda' in "
-                                            "jax_arx.initialize)",
-                                            op, ep->label().c_str()));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx.%s: %s was not set up for CUDA (platform 'cuda' in "
+             "jax_arx.initialize)",
+             op, ep->label().c_str()));
   if (ep->failed()) return ffi::Error::Internal(ep->failure());
   return ffi::Error::Success();
 }
 
 ffi::Error launched(const char* op, int32_t device_ordinal, cudaError_t e) {
   if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(strf("jax_arx.%s: launching on device %d failed: %s (%s); the error may belong to an "
-                                   "earlier kernel on this device",
-                                   op, (int)device_ordinal, cudaGetErrorName(e), cudaGetErrorString(e)));
+  return ffi::Error::Internal(
+      strf("jax_arx.%s: launching on device %d failed: %s (%s); the error may belong to an "
+           "earlier kernel on this device",
+           op, (int)device_ordinal, cudaGetErrorName(e), cudaGetErrorString(e)));
 }
 
 ffi::Error refused(const char* op, const Plan& plan) {
-  return ffi::Error::InvalidArgument(strf("jax_arx.%s: %s (the Python side should have fallen back to jax.lax)", op,
-                                          plan.why_not.c_str()));
+  return ffi::Error::InvalidArgument(
+      strf("jax_arx.%s: %s (the Python side should have fallen back to jax.lax)", op, plan.why_not.c_str()));
 }
 
 // x[0..n) -> y[0..n), each summed over the communicator, one collective per
@@ -55,8 +57,8 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
   PsumAttributes at;
   if (ffi::Error e = psum_attributes(attrs, args.size(), rets.size(), at); e.failure()) return e;
   if (at.prefetch > cuda::kMaxPrefetch)
-    return ffi::Error::InvalidArgument(strf("jax_arx.psum: at most %d prefetch operands, got %lld",
-                                            cuda::kMaxPrefetch, (long long)at.prefetch));
+    return ffi::Error::InvalidArgument(
+        strf("jax_arx.psum: at most %d prefetch operands, got %lld", cuda::kMaxPrefetch, (long long)at.prefetch));
   std::shared_ptr<Endpoint> ep;
   if (ffi::Error e = cuda_endpoint("psum", at.comm_id, device_ordinal, ep); e.failure()) return e;
   cuda::Prefetch pf{};
@@ -137,7 +139,8 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
                                          ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
                                          int64_t scaled) {
   std::shared_ptr<Endpoint> ep;
-  if (ffi::Error e = cuda_endpoint("moe_combine_psum_scatter", comm_id, device_ordinal, ep, Family::kBulk); e.failure()) return e;
+  if (ffi::Error e = cuda_endpoint("moe_combine_psum_scatter", comm_id, device_ordinal, ep, Family::kBulk); e.failure())
+    return e;
   MoeCombine m;
   if (ffi::Error e = moe_operands(args, *out, scaled != 0, (uint64_t)ep->spec().world, m); e.failure()) return e;
   // plan_bulk, not plan_moe_combine: the call exists only where the plan
@@ -145,9 +148,9 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
   const Plan plan = plan_bulk(*ep, "moe_combine_psum_scatter", m.padded / ep->spec().world * m.hidden * 2);
   if (plan.algorithm == Algorithm::kNone) return refused("moe_combine_psum_scatter", plan);
   count_call(*ep, Stats::kMoeCombine, m.padded / ep->spec().world * m.hidden * 2, plan);
-  return launched("moe_combine_psum_scatter", device_ordinal,
-                  cuda::launch_moe_combine(*ep, m, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64,
-                                           stream));
+  return launched(
+      "moe_combine_psum_scatter", device_ordinal,
+      cuda::launch_moe_combine(*ep, m, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64, stream));
 }
 
 }  // namespace
@@ -169,8 +172,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_cuda, arx::xla::psum_cuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
-                                  .RemainingArgs()  // x[0..n), dependency operands, prefetch operands
-                                  .RemainingRets()  // y[0..n)
+                                  .RemainingArgs()                 // x[0..n), dependency operands, prefetch operands
+                                  .RemainingRets()                 // y[0..n)
                                   .Attrs<xla::ffi::Dictionary>(),  // comm_id, site, prefetch
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -178,22 +181,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_add_norm_cuda, arx::xla::psum_add_norm_cu
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device_ordinal
-                                  .RemainingArgs()  // x, residual, weight, [bias], dependency operands
-                                  .RemainingRets()  // normed, hidden
+                                  .RemainingArgs()                 // x, residual, weight, [bias], dependency operands
+                                  .RemainingRets()                 // normed, hidden
                                   .Attrs<xla::ffi::Dictionary>(),  // comm_id, site, kind, eps, bias
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // The bulk collectives: command-buffer compatible for the same reason (they
 // only launch; the bulk seq and the ring index live on the device).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_all_gather_cuda, arx::xla::bulk_cuda</*kGather=*/true>,
-                              arx::xla::bulk_collective_binding(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    arx_all_gather_cuda, arx::xla::bulk_cuda</*kGather=*/true>,
+    arx::xla::bulk_collective_binding(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_scatter_cuda, arx::xla::bulk_cuda</*kGather=*/false>,
-                              arx::xla::bulk_collective_binding(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    arx_psum_scatter_cuda, arx::xla::bulk_cuda</*kGather=*/false>,
+    arx::xla::bulk_collective_binding(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_cuda, arx::xla::moe_combine_psum_scatter_cuda,
                               xla::ffi::Ffi::Bind()

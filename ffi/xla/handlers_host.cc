@@ -19,7 +19,8 @@ void fill_failed_results(ffi::RemainingRets& rets, size_t from) {
     if (auto yj = rets.get<ffi::AnyBuffer>(j); yj.has_value()) {
       if (auto dj = dtype_of((*yj)->element_type()))
         host::fill_nan(*dj, (*yj)->untyped_data(), (*yj)->element_count());
-      else std::memset((*yj)->untyped_data(), 0xFF, (*yj)->size_bytes());
+      else
+        std::memset((*yj)->untyped_data(), 0xFF, (*yj)->size_bytes());
     }
 }
 
@@ -61,8 +62,7 @@ ffi::Error overlapping(Endpoint& ep, Stats::Kind kind, const char* op) {
 // concurrently, and every rank must issue collectives in the same order),
 // then prefetch operands, which the CPU side ignores. Attributes as the CUDA
 // handler's (psum_attributes), so one lowering serves both platforms.
-ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     ffi::Dictionary attrs) {
+ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   PsumAttributes at;
   if (ffi::Error e = psum_attributes(attrs, args.size(), rets.size(), at); e.failure()) return e;
   std::shared_ptr<Endpoint> ep;
@@ -135,9 +135,9 @@ ffi::Error bulk_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     const Plan plan = plan_bulk(*ep, op, lane);
     count_call(*ep, kind, lane, plan);
     const uint64_t tag = (uint64_t)site * 64 + i;
-    const Status s =
-        kGather ? host::all_gather(*ep, plan, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype, tag)
-                : host::reduce_scatter(*ep, plan, *p.dtype, p.in, p.out, p.out_count, p.outer, tag);
+    const Status s = kGather
+                         ? host::all_gather(*ep, plan, p.in, p.out, p.in_bytes, p.outer, (uint64_t)p.type, p.dtype, tag)
+                         : host::reduce_scatter(*ep, plan, *p.dtype, p.in, p.out, p.out_count, p.outer, tag);
     if (!s.ok()) {
       fill_failed_results(rets, i + 1);
       return failed_call(*ep, kind, ffi::Error::Internal(s.message()));
@@ -165,8 +165,8 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
   // chose the fused op (Python lowers the unfused pair otherwise).
   const Plan plan = plan_bulk(*ep, "moe_combine_psum_scatter", lane);
   count_call(*ep, Stats::kMoeCombine, lane, plan);
-  const Status s = host::moe_combine_reduce_scatter(*ep, plan, m, static_cast<uint16_t*>(out->untyped_data()),
-                                                    (uint64_t)site * 64);
+  const Status s =
+      host::moe_combine_reduce_scatter(*ep, plan, m, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64);
   if (!s.ok()) return failed_call(*ep, Stats::kMoeCombine, ffi::Error::Internal(s.message()));
   return ffi::Error::Success();
 }
@@ -176,9 +176,9 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_host, arx::xla::psum_host,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()  // device_ordinal
-                                  .RemainingArgs()  // x[0..n), dependency operands, prefetch operands
-                                  .RemainingRets()  // y[0..n)
+                                  .Ctx<xla::ffi::DeviceOrdinal>()   // device_ordinal
+                                  .RemainingArgs()                  // x[0..n), dependency operands, prefetch operands
+                                  .RemainingRets()                  // y[0..n)
                                   .Attrs<xla::ffi::Dictionary>());  // comm_id, site, prefetch
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_psum_add_norm_host, arx::xla::psum_add_norm_host,

@@ -67,8 +67,9 @@ class PyEndpoint {
     check(Config::parse(options, spec.config));
 #if !ARX_HAVE_CUDA
     if (spec.platform == Platform::kCuda)
-      throw std::runtime_error("jax_arx was built without CUDA (no nvcc at build time); rebuild it where nvcc is "
-                               "installed to run on GPUs");
+      throw std::runtime_error(
+          "jax_arx was built without CUDA (no nvcc at build time); rebuild it where nvcc is "
+          "installed to run on GPUs");
 #endif
     nb::gil_scoped_release release;
     check(Endpoint::create(spec, ep_));
@@ -121,11 +122,16 @@ class PyEndpoint {
   // (an all_gather's input, a psum_scatter's or the combine's output).
   std::tuple<int, int, std::string> plan(const std::string& op, uint64_t bytes) const {
     Plan p;
-    if (op == "psum") p = plan_psum(*ep_, bytes);
-    else if (op == "psum_add_norm") p = plan_add_norm(*ep_, bytes);
-    else if (op == "all_gather" || op == "psum_scatter") p = plan_bulk(*ep_, op.c_str(), bytes);
-    else if (op == "moe_combine_psum_scatter") p = plan_moe_combine(*ep_, bytes);
-    else throw std::invalid_argument("jax_arx: no plan for op '" + op + "'");
+    if (op == "psum")
+      p = plan_psum(*ep_, bytes);
+    else if (op == "psum_add_norm")
+      p = plan_add_norm(*ep_, bytes);
+    else if (op == "all_gather" || op == "psum_scatter")
+      p = plan_bulk(*ep_, op.c_str(), bytes);
+    else if (op == "moe_combine_psum_scatter")
+      p = plan_moe_combine(*ep_, bytes);
+    else
+      throw std::invalid_argument("jax_arx: no plan for op '" + op + "'");
     return {(int)p.algorithm, p.pieces, p.algorithm == Algorithm::kUnfused ? p.reason : p.why_not};
   }
 
@@ -194,51 +200,63 @@ NB_MODULE(_core, m) {
     return false;
 #endif
   });
-  m.def("registrations", [] {
-    nb::dict platforms, cpu;
-    cpu["jax_arx_psum"] = arx::xla::capsule(arx_psum_host);
-    cpu["jax_arx_psum_add_norm"] = arx::xla::capsule(arx_psum_add_norm_host);
-    cpu["jax_arx_all_gather"] = arx::xla::capsule(arx_all_gather_host);
-    cpu["jax_arx_psum_scatter"] = arx::xla::capsule(arx_psum_scatter_host);
-    cpu["jax_arx_moe_combine_psum_scatter"] = arx::xla::capsule(arx_moe_combine_psum_scatter_host);
-    platforms["cpu"] = cpu;
+  m.def(
+      "registrations",
+      [] {
+        nb::dict platforms, cpu;
+        cpu["jax_arx_psum"] = arx::xla::capsule(arx_psum_host);
+        cpu["jax_arx_psum_add_norm"] = arx::xla::capsule(arx_psum_add_norm_host);
+        cpu["jax_arx_all_gather"] = arx::xla::capsule(arx_all_gather_host);
+        cpu["jax_arx_psum_scatter"] = arx::xla::capsule(arx_psum_scatter_host);
+        cpu["jax_arx_moe_combine_psum_scatter"] = arx::xla::capsule(arx_moe_combine_psum_scatter_host);
+        platforms["cpu"] = cpu;
 #if ARX_HAVE_CUDA
-    nb::dict gpu;
-    arx::xla::add_cuda_registrations(gpu);
-    platforms["CUDA"] = gpu;
+        nb::dict gpu;
+        arx::xla::add_cuda_registrations(gpu);
+        platforms["CUDA"] = gpu;
 #endif
-    return platforms;
-  }, "Handler capsules by platform and target name, for jax.ffi.register_ffi_target.");
+        return platforms;
+      },
+      "Handler capsules by platform and target name, for jax.ffi.register_ffi_target.");
 #if defined(ARX_TRACE)
   // A trace build (base/trace.h): examples/bench_stages.py reads these.
-  m.def("trace", [](int64_t comm_id, int device_ordinal) {
-    auto ep = arx::find_endpoint(comm_id, device_ordinal);
-    if (!ep || !ep->trace()) throw std::runtime_error("jax_arx: no connected endpoint with a trace there");
-    return nb::bytes(reinterpret_cast<const char*>(ep->trace()), sizeof(arx::TraceBuffer));
-  }, nb::arg("comm_id"), nb::arg("device_ordinal"),
-        "The endpoint's stage timestamps: uint64 [family][seq % 4096][stage] (base/trace.h), as bytes.");
+  m.def(
+      "trace",
+      [](int64_t comm_id, int device_ordinal) {
+        auto ep = arx::find_endpoint(comm_id, device_ordinal);
+        if (!ep || !ep->trace()) throw std::runtime_error("jax_arx: no connected endpoint with a trace there");
+        return nb::bytes(reinterpret_cast<const char*>(ep->trace()), sizeof(arx::TraceBuffer));
+      },
+      nb::arg("comm_id"), nb::arg("device_ordinal"),
+      "The endpoint's stage timestamps: uint64 [family][seq % 4096][stage] (base/trace.h), as bytes.");
 #endif
 #if ARX_HAVE_CUDA
-  m.def("pinned_round_trip", [](int device, int rounds) {
-    arx::cuda::PingPong p;
-    arx::check(arx::cuda::pinned_ping_pong(device, rounds, p));
-    nb::dict d;
-    d["min_us"] = p.min_ns / 1e3;
-    d["median_us"] = p.median_ns / 1e3;
-    d["offset_ns"] = p.offset_ns;
-    d["error_ns"] = p.error_ns;
-    return d;
-  }, nb::arg("device"), nb::arg("rounds") = 2000,
-        "The proxy route's floor: `rounds` round trips of a word between a host thread and a kernel on `device` "
-        "(its local ordinal) through mapped host memory: {'min_us', 'median_us', 'offset_ns', 'error_ns'}, where "
-        "the host's steady clock = the GPU's %globaltimer + offset_ns within error_ns (half the shortest).");
+  m.def(
+      "pinned_round_trip",
+      [](int device, int rounds) {
+        arx::cuda::PingPong p;
+        arx::check(arx::cuda::pinned_ping_pong(device, rounds, p));
+        nb::dict d;
+        d["min_us"] = p.min_ns / 1e3;
+        d["median_us"] = p.median_ns / 1e3;
+        d["offset_ns"] = p.offset_ns;
+        d["error_ns"] = p.error_ns;
+        return d;
+      },
+      nb::arg("device"), nb::arg("rounds") = 2000,
+      "The proxy route's floor: `rounds` round trips of a word between a host thread and a kernel on `device` "
+      "(its local ordinal) through mapped host memory: {'min_us', 'median_us', 'offset_ns', 'error_ns'}, where "
+      "the host's steady clock = the GPU's %globaltimer + offset_ns within error_ns (half the shortest).");
 #endif
-  m.def("failures", [] {
-    std::vector<std::string> out;
-    for (auto& ep : arx::all_endpoints())
-      if (ep->failed()) out.push_back(ep->failure());
-    return out;
-  }, "The failure message of every registered endpoint that has failed.");
+  m.def(
+      "failures",
+      [] {
+        std::vector<std::string> out;
+        for (auto& ep : arx::all_endpoints())
+          if (ep->failed()) out.push_back(ep->failure());
+        return out;
+      },
+      "The failure message of every registered endpoint that has failed.");
 
   nb::class_<PyEndpoint>(m, "Endpoint")
       .def(nb::init<int64_t, int, int, int, const std::string&, const std::string&, const std::string&, nb::bytes,
@@ -257,10 +275,12 @@ NB_MODULE(_core, m) {
       .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
       .def_prop_ro("device_ordinal", [](const PyEndpoint& p) { return p.endpoint()->spec().device_ordinal; })
       .def_prop_ro("roots", [](const PyEndpoint& p) { return p.endpoint()->roots(); })
-      .def_prop_ro("region_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().total; },
-                   "Bytes of this endpoint's region (pinned host memory; shared memory with the shm carrier).")
-      .def_prop_ro("bulk_lane_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().bulk_lane; },
-                   "Bytes of one bulk lane (the region holds 4 x world of them); 0 where the endpoint holds none.")
+      .def_prop_ro(
+          "region_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().total; },
+          "Bytes of this endpoint's region (pinned host memory; shared memory with the shm carrier).")
+      .def_prop_ro(
+          "bulk_lane_bytes", [](const PyEndpoint& p) { return p.endpoint()->layout().bulk_lane; },
+          "Bytes of one bulk lane (the region holds 4 x world of them); 0 where the endpoint holds none.")
       .def("plan", &PyEndpoint::plan, nb::arg("op"), nb::arg("bytes"),
            "What runs a collective of `op` with `bytes` per rank here: (algorithm, pieces, why_not). algorithm 0: "
            "jax_arx does not take it, and why_not says why and what to set; 1 one-shot, 2 two-shot, 3 LL, 4 bulk; 5 "
@@ -272,10 +292,13 @@ NB_MODULE(_core, m) {
            "failure message or None}. Kinds: psum, all_gather, psum_scatter, moe_combine_psum_scatter; algorithms: "
            "one_shot, two_shot, ll, bulk. Calls are counted when their handler runs on the host: a replay of a "
            "captured CUDA graph runs no host code and is not counted.")
-      .def_prop_ro("route", [](const PyEndpoint& p) {
-        const arx::Endpoint::Route& r = p.endpoint()->route();
-        return std::string(!r.direct ? "proxy" : r.gpu_inboxes ? "direct, GPU inboxes" : "direct");
-      }, "How the device side reaches its peers: 'proxy' (through the carrier), 'direct' (stores into the peers' "
-         "mapped memory; inboxes in pinned host memory) or 'direct, GPU inboxes' (inboxes in each GPU's memory, "
-         "mapped into the peers' GPUs: JAX_ARX_CUDA_PEER_MEMORY).");
+      .def_prop_ro(
+          "route",
+          [](const PyEndpoint& p) {
+            const arx::Endpoint::Route& r = p.endpoint()->route();
+            return std::string(!r.direct ? "proxy" : r.gpu_inboxes ? "direct, GPU inboxes" : "direct");
+          },
+          "How the device side reaches its peers: 'proxy' (through the carrier), 'direct' (stores into the peers' "
+          "mapped memory; inboxes in pinned host memory) or 'direct, GPU inboxes' (inboxes in each GPU's memory, "
+          "mapped into the peers' GPUs: JAX_ARX_CUDA_PEER_MEMORY).");
 }

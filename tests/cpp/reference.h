@@ -42,7 +42,10 @@ inline uint16_t ref_to_f16(float f) {  // finite inputs; round half to even with
   std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
   e -= 1;
   double q = std::rint((a / std::ldexp(1.0, e) - 1) * 1024);
-  if (q == 1024) { q = 0; ++e; }
+  if (q == 1024) {
+    q = 0;
+    ++e;
+  }
   return sign | (uint16_t)((e + 15) << 10 | (int)q);
 }
 
@@ -56,9 +59,15 @@ inline float ref_load(DType t, const uint8_t* p) {
   uint16_t h;
   float f;
   switch (t) {
-    case DType::kF32: std::memcpy(&f, p, 4); return f;
-    case DType::kBF16: std::memcpy(&h, p, 2); return ref_bf16(h);
-    case DType::kF16: std::memcpy(&h, p, 2); return ref_f16(h);
+    case DType::kF32:
+      std::memcpy(&f, p, 4);
+      return f;
+    case DType::kBF16:
+      std::memcpy(&h, p, 2);
+      return ref_bf16(h);
+    case DType::kF16:
+      std::memcpy(&h, p, 2);
+      return ref_f16(h);
   }
   return 0;
 }
@@ -66,9 +75,17 @@ inline float ref_load(DType t, const uint8_t* p) {
 inline void ref_store(DType t, uint8_t* p, float f) {
   uint16_t h;
   switch (t) {
-    case DType::kF32: std::memcpy(p, &f, 4); return;
-    case DType::kBF16: h = ref_to_bf16(f); std::memcpy(p, &h, 2); return;
-    case DType::kF16: h = ref_to_f16(f); std::memcpy(p, &h, 2); return;
+    case DType::kF32:
+      std::memcpy(p, &f, 4);
+      return;
+    case DType::kBF16:
+      h = ref_to_bf16(f);
+      std::memcpy(p, &h, 2);
+      return;
+    case DType::kF16:
+      h = ref_to_f16(f);
+      std::memcpy(p, &h, 2);
+      return;
   }
 }
 

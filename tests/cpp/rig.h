@@ -13,14 +13,14 @@
 
 // A check that counts its failures (g_failures, which the test's main
 // turns into its exit status) and goes on: one run reports every failure.
-#define EXPECT(cond, ...)                                             \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      ++::arx::testing::g_failures;                                   \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);            \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fprintf(stderr, "\n");                                          \
-    }                                                                 \
+#define EXPECT(cond, ...)                                  \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      ++::arx::testing::g_failures;                        \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, "\n");                               \
+    }                                                      \
   } while (0)
 
 namespace arx::testing {
@@ -87,9 +87,12 @@ struct TestArgs {
 inline bool parse_test_args(int argc, char** argv, TestArgs& out) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") out.quick = true;
-    else if (a == "shm") out.kinds.push_back(TransportKind::kShm);
-    else if (a == "tcp") out.kinds.push_back(TransportKind::kTcp);
+    if (a == "--quick")
+      out.quick = true;
+    else if (a == "shm")
+      out.kinds.push_back(TransportKind::kShm);
+    else if (a == "tcp")
+      out.kinds.push_back(TransportKind::kTcp);
     else {
       fprintf(stderr, "usage: %s [--quick] [shm] [tcp]\n", argv[0]);
       return false;
@@ -98,7 +101,6 @@ inline bool parse_test_args(int argc, char** argv, TestArgs& out) {
   if (out.kinds.empty()) out.kinds = {TransportKind::kShm, TransportKind::kTcp};
   return true;
 }
-
 
 // A test's main after its arguments: `one(k)` for each carrier of `args`,
 // a line "<carrier>: ok" or "FAILED" each, then the tally. Returns main's

@@ -38,15 +38,15 @@ using Clock = std::chrono::steady_clock;
 inline int g_failures = 0;
 inline std::mutex g_print_mu;
 
-#define CHECK(cond, ...)                                                         \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      std::lock_guard<std::mutex> lk_(::arx::tcp_test::g_print_mu);              \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);            \
-      fprintf(stderr, __VA_ARGS__);                                              \
-      fprintf(stderr, "\n");                                                     \
-      ++::arx::tcp_test::g_failures;                                             \
-    }                                                                            \
+#define CHECK(cond, ...)                                              \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::lock_guard<std::mutex> lk_(::arx::tcp_test::g_print_mu);   \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                   \
+      fprintf(stderr, "\n");                                          \
+      ++::arx::tcp_test::g_failures;                                  \
+    }                                                                 \
   } while (0)
 
 inline const std::string kSecret = "test-secret-\x01\x02\x03-0123456789abcdef";
@@ -206,9 +206,8 @@ void each_tcp_socket(Fn fn) {
 // listener aside): a receiver's inbound streams that it has not closed yet.
 inline int streams_on(int port) {
   int n = 0;
-  each_tcp_socket([&](int local, int, unsigned state, unsigned long) {
-    n += local == port && (state == 0x01 || state == 0x08);
-  });
+  each_tcp_socket(
+      [&](int local, int, unsigned state, unsigned long) { n += local == port && (state == 0x01 || state == 0x08); });
   return n;
 }
 
@@ -339,7 +338,7 @@ struct FakeRank {
 
 struct World {
   int world = 0;
-  std::vector<std::unique_ptr<Rank>> ranks;  // the real ones: ranks [0, ranks.size())
+  std::vector<std::unique_ptr<Rank>> ranks;      // the real ones: ranks [0, ranks.size())
   std::vector<std::unique_ptr<FakeRank>> fakes;  // the test's: ranks [ranks.size(), world)
   std::vector<std::string> details;
   Rank& operator[](int r) { return *ranks[r]; }

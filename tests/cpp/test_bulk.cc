@@ -33,9 +33,7 @@ using namespace arx::testing;
 
 namespace {
 
-
 // ---- rigs -------------------------------------------------------------------
-
 
 // The topology the rigs take: the suite runs in a mesh, then again in a
 // ring (main), where at world 4 every op's pieces for the rank two away go
@@ -62,7 +60,6 @@ bool bulk_rig(TransportKind kind, int world, Rig& rig, const Config& cfg = test_
   return testing::make_rig(kind, world, rig, cfg, "bulk", 11);
 }
 
-
 std::vector<uint8_t> random_bytes(uint64_t n, std::mt19937& rng) {
   std::vector<uint8_t> v(n);
   for (auto& b : v) b = (uint8_t)rng();
@@ -83,7 +80,10 @@ std::vector<uint8_t> random_values(DType t, uint64_t count, std::mt19937& rng) {
 // [rows][world][block].
 void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<uint64_t, uint64_t>>& sizes) {
   Rig rig;
-  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
+  if (!bulk_rig(kind, world, rig)) {
+    EXPECT(false, "rig %s world %d", transport_name(kind), world);
+    return;
+  }
   std::mt19937 rng(world * 31 + (int)kind);
   for (int rep = 0; rep < 2; ++rep)
     for (auto [outer, block] : sizes) {
@@ -115,7 +115,10 @@ void test_all_gather(TransportKind kind, int world, const std::vector<std::pair<
 void test_reduce_scatter(TransportKind kind, int world, DType dtype,
                          const std::vector<std::pair<uint64_t, uint64_t>>& shapes) {
   Rig rig;
-  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
+  if (!bulk_rig(kind, world, rig)) {
+    EXPECT(false, "rig %s world %d", transport_name(kind), world);
+    return;
+  }
   std::mt19937 rng(world * 57 + (int)dtype);
   const int es = dtype_size(dtype);
   for (int rep = 0; rep < 2; ++rep)
@@ -138,8 +141,7 @@ void test_reduce_scatter(TransportKind kind, int world, DType dtype,
           for (uint64_t i = 0; i < inner; ++i) {
             // Rank order from rank 0's element, as every sum of jax_arx.
             float acc = ref_load(dtype, in[0].data() + ((o * world + r) * inner + i) * es);
-            for (int s = 1; s < world; ++s)
-              acc += ref_load(dtype, in[s].data() + ((o * world + r) * inner + i) * es);
+            for (int s = 1; s < world; ++s) acc += ref_load(dtype, in[s].data() + ((o * world + r) * inner + i) * es);
             ref_store(dtype, ref.data() + (o * inner + i) * es, acc);
           }
         EXPECT(out[r] == ref, "%s reduce_scatter world %d dtype %d %llu x %llu: rank %d differs from the reference",
@@ -150,7 +152,10 @@ void test_reduce_scatter(TransportKind kind, int world, DType dtype,
 
 void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) {
   Rig rig;
-  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig %s world %d", transport_name(kind), world); return; }
+  if (!bulk_rig(kind, world, rig)) {
+    EXPECT(false, "rig %s world %d", transport_name(kind), world);
+    return;
+  }
   std::mt19937 rng(world * 91);
   for (const MoeCase& c : cases) {
     const uint64_t padded = (c.tokens + world - 1) / world * world, per = padded / world;
@@ -196,8 +201,8 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
       sts[r] = testing::moe_combine_reduce_scatter(*rig.eps[r], a, out[r].data(), 3);
     });
     for (int r = 0; r < world; ++r) {
-      EXPECT(sts[r].ok(), "%s moe world %d tokens %llu rank %d: %s", transport_name(kind), world, (unsigned long long)c.tokens,
-             r, sts[r].message().c_str());
+      EXPECT(sts[r].ok(), "%s moe world %d tokens %llu rank %d: %s", transport_name(kind), world,
+             (unsigned long long)c.tokens, r, sts[r].message().c_str());
       std::vector<uint16_t> ref(per * c.hidden);
       for (uint64_t i = 0; i < per * c.hidden; ++i) {
         float acc = ref_bf16(combined[0][r * per * c.hidden + i]);
@@ -218,7 +223,10 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
 // parity reuse of every buffer, and the ring wrapping many times.
 void test_back_to_back(TransportKind kind, int world, int calls) {
   Rig rig;
-  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, world, rig)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<int> bad(world, 0);
   std::vector<std::string> why(world);
   on_ranks(world, [&](int r) {
@@ -234,21 +242,35 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
         case 0: {  // all_gather
           for (uint64_t i = 0; i < n; ++i) in[i] = value(r, i);
           const Status s = testing::all_gather(ep, in.data(), out.data(), n * 4, 1, 11, DType::kF32, 5);
-          if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
+          if (!s.ok()) {
+            bad[r] = c;
+            why[r] = s.message();
+            break;
+          }
           for (int j = 0; j < world; ++j)
             for (uint64_t i = 0; i < n; ++i)
-              if (out[j * n + i] != value(j, i)) { bad[r] = c; why[r] = "all_gather value"; }
+              if (out[j * n + i] != value(j, i)) {
+                bad[r] = c;
+                why[r] = "all_gather value";
+              }
           break;
         }
         case 1:
         case 3: {  // reduce_scatter (exact: small integers)
           for (uint64_t i = 0; i < n * world; ++i) in[i] = value(r, i);
           const Status s = testing::reduce_scatter(ep, DType::kF32, in.data(), out.data(), n, 1, 6);
-          if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
+          if (!s.ok()) {
+            bad[r] = c;
+            why[r] = s.message();
+            break;
+          }
           for (uint64_t i = 0; i < n; ++i) {
             float want = 0;
             for (int j = 0; j < world; ++j) want += value(j, r * n + i);
-            if (out[i] != want) { bad[r] = c; why[r] = "reduce_scatter value"; }
+            if (out[i] != want) {
+              bad[r] = c;
+              why[r] = "reduce_scatter value";
+            }
           }
           break;
         }
@@ -256,11 +278,18 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
           const uint64_t m = 37;
           for (uint64_t i = 0; i < m; ++i) in[i] = value(r, i);
           const Status s = testing::psum(ep, DType::kF32, in.data(), out.data(), m, 4);
-          if (!s.ok()) { bad[r] = c; why[r] = s.message(); break; }
+          if (!s.ok()) {
+            bad[r] = c;
+            why[r] = s.message();
+            break;
+          }
           for (uint64_t i = 0; i < m; ++i) {
             float want = 0;
             for (int j = 0; j < world; ++j) want += value(j, i);
-            if (out[i] != want) { bad[r] = c; why[r] = "psum value"; }
+            if (out[i] != want) {
+              bad[r] = c;
+              why[r] = "psum value";
+            }
           }
           break;
         }
@@ -268,14 +297,13 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
     }
   });
   for (int r = 0; r < world; ++r)
-    EXPECT(bad[r] == 0, "%s back-to-back world %d: rank %d wrong at call %d: %s", transport_name(kind), world, r, bad[r],
-           why[r].c_str());
+    EXPECT(bad[r] == 0, "%s back-to-back world %d: rank %d wrong at call %d: %s", transport_name(kind), world, r,
+           bad[r], why[r].c_str());
   const Control* ctl = rig.eps[0]->control();
   EXPECT(load_acquire(&ctl->done[(int)Family::kBulk]) == (uint64_t)(calls - calls / 4),
          "bulk seq %llu after %d bulk calls", (unsigned long long)load_acquire(&ctl->done[(int)Family::kBulk]),
          calls - calls / 4);
-  EXPECT(load_acquire(&ctl->done[(int)Family::kPsum]) == (uint64_t)(calls / 4), "psum seq after %d psums",
-         calls / 4);
+  EXPECT(load_acquire(&ctl->done[(int)Family::kPsum]) == (uint64_t)(calls / 4), "psum seq after %d psums", calls / 4);
   // Every call of a ring of 4 relays; the rings wrapped several times.
   if (rig.eps[0]->layout().topo.relays())
     for (int r = 0; r < world; ++r)
@@ -296,7 +324,10 @@ struct NeverStop {
 
 void test_out_of_order_producer(TransportKind kind, int world) {
   Rig rig;
-  if (!bulk_rig(kind, world, rig)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, world, rig)) {
+    EXPECT(false, "rig");
+    return;
+  }
   const uint64_t per = 29, H = 24, row = H * 2;  // uneven row pieces
   const uint64_t seq = 1;
   const Descriptor d = descriptor(OpCode::kMoeCombine, 2, 29 * 24, 7);
@@ -354,7 +385,10 @@ void test_timeout(TransportKind kind) {
   Config cfg = test_config();
   cfg.timeout_s = 0.5;
   Rig rig;
-  if (!bulk_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 3, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<std::vector<uint16_t>> in(2, std::vector<uint16_t>(30, 0x3f80)), out(2, std::vector<uint16_t>(10, 0));
   std::vector<Status> sts(2);
   const auto t0 = std::chrono::steady_clock::now();
@@ -391,12 +425,17 @@ void test_mismatch(TransportKind kind) {
   Config cfg = test_config();
   cfg.timeout_s = 5;
   Rig rig;
-  if (!bulk_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<float> a(64, 1.0f), o0(128), o1(32);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = testing::all_gather(*rig.eps[0], a.data(), o0.data(), 256, 1, 11, DType::kF32, 0);
-    else s1 = testing::reduce_scatter(*rig.eps[1], DType::kF32, a.data(), o1.data(), 32, 1, 0);
+    if (r == 0)
+      s0 = testing::all_gather(*rig.eps[0], a.data(), o0.data(), 256, 1, 11, DType::kF32, 0);
+    else
+      s1 = testing::reduce_scatter(*rig.eps[1], DType::kF32, a.data(), o1.data(), 32, 1, 0);
   });
   EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
          s0.message().c_str());
@@ -408,7 +447,10 @@ void test_mismatch(TransportKind kind) {
 // Sizes beyond the bulk lanes are refused before anything is sent.
 void test_too_big(TransportKind kind) {
   Rig rig;
-  if (!bulk_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, rig)) {
+    EXPECT(false, "rig");
+    return;
+  }
   const uint64_t bytes = (8 << 20) / 2 + 16;
   std::vector<uint8_t> x(bytes), y(2 * bytes);
   const Status s = testing::all_gather(*rig.eps[0], x.data(), y.data(), bytes, 1, 1, std::nullopt, 0);
@@ -422,7 +464,10 @@ void test_too_big(TransportKind kind) {
 // Config::bulk_piece_bytes asks for.
 void test_pieces(TransportKind kind) {
   Rig rig;
-  if (!bulk_rig(kind, 2, rig)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, rig)) {
+    EXPECT(false, "rig");
+    return;
+  }
   const bool proxy = !rig.eps[0]->route().direct;
   const std::vector<std::pair<uint64_t, int>> want = {
       {0, 1}, {16 << 10, 1}, {512 << 10, 1}, {(512 << 10) + 16, 2}, {1 << 20, 2}, {2 << 20, 4}, {4 << 20, 8}};
@@ -434,7 +479,10 @@ void test_pieces(TransportKind kind) {
   Config small = test_config();
   small.bulk_piece_bytes = 4096;
   Rig tuned;
-  if (!bulk_rig(kind, 2, tuned, small)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, tuned, small)) {
+    EXPECT(false, "rig");
+    return;
+  }
   EXPECT(plan_bulk(*tuned.eps[0], "psum_scatter", 16 << 10).pieces == 4 &&
              plan_bulk(*tuned.eps[0], "psum_scatter", 1 << 20).pieces == kChunks,
          "%s: bulk_piece_bytes 4096 cuts 16 KiB in 4 pieces, 1 MiB in kChunks", transport_name(kind));
@@ -449,7 +497,10 @@ void test_psum_only_endpoint(TransportKind kind) {
   Config with = test_config(), without = test_config();
   without.bulk_lanes = false;
   Rig rig;
-  if (!bulk_rig(kind, 2, rig, without)) { EXPECT(false, "rig"); return; }
+  if (!bulk_rig(kind, 2, rig, without)) {
+    EXPECT(false, "rig");
+    return;
+  }
   const Layout full = Layout::of(Geometry{2, with.slot_bytes, with.send_bytes, with.bulk_bytes, with.topology});
   const Layout& none = rig.eps[0]->layout();
   EXPECT(none.bulk_lane == 0 && none.total + 4 * with.bulk_bytes <= full.total,
@@ -475,14 +526,14 @@ int main(int argc, char** argv) {
   const bool quick = args.quick;
   using Shapes = std::vector<std::pair<uint64_t, uint64_t>>;
   const Shapes ag_sizes = quick ? Shapes{{1, 0}, {1, 1}, {1, 100}, {3, 7}, {1, 4097}}
-                                : Shapes{{1, 0},   {1, 1},    {1, 7},   {1, 16},    {1, 100},         {1, 129},
-                                         {1, 1000}, {5, 3},   {4, 256}, {7, 1171}, {1, 65539},  {3, 349525}};
+                                : Shapes{{1, 0},    {1, 1}, {1, 7},   {1, 16},   {1, 100},   {1, 129},
+                                         {1, 1000}, {5, 3}, {4, 256}, {7, 1171}, {1, 65539}, {3, 349525}};
   const Shapes rs_counts = quick ? Shapes{{1, 1}, {1, 9}, {3, 5}, {1, 1001}}
                                  : Shapes{{1, 1}, {1, 7}, {1, 9}, {1, 255}, {1, 4097}, {1, 65537}, {4, 3}, {9, 130}};
-  const std::vector<MoeCase> moe = quick ? std::vector<MoeCase>{{16, 5, 128, 2, false}, {16, 9, 128, 3, true}}
-                                         : std::vector<MoeCase>{{16, 5, 128, 1, false},  {40, 37, 64, 4, false},
-                                                                {64, 100, 256, 16, false}, {16, 9, 128, 3, true},
-                                                                {50, 77, 256, 8, true},   {8, 3, 128, 16, true}};
+  const std::vector<MoeCase> moe =
+      quick ? std::vector<MoeCase>{{16, 5, 128, 2, false}, {16, 9, 128, 3, true}}
+            : std::vector<MoeCase>{{16, 5, 128, 1, false}, {40, 37, 64, 4, false}, {64, 100, 256, 16, false},
+                                   {16, 9, 128, 3, true},  {50, 77, 256, 8, true}, {8, 3, 128, 16, true}};
   return testing::run_per_carrier(args, [&](TransportKind k) {
     for (int world : {2, 3, 4}) {
       test_all_gather(k, world, ag_sizes);

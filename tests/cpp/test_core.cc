@@ -37,7 +37,8 @@ namespace {
 void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-4.f, 4.f);
   buf.resize(count * dtype_size(t));
-  for (uint64_t i = 0; i < count; ++i) ref_store(t == DType::kF16 ? DType::kBF16 : t, buf.data() + i * dtype_size(t), d(rng));
+  for (uint64_t i = 0; i < count; ++i)
+    ref_store(t == DType::kF16 ? DType::kBF16 : t, buf.data() + i * dtype_size(t), d(rng));
   if (t == DType::kF16)  // f16 inputs: exact small values, cheap to make
     for (uint64_t i = 0; i < count; ++i) {
       const uint16_t h = (uint16_t)(0x3c00 + (rng() % 0x800)) ^ (uint16_t)((rng() & 1) << 15);
@@ -96,12 +97,16 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
 // from rank 0's element, not from +0.0); mixed signs give +0.0.
 void test_signed_zero(TransportKind kind) {
   Rig rig;
-  if (!make_rig(kind, 3, rig, Config())) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, 3, rig, Config())) {
+    EXPECT(false, "rig");
+    return;
+  }
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     const int es = dtype_size(t);
     // Element 0: -0 everywhere; element 1: -0, +0, -0.
     const uint32_t neg = t == DType::kF32 ? 0x80000000u : 0x8000u;
-    std::vector<std::vector<uint8_t>> in(3, std::vector<uint8_t>(2 * es, 0)), out(3, std::vector<uint8_t>(2 * es, 0xAB));
+    std::vector<std::vector<uint8_t>> in(3, std::vector<uint8_t>(2 * es, 0)),
+        out(3, std::vector<uint8_t>(2 * es, 0xAB));
     for (int r = 0; r < 3; ++r) {
       std::memcpy(in[r].data(), &neg, es);
       if (r != 1) std::memcpy(in[r].data() + es, &neg, es);
@@ -121,20 +126,30 @@ void test_signed_zero(TransportKind kind) {
 // Thousands of back-to-back calls: parity reuse under load.
 void test_back_to_back(TransportKind kind, int world, int calls, const Config& cfg = Config()) {
   Rig rig;
-  if (!make_rig(kind, world, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, world, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<int> bad(world, 0);
   on_ranks(world, [&](int r) {
     std::vector<float> in(97), out(97);
     for (int c = 1; c <= calls; ++c) {
       for (int i = 0; i < 97; ++i) in[i] = (float)(c * (r + 1) + i);
       const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 97, 0);
-      if (!s.ok()) { bad[r] = c; return; }
+      if (!s.ok()) {
+        bad[r] = c;
+        return;
+      }
       const float tri = (float)(world * (world + 1) / 2);
       for (int i = 0; i < 97; ++i)
-        if (out[i] != c * tri + world * i) { bad[r] = c; return; }
+        if (out[i] != c * tri + world * i) {
+          bad[r] = c;
+          return;
+        }
     }
   });
-  for (int r = 0; r < world; ++r) EXPECT(bad[r] == 0, "%s back-to-back: rank %d wrong at call %d", transport_name(kind), r, bad[r]);
+  for (int r = 0; r < world; ++r)
+    EXPECT(bad[r] == 0, "%s back-to-back: rank %d wrong at call %d", transport_name(kind), r, bad[r]);
   for (auto& ep : rig.eps) ep->close();
 }
 
@@ -154,11 +169,16 @@ void test_ring(TransportKind kind, bool quick) {
     test_back_to_back(kind, world, quick ? 200 : 1000, ring);
   }
   Rig rig;
-  if (!make_rig(kind, 4, rig, ring)) { EXPECT(false, "ring rig"); return; }
+  if (!make_rig(kind, 4, rig, ring)) {
+    EXPECT(false, "ring rig");
+    return;
+  }
   std::vector<float> in(4 * 3000), out(4 * 3000);
   for (size_t i = 0; i < in.size(); ++i) in[i] = (float)(i % 3000 % 17);
   std::vector<Status> sts(4);
-  on_ranks(4, [&](int r) { sts[r] = testing::psum(*rig.eps[r], DType::kF32, in.data() + r * 3000, out.data() + r * 3000, 3000, 0); });
+  on_ranks(4, [&](int r) {
+    sts[r] = testing::psum(*rig.eps[r], DType::kF32, in.data() + r * 3000, out.data() + r * 3000, 3000, 0);
+  });
   for (int r = 0; r < 4; ++r) {
     EXPECT(sts[r].ok() && out[r * 3000 + 5] == 4 * 5.0f, "%s ring of 4, rank %d: %s", transport_name(kind), r,
            sts[r].message().c_str());
@@ -191,12 +211,17 @@ void test_timeout(TransportKind kind, bool slow) {
   Config cfg;
   cfg.timeout_s = slow ? 3 : 0.5;
   Rig rig;
-  if (!make_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, 3, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<float> in(10, 1.0f), out(10, 0.0f), out1(10, 0.0f);
   const auto t0 = std::chrono::steady_clock::now();
   Status s0, s1;
   // Rank 2 never calls.
-  on_ranks(2, [&](int r) { (r ? s1 : s0) = testing::psum(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0); });
+  on_ranks(2, [&](int r) {
+    (r ? s1 : s0) = testing::psum(*rig.eps[r], DType::kF32, in.data(), r ? out1.data() : out.data(), 10, 0);
+  });
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const auto has = [](const Status& s, const char* what) { return s.message().find(what) != std::string::npos; };
   EXPECT(!s0.ok() && (has(s0, "rank 2") || (has(s0, "rank 1 gave up") && has(s1, "rank 2"))),
@@ -216,12 +241,17 @@ void test_mismatch(TransportKind kind) {
   Config cfg;
   cfg.timeout_s = 2;
   Rig rig;
-  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, 2, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<float> a(16, 1.0f), b(17, 1.0f), oa(16), ob(17);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = testing::psum(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
-    else s1 = testing::psum(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
+    if (r == 0)
+      s0 = testing::psum(*rig.eps[0], DType::kF32, a.data(), oa.data(), 16, 0);
+    else
+      s1 = testing::psum(*rig.eps[1], DType::kF32, b.data(), ob.data(), 17, 0);
   });
   EXPECT(!s0.ok() && s0.message().find("different collective") != std::string::npos, "rank 0 mismatch: %s",
          s0.message().c_str());
@@ -238,11 +268,13 @@ void test_fail_everywhere(TransportKind kind) {
   Config cfg;
   cfg.timeout_s = 0.5;
   Rig rig;
-  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, 2, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<float> x(64, 1.0f), o0(64), o1(64);
   const Status s0 = testing::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), 64, 0);  // rank 1 is late
-  EXPECT(!s0.ok() && s0.message().find("timed out") != std::string::npos, "rank 0 times out: %s",
-         s0.message().c_str());
+  EXPECT(!s0.ok() && s0.message().find("timed out") != std::string::npos, "rank 0 times out: %s", s0.message().c_str());
   // Rank 1 learns of it without calling anything.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
@@ -251,8 +283,7 @@ void test_fail_everywhere(TransportKind kind) {
   // Why, and whom rank 0 waited for: a third rank told by this notice must
   // name the silent rank as the one that timed out does.
   EXPECT(why.find("rank 0 gave up on psum #1: its wait for rank 1 timed out after") != std::string::npos,
-         "%s: rank 1 was told why: '%s'",
-         transport_name(kind), why.c_str());
+         "%s: rank 1 was told why: '%s'", transport_name(kind), why.c_str());
   const Status s1 = testing::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
   EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: the late rank's call fails with NaN instead of completing: %s",
          transport_name(kind), s1.message().c_str());
@@ -266,7 +297,10 @@ void test_lost_peer_named_everywhere(TransportKind kind) {
   Config cfg;
   cfg.timeout_s = 5;
   Rig rig;
-  if (!make_rig(kind, 3, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, 3, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   rig.eps[0]->peer_lost(2, "the test closed its link");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (!rig.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
@@ -284,20 +318,27 @@ void test_descriptor_collision(TransportKind kind) {
   uint64_t a = 0, b = 0;
   for (uint64_t n = 1; n < (1u << 18) && !b; ++n) {
     uint64_t& seen = first[describe(descriptor(OpCode::kPsum, (uint64_t)DType::kF32, n, 0))];
-    if (seen) a = seen, b = n;
-    else seen = n;
+    if (seen)
+      a = seen, b = n;
+    else
+      seen = n;
   }
   EXPECT(b != 0, "no colliding pair of f32 counts below 2^18");
   if (!b) return;
   Config cfg;
   cfg.timeout_s = 5;
   Rig rig;
-  if (!make_rig(kind, 2, rig, cfg)) { EXPECT(false, "rig"); return; }
+  if (!make_rig(kind, 2, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
   std::vector<float> x(b, 1.0f), o0(a, 0.0f), o1(b, 0.0f);
   Status s0, s1;
   on_ranks(2, [&](int r) {
-    if (r == 0) s0 = testing::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), a, 0);
-    else s1 = testing::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), b, 0);
+    if (r == 0)
+      s0 = testing::psum(*rig.eps[0], DType::kF32, x.data(), o0.data(), a, 0);
+    else
+      s1 = testing::psum(*rig.eps[1], DType::kF32, x.data(), o1.data(), b, 0);
   });
   // Every rank says it was a different collective; the one that compared
   // the headers first names both (a rank told by its notice may point to it).
@@ -307,8 +348,8 @@ void test_descriptor_collision(TransportKind kind) {
   };
   for (const Status* s : {&s0, &s1})
     EXPECT(!s->ok() && s->message().find("different collective") != std::string::npos,
-           "%s: psum of %llu and of %llu floats (same 24-bit descriptor) must be a mismatch: %s",
-           transport_name(kind), (unsigned long long)a, (unsigned long long)b, s->message().c_str());
+           "%s: psum of %llu and of %llu floats (same 24-bit descriptor) must be a mismatch: %s", transport_name(kind),
+           (unsigned long long)a, (unsigned long long)b, s->message().c_str());
   EXPECT(names_both(s0) || names_both(s1), "%s: no rank named both collectives: '%s' / '%s'", transport_name(kind),
          s0.message().c_str(), s1.message().c_str());
   EXPECT(std::isnan(o0[0]) && std::isnan(o1[b - 1]), "colliding calls give NaN, never a sum");
@@ -319,7 +360,10 @@ void test_descriptor_collision(TransportKind kind) {
 // and exit status 1 (in a forked child, so the test goes on).
 void test_abort_on_failure(TransportKind kind) {
   int err_pipe[2];
-  if (pipe(err_pipe) != 0) { EXPECT(false, "pipe"); return; }
+  if (pipe(err_pipe) != 0) {
+    EXPECT(false, "pipe");
+    return;
+  }
   const pid_t pid = fork();
   if (pid == 0) {
     dup2(err_pipe[1], 2);
@@ -331,7 +375,7 @@ void test_abort_on_failure(TransportKind kind) {
     if (!make_rig(kind, 2, rig, cfg)) _exit(3);
     std::vector<float> in(4, 1.0f), out(4);
     testing::psum(*rig.eps[0], DType::kF32, in.data(), out.data(), 4, 0);  // rank 1 never calls
-    _exit(0);  // not reached: the failure ends the process
+    _exit(0);                                                              // not reached: the failure ends the process
   }
   close(err_pipe[1]);
   std::string err;
@@ -341,8 +385,9 @@ void test_abort_on_failure(TransportKind kind) {
   int status = 0;
   waitpid(pid, &status, 0);
   EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 1, "abort: child status %d, stderr: %s", status, err.c_str());
-  EXPECT(err.find("waiting for rank 1") != std::string::npos && err.find("JAX_ARX_ON_FAILURE=abort") != std::string::npos,
-         "abort message names the peer and the setting: %s", err.c_str());
+  EXPECT(
+      err.find("waiting for rank 1") != std::string::npos && err.find("JAX_ARX_ON_FAILURE=abort") != std::string::npos,
+      "abort message names the peer and the setting: %s", err.c_str());
 }
 
 // Ranks whose settings differ fail connect, on both sides, saying what
@@ -390,8 +435,8 @@ int main(int argc, char** argv) {
   const bool quick = args.quick;
   const std::vector<uint64_t> counts = quick ? std::vector<uint64_t>{1, 7, 9, 4097}
                                              : std::vector<uint64_t>{1, 7, 8, 9, 255, 4096, 4097, 65536, (1 << 20) / 4};
-  const std::vector<uint64_t> counts16 = quick ? std::vector<uint64_t>{1, 9, 4097}
-                                               : std::vector<uint64_t>{1, 7, 9, 4097, 65536, (1 << 20) / 2};
+  const std::vector<uint64_t> counts16 =
+      quick ? std::vector<uint64_t>{1, 9, 4097} : std::vector<uint64_t>{1, 7, 9, 4097, 65536, (1 << 20) / 2};
   return testing::run_per_carrier(args, [&](TransportKind k) {
     for (int world : {2, 3, 4}) {
       test_allreduce(k, world, DType::kF32, counts, 2);

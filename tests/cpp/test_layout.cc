@@ -23,8 +23,9 @@ int main() {
            "world %u: the areas follow each other without overlap", world);
     EXPECT(l.inbox_lo() == l.flags && l.inbox_hi() == l.ll_recv + 2 * world * kLLSlotBytes,
            "world %u: the flag page, the psum slots and the LL slots are one window", world);
-    EXPECT(l.bulk_lane * world >= (32u << 20) && l.bulk_lane % 16 == 0 && l.bulk_lane * world < (32u << 20) + 16 * world,
-           "world %u: bulk lanes hold a world-th of the bulk bytes each, 16-aligned", world);
+    EXPECT(
+        l.bulk_lane * world >= (32u << 20) && l.bulk_lane % 16 == 0 && l.bulk_lane * world < (32u << 20) + 16 * world,
+        "world %u: bulk lanes hold a world-th of the bulk bytes each, 16-aligned", world);
     for (int src = 0; src < (int)world; ++src) {
       const int other = (src + 1) % world;
       for (int p = 0; p < 2; ++p) {
@@ -57,9 +58,11 @@ int main() {
       }
       EXPECT(!l.src_may_flag(src, l.handshake_offset(src)) &&
                  !l.src_may_flag(src, l.flag_offset(heard_word(Family::kPsum, src))) &&
-                 !l.src_may_flag(src, l.flag_offset(kPeerMemoryOfferWord)) && !l.src_may_flag(src, l.flag_offset(0) + 4),
+                 !l.src_may_flag(src, l.flag_offset(kPeerMemoryOfferWord)) &&
+                 !l.src_may_flag(src, l.flag_offset(0) + 4),
              "the handshake, heard and peer-memory words, and unaligned offsets, are no carrier's to write");
-      EXPECT(l.src_may_flag(src, l.flag_offset(notice_word(src))) && !l.src_may_flag(other, l.flag_offset(notice_word(src))),
+      EXPECT(l.src_may_flag(src, l.flag_offset(notice_word(src))) &&
+                 !l.src_may_flag(other, l.flag_offset(notice_word(src))),
              "a source's notice word is its own");
       for (int f = 0; f < kFamilies; ++f)
         for (int p = 0; p < 2; ++p) {

@@ -60,12 +60,18 @@ std::shared_ptr<Endpoint> open_endpoint(const Case& c) {
 
 const char* name(Algorithm a) {
   switch (a) {
-    case Algorithm::kNone: return "none";
-    case Algorithm::kOneShot: return "one_shot";
-    case Algorithm::kTwoShot: return "two_shot";
-    case Algorithm::kLL: return "ll";
-    case Algorithm::kBulk: return "bulk";
-    case Algorithm::kUnfused: return "unfused";
+    case Algorithm::kNone:
+      return "none";
+    case Algorithm::kOneShot:
+      return "one_shot";
+    case Algorithm::kTwoShot:
+      return "two_shot";
+    case Algorithm::kLL:
+      return "ll";
+    case Algorithm::kBulk:
+      return "bulk";
+    case Algorithm::kUnfused:
+      return "unfused";
   }
   return "?";
 }
@@ -76,8 +82,8 @@ Algorithm expected_psum(const Case& c, uint64_t bytes) {
   const uint64_t slot = c.cfg.slot_bytes;
   const bool host_inboxes = cuda && c.direct && !c.gpu_inboxes;
   const uint64_t oneshot = c.cfg.oneshot_max_bytes ? std::min(c.cfg.oneshot_max_bytes, slot)
-                           : host_inboxes         ? std::min<uint64_t>(128 * kKiB, slot)
-                                                  : slot;
+                           : host_inboxes          ? std::min<uint64_t>(128 * kKiB, slot)
+                                                   : slot;
   const int64_t ll_cfg = c.cfg.cuda_ll_max_bytes;
   const bool relays = c.cfg.topology == TopologyKind::kRing && c.world == 4;
   const bool ll_route = c.direct || (c.transport != TransportKind::kTcp && !relays);
@@ -100,8 +106,8 @@ void check_psum(const char* what, const Case& c, std::initializer_list<uint64_t>
     EXPECT(p.algorithm == want, "%s: a psum of %llu bytes ran %s, want %s", what, (unsigned long long)bytes,
            name(p.algorithm), name(want));
     if (want == Algorithm::kNone) {
-      const bool oneshot_limited = c.cfg.oneshot_max_bytes && c.cfg.oneshot_max_bytes < c.cfg.slot_bytes &&
-                                   bytes <= c.cfg.slot_bytes;
+      const bool oneshot_limited =
+          c.cfg.oneshot_max_bytes && c.cfg.oneshot_max_bytes < c.cfg.slot_bytes && bytes <= c.cfg.slot_bytes;
       const char* setting = oneshot_limited ? "JAX_ARX_ONESHOT_MAX_BYTES=" : "JAX_ARX_SLOT_BYTES=";
       EXPECT(p.why_not.find(setting) != std::string::npos, "%s: %llu bytes refused without naming %s: '%s'", what,
              (unsigned long long)bytes, setting, p.why_not.c_str());
@@ -158,14 +164,14 @@ void check_fused() {
     Algorithm algorithm;
   };
   for (const Want& w : {Want{8 * kKiB, 8 * kKiB, Algorithm::kLL}, Want{64 * kKiB, 8 * kKiB, Algorithm::kLL},
-                        Want{6, 6, Algorithm::kLL},                // one block holds it all
+                        Want{6, 6, Algorithm::kLL},  // one block holds it all
                         Want{8 * kKiB - 6, 8 * kKiB - 6, Algorithm::kLL},
                         Want{64 * kKiB, 16 * kKiB, Algorithm::kOneShot},  // a row past an LL block
                         Want{3 * 4100, 4100, Algorithm::kOneShot},        // rows that start mid-line
                         Want{2 * c.cfg.slot_bytes, c.cfg.slot_bytes / 2, Algorithm::kTwoShot}}) {
     const Plan plain = plan_psum(*ep, w.bytes), p = plan_psum(*ep, w.bytes, w.row_bytes);
-    EXPECT(p.algorithm == w.algorithm, "fused, %llu bytes in rows of %llu: %s, want %s",
-           (unsigned long long)w.bytes, (unsigned long long)w.row_bytes, name(p.algorithm), name(w.algorithm));
+    EXPECT(p.algorithm == w.algorithm, "fused, %llu bytes in rows of %llu: %s, want %s", (unsigned long long)w.bytes,
+           (unsigned long long)w.row_bytes, name(p.algorithm), name(w.algorithm));
     EXPECT((plain.algorithm == Algorithm::kNone) == (p.algorithm == Algorithm::kNone),
            "fused, %llu bytes: not psum's envelope", (unsigned long long)w.bytes);
   }
@@ -223,7 +229,7 @@ void check_moe() {
     Platform platform;
     bool direct, gpu_inboxes;
     TransportKind transport;
-    const char* says;  // what the reason names the route by
+    const char* says;      // what the reason names the route by
     const char* measured;  // the docs/performance.md section it cites
   };
   const Route routes[] = {
@@ -259,13 +265,12 @@ void check_moe() {
                        p.reason.find("docs/performance.md") != std::string::npos &&
                        p.reason.find(r.measured) != std::string::npos &&
                        p.reason.find("the same bits") != std::string::npos,
-                   "%s: the reason for the unfused pair does not name %s, %s and the same bits: '%s'", r.says,
-                   r.says, r.measured, p.reason.c_str());
+                   "%s: the reason for the unfused pair does not name %s, %s and the same bits: '%s'", r.says, r.says,
+                   r.measured, p.reason.c_str());
           if (want == Algorithm::kBulk) {
             const int pieces = plan_bulk(*ep, op, lane).pieces;
             EXPECT(p.pieces == pieces && p.reason.empty() && p.why_not.empty(),
-                   "%s fused: %d pieces (the bulk plan's %d), reason '%s'", r.says, p.pieces, pieces,
-                   p.reason.c_str());
+                   "%s fused: %d pieces (the bulk plan's %d), reason '%s'", r.says, p.pieces, pieces, p.reason.c_str());
           }
           // The handlers of the fused op, which run only where it was
           // chosen, still find it inside the envelope.
@@ -327,8 +332,8 @@ int main() {
   const uint64_t slot = 1 << 20;
   // Sizes on both sides of every limit the cases below have.
   const std::initializer_list<uint64_t> sizes = {
-      2,         16,        16 * kKiB,       16 * kKiB + 16, 64 * kKiB, 64 * kKiB + 16, 128 * kKiB, 128 * kKiB + 16,
-      slot - 16, slot,      slot + 16,       2 * slot,       2 * slot + 16, 4 * slot,  4 * slot + 16, 16 * slot};
+      2,         16,   16 * kKiB, 16 * kKiB + 16, 64 * kKiB,     64 * kKiB + 16, 128 * kKiB,    128 * kKiB + 16,
+      slot - 16, slot, slot + 16, 2 * slot,       2 * slot + 16, 4 * slot,       4 * slot + 16, 16 * slot};
   Config dflt;
   check_psum("host, defaults", {Platform::kHost, true, false, dflt}, sizes);
   check_psum("host over the proxy", {Platform::kHost, false, false, dflt}, sizes);

@@ -114,9 +114,10 @@ void test_vectors(bool quick) {
   // Points of small order give a zero result, which x25519 refuses.
   uint8_t zero[32] = {}, one[32] = {1};
   CHECK(!crypto::x25519(r, a, zero) && !crypto::x25519(r, a, one), "small-order points must be refused");
-  printf("%s vectors: SHA-256 (4), HMAC-SHA256 (RFC 4231: 3), X25519 (RFC 7748: 2 + 1000 iterations + DH), "
-         "small-order points refused\n",
-         verdict(f0));
+  printf(
+      "%s vectors: SHA-256 (4), HMAC-SHA256 (RFC 4231: 3), X25519 (RFC 7748: 2 + 1000 iterations + DH), "
+      "small-order points refused\n",
+      verdict(f0));
 }
 
 // ---- the handshake's messages, without sockets ----
@@ -145,9 +146,9 @@ void test_messages() {
   CHECK(tcp_auth::parse_details(details[1], d, why) && d.port == 1001 && d.host == "10.0.0.2" &&
             memcmp(d.pub, kb.pub, 32) == 0,
         "details round trip: %s", why.c_str());
-  for (const std::string& bad : {details[1] + " ", details[1].substr(0, details[1].size() - 1),
-                                std::string("arx-tcp/1 10.0.0.2 1001"), details[1] + "0",
-                                std::string("arx-tcp/2 10.0.0.2 0 ") + crypto::to_hex(kb.pub, 32)})
+  for (const std::string& bad :
+       {details[1] + " ", details[1].substr(0, details[1].size() - 1), std::string("arx-tcp/1 10.0.0.2 1001"),
+        details[1] + "0", std::string("arx-tcp/2 10.0.0.2 0 ") + crypto::to_hex(kb.pub, 32)})
     CHECK(!tcp_auth::parse_details(bad, d, why), "bad details accepted: '%s'", bad.c_str());
 
   // Rank 1 dials rank 0.
@@ -215,9 +216,10 @@ void test_messages() {
     if (!v.same_view) x.view[5] ^= 1;
     CHECK(tcp_auth::check_hello(x, 0, 3, view, why) == v.want, "%s: %s", v.what, why.c_str());
   }
-  printf("%s messages: keys agree per pair and differ across pairs and secrets; %d single-bit changes, another "
-         "pair's key and a reflected MAC all refused\n",
-         verdict(f0), flips);
+  printf(
+      "%s messages: keys agree per pair and differ across pairs and secrets; %d single-bit changes, another "
+      "pair's key and a reflected MAC all refused\n",
+      verdict(f0), flips);
 }
 
 // ---- strangers during set-up ----
@@ -416,9 +418,9 @@ void test_second_holder() {
   // Root 0 twice during set-up: the second is refused, and set-up fails.
   tcp_auth::Result r1, r2, r3;
   CHECK(w.fake(1).dial(port, 0, 0, &r1) >= 0, "first stream of rank 1 root 0");
-  CHECK(w.fake(1).dial(port, 0, 0, &r2) < 0 && r2.outcome == tcp_auth::Outcome::kRejected &&
-            r2.reject == Reject::kTaken,
-        "a second stream for rank 1 root 0: outcome %d reject %d", (int)r2.outcome, (int)r2.reject);
+  CHECK(
+      w.fake(1).dial(port, 0, 0, &r2) < 0 && r2.outcome == tcp_auth::Outcome::kRejected && r2.reject == Reject::kTaken,
+      "a second stream for rank 1 root 0: outcome %d reject %d", (int)r2.outcome, (int)r2.reject);
   w.fake(1).dial(port, 0, 1, &r3);
   setup.join();
   CHECK(!st.ok() && contains(st.message(), "a second stream from") &&
@@ -475,8 +477,8 @@ void test_crowds() {
   for (int r = 0; r < 2; ++r)
     for (int root = 0; root < kRoots; ++root) {
       tcp_auth::Result res;
-      CHECK(w.fake(2).dial(ports[r], r, root, &res) >= 0, "rank 2 root %d into rank %d through the crowd: %d %s",
-            root, r, (int)res.outcome, res.detail.c_str());
+      CHECK(w.fake(2).dial(ports[r], r, root, &res) >= 0, "rank 2 root %d into rank %d through the crowd: %d %s", root,
+            r, (int)res.outcome, res.detail.c_str());
     }
   for (auto& t : setup) t.join();
   const double took = since(t0);

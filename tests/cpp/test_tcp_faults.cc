@@ -42,16 +42,16 @@ void test_out_of_bounds() {
     uint64_t offset, len, flag;
     const char* expect;
   } cases[] = {
-      {0, 0, L.send, 64, own(0, 0), "outside its own slots"},                            // past the inbox
-      {0, 1, L.recv_offset(0, 2), 64, own(0, 1), "outside its own slots"},               // rank 2's slot
-      {2, 0, L.recv_offset(1, 2) + slot - 8, 16, own(2, 0), "outside its own slots"},    // past its slot's end
-      {2, 1, L.recv_offset(0, 2), 64, own(0, 0), "not one of its own words"},       // rank 0's flag
-      {3, 0, L.recv_offset(0, 3), 64, L.recv, "not one of its own words"},          // not a flag
-      {3, 1, L.recv_offset(0, 3), 64, L.flags + 4, "not one of its own words"},     // misaligned flag
+      {0, 0, L.send, 64, own(0, 0), "outside its own slots"},                          // past the inbox
+      {0, 1, L.recv_offset(0, 2), 64, own(0, 1), "outside its own slots"},             // rank 2's slot
+      {2, 0, L.recv_offset(1, 2) + slot - 8, 16, own(2, 0), "outside its own slots"},  // past its slot's end
+      {2, 1, L.recv_offset(0, 2), 64, own(0, 0), "not one of its own words"},          // rank 0's flag
+      {3, 0, L.recv_offset(0, 3), 64, L.recv, "not one of its own words"},             // not a flag
+      {3, 1, L.recv_offset(0, 3), 64, L.flags + 4, "not one of its own words"},        // misaligned flag
   };
   for (const Case& c : cases) {
-    Status s = w[c.from].t->put(1, c.root, w[c.from].base() + w[c.from].layout.send_offset(0), c.offset, c.len,
-                                c.flag, 99);
+    Status s =
+        w[c.from].t->put(1, c.root, w[c.from].base() + w[c.from].layout.send_offset(0), c.offset, c.len, c.flag, 99);
     CHECK(s.ok(), "the bad put itself should go out (the receiver refuses it): %s", s.message().c_str());
   }
   const size_t n = sizeof cases / sizeof cases[0];
@@ -61,10 +61,9 @@ void test_out_of_bounds() {
     for (const Case& c : cases) {
       bool found = false;
       for (auto& [peer, why] : victim.lost)
-        found |= peer == c.from && contains(why, strf("rank %d (root %d)", c.from, c.root)) &&
-                 contains(why, c.expect) &&
-                 contains(why, strf("offset %llu", (unsigned long long)(contains(c.expect, "slots") ? c.offset
-                                                                                                 : c.flag)));
+        found |=
+            peer == c.from && contains(why, strf("rank %d (root %d)", c.from, c.root)) && contains(why, c.expect) &&
+            contains(why, strf("offset %llu", (unsigned long long)(contains(c.expect, "slots") ? c.offset : c.flag)));
       CHECK(found, "no report from rank %d root %d saying '%s' and naming the offset", c.from, c.root, c.expect);
     }
   }
@@ -91,11 +90,12 @@ void test_out_of_bounds() {
   // Other links are unaffected: rank 2 -> rank 0 still works.
   const uint8_t* src2 = w[2].base() + w[2].layout.send_offset(0);
   Status ok = w[2].t->put(0, 0, src2, w[0].layout.recv_offset(0, 2), 64, w[0].layout.flag_offset(flag_index(2, 0)), 7);
-  CHECK(ok.ok() && wait_flag(w[0].base(), w[0].layout.flag_offset(flag_index(2, 0)), 7),
-        "an unrelated link broke: %s", ok.message().c_str());
-  printf("%s own slots: %zu frames outside their sender's slots refused and reported, no byte written, sender sees "
-         "'%.60s...'\n",
-         verdict(f0), n, sticky.message().c_str());
+  CHECK(ok.ok() && wait_flag(w[0].base(), w[0].layout.flag_offset(flag_index(2, 0)), 7), "an unrelated link broke: %s",
+        ok.message().c_str());
+  printf(
+      "%s own slots: %zu frames outside their sender's slots refused and reported, no byte written, sender sees "
+      "'%.60s...'\n",
+      verdict(f0), n, sticky.message().c_str());
   for (int r = 0; r < 4; ++r) w[r].t->close();
 }
 
@@ -209,8 +209,8 @@ void test_stopped_peer() {
     const double took = since(t0);
     // About the timeout: the slack is for a loaded 2-core machine under
     // ThreadSanitizer, where filling the socket buffers alone takes seconds.
-    CHECK(done.load() && took <= timeout_s + 8, "a put to a peer that does not read took %.1f s (timeout %g s)%s",
-          took, timeout_s, done.load() ? "" : " and had not returned");
+    CHECK(done.load() && took <= timeout_s + 8, "a put to a peer that does not read took %.1f s (timeout %g s)%s", took,
+          timeout_s, done.load() ? "" : " and had not returned");
     if (!done.load()) me.t->close();
     sender.join();
     CHECK(!st.ok() && contains(st.message(), "rank 1 (root 0) took no data for 2 s") &&
@@ -238,8 +238,10 @@ void test_stopped_peer() {
     const auto t1 = Clock::now();
     while (queued_to(w.fake(1).port) == 0 && !done.load() && since(t1) < 10)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    CHECK(queued_to(w.fake(1).port) > 0 && !done.load(), "the put should be blocked on the stopped peer (%lu bytes "
-          "queued, %s)", queued_to(w.fake(1).port), done.load() ? "returned" : "not returned");
+    CHECK(queued_to(w.fake(1).port) > 0 && !done.load(),
+          "the put should be blocked on the stopped peer (%lu bytes "
+          "queued, %s)",
+          queued_to(w.fake(1).port), done.load() ? "returned" : "not returned");
     const auto t0 = Clock::now();
     me.t->close();
     const double took = since(t0);
@@ -326,7 +328,7 @@ void test_connect_errors() {
     CHECK(s.ok() && t->details().rfind("arx-tcp/2 127.0.0.1 ", 0) == 0, "tcp_addr 127.0.0.1:0: %s %s",
           s.message().c_str(), s.ok() ? t->details().c_str() : "");
     const int port = s.ok() ? port_of(t->details()) : 0;
-    t.reset();  // the destructor closes
+    t.reset();                                  // the destructor closes
     cfg.tcp_addr = strf("localhost:%d", port);  // a fixed port, free again, taken with SO_REUSEADDR
     s = make_tcp_transport(ctx, t);
     CHECK(s.ok() && t && t->details().rfind(strf("arx-tcp/2 127.0.0.1 %d ", port), 0) == 0, "fixed port: %s",

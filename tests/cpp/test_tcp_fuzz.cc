@@ -107,8 +107,8 @@ FrameHeader protocol_write(const Layout& L, int src, int at, Rng& rng) {
   const FlagWords psum = psum_words(world, kRoots), bulk = bulk_words(kRoots);
   uint64_t lo = 0, hi = 0, off = 0, len = 0, dst = 0, flag = 0;
   // Whose lane: src's own, or (src relaying to at) the relayed source's.
-  const int owner = L.topo.relays() && src == (at + world - 1) % world && pick(rng, 0, 1) ? (at + world - 2) % world
-                                                                                            : src;
+  const int owner =
+      L.topo.relays() && src == (at + world - 1) % world && pick(rng, 0, 1) ? (at + world - 2) % world : src;
   switch (pick(rng, 0, L.topo.relays() && owner == src && L.topo.relayed_source(at) == src ? 5 : 3)) {
     case 0: {  // a psum piece (one-shot, or a two-shot chunk)
       const int mode = (int)pick(rng, 1, 2);
@@ -158,22 +158,22 @@ FrameHeader protocol_write(const Layout& L, int src, int at, Rng& rng) {
 // of something, with its own flag, another rank's, or any word.
 FrameHeader hostile_header(const Layout& L, int world, int src, Rng& rng) {
   const FlagWords psum = psum_words(world, kRoots), bulk = bulk_words(kRoots);
-  const uint64_t marks[] = {0,
-                            L.flags,
-                            L.recv,
-                            L.send,
-                            L.bulk_recv,
-                            L.bulk_recv_offset(1, 0),
-                            L.bulk_send,
-                            L.relay,
-                            L.relay_out,
-                            L.total,
-                            L.recv_offset(0, (int)pick(rng, 0, world - 1)),
-                            L.recv_offset(1, (int)pick(rng, 0, world - 1)),
-                            L.bulk_recv_offset((int)pick(rng, 0, 1), (int)pick(rng, 0, world - 1)),
-                            L.flag_offset(header_word((Family)pick(rng, 0, 1), (int)pick(rng, 0, 1),
-                                                      (int)pick(rng, 0, world - 1))),
-                            ~0ull};
+  const uint64_t marks[] = {
+      0,
+      L.flags,
+      L.recv,
+      L.send,
+      L.bulk_recv,
+      L.bulk_recv_offset(1, 0),
+      L.bulk_send,
+      L.relay,
+      L.relay_out,
+      L.total,
+      L.recv_offset(0, (int)pick(rng, 0, world - 1)),
+      L.recv_offset(1, (int)pick(rng, 0, world - 1)),
+      L.bulk_recv_offset((int)pick(rng, 0, 1), (int)pick(rng, 0, world - 1)),
+      L.flag_offset(header_word((Family)pick(rng, 0, 1), (int)pick(rng, 0, 1), (int)pick(rng, 0, world - 1))),
+      ~0ull};
   auto near = [&](uint64_t span) {
     const uint64_t m = marks[pick(rng, 0, sizeof marks / sizeof marks[0] - 1)];
     return m + pick(rng, 0, 2 * span) - span;
@@ -181,27 +181,51 @@ FrameHeader hostile_header(const Layout& L, int world, int src, Rng& rng) {
   FrameHeader h{kFrameMagic, 0, 0, 0, pick(rng, 0, ~0ull)};
   h.offset = pick(rng, 0, 3) ? near(64) : pick(rng, 0, ~0ull);
   switch (pick(rng, 0, 4)) {
-    case 0: h.len = 0; break;
-    case 1: h.len = pick(rng, 1, 64); break;
-    case 2: h.len = pick(rng, 1, L.slot_bytes + 64); break;
-    case 3: h.len = ~0ull - pick(rng, 0, 64); break;
-    default: h.len = pick(rng, 0, ~0ull); break;
+    case 0:
+      h.len = 0;
+      break;
+    case 1:
+      h.len = pick(rng, 1, 64);
+      break;
+    case 2:
+      h.len = pick(rng, 1, L.slot_bytes + 64);
+      break;
+    case 3:
+      h.len = ~0ull - pick(rng, 0, 64);
+      break;
+    default:
+      h.len = pick(rng, 0, ~0ull);
+      break;
   }
   const int r = (int)pick(rng, 0, kRoots - 1), other = (int)pick(rng, 0, world - 1);
   auto word_of = [&](int who) {
     switch (pick(rng, 0, 3)) {
-      case 0: return psum.index(who, (int)pick(rng, 0, psum.pieces - 1), r);
-      case 1: return bulk.index(who, (int)pick(rng, 0, kChunks - 1), r);
-      case 2: return notice_word(who);
-      default: return relay_word(r);
+      case 0:
+        return psum.index(who, (int)pick(rng, 0, psum.pieces - 1), r);
+      case 1:
+        return bulk.index(who, (int)pick(rng, 0, kChunks - 1), r);
+      case 2:
+        return notice_word(who);
+      default:
+        return relay_word(r);
     }
   };
   switch (pick(rng, 0, 5)) {
-    case 0: h.flag_offset = L.flag_offset(word_of(src)); break;
-    case 1: h.flag_offset = kNoFlag; break;
-    case 2: h.flag_offset = L.flag_offset(word_of(other)); break;
-    case 3: h.flag_offset = L.flag_offset((int)pick(rng, 0, kFlagWords)) + pick(rng, 0, 1) * pick(rng, 0, 7); break;
-    default: h.flag_offset = pick(rng, 0, ~0ull); break;
+    case 0:
+      h.flag_offset = L.flag_offset(word_of(src));
+      break;
+    case 1:
+      h.flag_offset = kNoFlag;
+      break;
+    case 2:
+      h.flag_offset = L.flag_offset(word_of(other));
+      break;
+    case 3:
+      h.flag_offset = L.flag_offset((int)pick(rng, 0, kFlagWords)) + pick(rng, 0, 1) * pick(rng, 0, 7);
+      break;
+    default:
+      h.flag_offset = pick(rng, 0, ~0ull);
+      break;
   }
   if (pick(rng, 0, 19) == 0) h.magic = pick(rng, 0, ~0ull);
   if (pick(rng, 0, 19) == 0) h = FrameHeader{kByeMagic, 0, 0, 0, 0};  // a goodbye: no payload, frames may follow
@@ -224,12 +248,11 @@ void fuzz_frames(Rng& rng, int iterations) {
     const uint64_t slot = 16 * pick(rng, 1, 40), send = 16 * pick(rng, 1, 80),
                    bulk = 16 * pick(rng, 0, 1) * pick(rng, 1, 60);
     const bool ring = world <= kMaxRingWorld && pick(rng, 0, 1);
-    const Layout L = Layout::of(Geometry{(uint32_t)world, slot, send, bulk, ring ? TopologyKind::kRing
-                                                                               : TopologyKind::kMesh});
+    const Layout L =
+        Layout::of(Geometry{(uint32_t)world, slot, send, bulk, ring ? TopologyKind::kRing : TopologyKind::kMesh});
     for (int k = 0; k < 50; ++k) {
       const int src = (int)pick(rng, 0, world - 1);
-      const int at = ring && pick(rng, 0, 1) ? (src + 1) % world
-                                             : (src + (int)pick(rng, 1, world - 1)) % world;
+      const int at = ring && pick(rng, 0, 1) ? (src + 1) % world : (src + (int)pick(rng, 1, world - 1)) % world;
       const Allowed a = allowed(L, src, at);
       if (L.topo.linked(src, at)) {
         const FrameHeader good = protocol_write(L, src, at, rng);
@@ -240,8 +263,8 @@ void fuzz_frames(Rng& rng, int iterations) {
               "%llu): check_frame says '%s', the reference %s",
               src, at, world, ring ? "ring" : "mesh", (unsigned long long)slot, (unsigned long long)bulk,
               (unsigned long long)good.offset, (unsigned long long)good.len, (unsigned long long)good.flag_offset,
-              why.c_str(), ref_flag(a, good.flag_offset) && ref_write(a, good.offset, good.len) ? "allows it"
-                                                                                                  : "does not");
+              why.c_str(),
+              ref_flag(a, good.flag_offset) && ref_write(a, good.offset, good.len) ? "allows it" : "does not");
         if (!why.empty()) return;
       }
       const FrameHeader bad = hostile_header(L, world, src, rng);
@@ -249,7 +272,8 @@ void fuzz_frames(Rng& rng, int iterations) {
       const bool want = bad.magic == kFrameMagic && ref_flag(a, bad.flag_offset) && ref_write(a, bad.offset, bad.len);
       ++hostile;
       accepted += ok;
-      CHECK(ok == want, "rank %d to %d of %d %s, slot %llu, bulk %llu: header (offset %llu, len %llu, flag %llu) %s, "
+      CHECK(ok == want,
+            "rank %d to %d of %d %s, slot %llu, bulk %llu: header (offset %llu, len %llu, flag %llu) %s, "
             "the reference says %s",
             src, at, world, ring ? "ring" : "mesh", (unsigned long long)slot, (unsigned long long)bulk,
             (unsigned long long)bad.offset, (unsigned long long)bad.len, (unsigned long long)bad.flag_offset,
@@ -257,9 +281,10 @@ void fuzz_frames(Rng& rng, int iterations) {
       if (ok != want) return;
     }
   }
-  printf("%s frames: %ld protocol writes all accepted; %ld hostile headers, %ld accepted, each exactly as the "
-         "brute-force reference says\n",
-         verdict(f0), valid, hostile, accepted);
+  printf(
+      "%s frames: %ld protocol writes all accepted; %ld hostile headers, %ld accepted, each exactly as the "
+      "brute-force reference says\n",
+      verdict(f0), valid, hostile, accepted);
 }
 
 // ---- 2. handshakes ----
@@ -284,9 +309,15 @@ void mutate(std::vector<uint8_t>& v, Rng& rng) {
   const int n = (int)pick(rng, 1, 4);
   for (int i = 0; i < n && !v.empty(); ++i) {
     switch (pick(rng, 0, 2)) {
-      case 0: v[pick(rng, 0, v.size() - 1)] ^= (uint8_t)(1u << pick(rng, 0, 7)); break;
-      case 1: v[pick(rng, 0, v.size() - 1)] = (uint8_t)rng(); break;
-      default: v.resize(pick(rng, 0, v.size())); break;  // cut short
+      case 0:
+        v[pick(rng, 0, v.size() - 1)] ^= (uint8_t)(1u << pick(rng, 0, 7));
+        break;
+      case 1:
+        v[pick(rng, 0, v.size() - 1)] = (uint8_t)rng();
+        break;
+      default:
+        v.resize(pick(rng, 0, v.size()));
+        break;  // cut short
     }
   }
 }
@@ -320,7 +351,9 @@ void fuzz_handshakes(Rng& rng, int iterations) {
     tcp_auth::make_hello(3, (int)pick(rng, 0, 3), (int)pick(rng, 0, 2), view, h);
     const uint8_t* hb = reinterpret_cast<const uint8_t*>(&h);
     switch (pick(rng, 0, 4)) {
-      case 0: bytes = random_bytes(rng, pick(rng, 0, 300)); break;
+      case 0:
+        bytes = random_bytes(rng, pick(rng, 0, 300));
+        break;
       case 1:  // a mutated hello, then noise
         bytes.assign(hb, hb + sizeof h);
         mutate(bytes, rng);
@@ -359,8 +392,10 @@ void fuzz_handshakes(Rng& rng, int iterations) {
     // A whole message gets an answer and a close; a cut-short one waits for
     // more, until we close (or the listener's deadline).
     shutdown(fd, SHUT_WR);
-    if (read_until_closed(fd, 10) >= 0) ++closed;
-    else ++left_open;
+    if (read_until_closed(fd, 10) >= 0)
+      ++closed;
+    else
+      ++left_open;
     close(fd);
   }
   if (setup.joinable()) setup.join();
@@ -379,9 +414,10 @@ void fuzz_handshakes(Rng& rng, int iterations) {
               memcmp(me.base() + L.recv_offset(1, r), payload.data(), 16) == 0,
           "rank %d's genuine stream does not deliver after the fuzz", r);
   }
-  printf("%s handshakes: %d hostile streams (%ld closed by the listener) in %.1f s, nothing written, no peer lost, "
-         "the real peers deliver\n",
-         verdict(f0), iterations, closed, since(t0));
+  printf(
+      "%s handshakes: %d hostile streams (%ld closed by the listener) in %.1f s, nothing written, no peer lost, "
+      "the real peers deliver\n",
+      verdict(f0), iterations, closed, since(t0));
 }
 
 // ---- 3. streams of an authenticated peer ----
@@ -451,9 +487,10 @@ void fuzz_streams(Rng& rng, int iterations) {
       if (!allowed) break;
     }
   }
-  printf("%s streams: %d authenticated streams, %ld frames in random pieces, %ld streams ended by a refused frame, "
-         "every change inside the sender's own slots, %.1f s\n",
-         verdict(f0), iterations, frames, ended, since(t0));
+  printf(
+      "%s streams: %d authenticated streams, %ld frames in random pieces, %ld streams ended by a refused frame, "
+      "every change inside the sender's own slots, %.1f s\n",
+      verdict(f0), iterations, frames, ended, since(t0));
 }
 
 }  // namespace
@@ -463,8 +500,10 @@ int main(int argc, char** argv) {
   uint64_t seed = 20240612;
   int iterations = 300;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], nullptr, 10);
-    else if (!strcmp(argv[i], "--iterations")) iterations = atoi(argv[i + 1]);
+    if (!strcmp(argv[i], "--seed"))
+      seed = strtoull(argv[i + 1], nullptr, 10);
+    else if (!strcmp(argv[i], "--iterations"))
+      iterations = atoi(argv[i + 1]);
   }
   printf("test_tcp_fuzz: seed %llu, %d iterations\n", (unsigned long long)seed, iterations);
   const auto t0 = Clock::now();

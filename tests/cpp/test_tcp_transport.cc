@@ -78,8 +78,8 @@ void test_exchange(int world) {
     CHECK(me.lost_count() == 0, "rank %d reported a peer lost while all were up: %s", d, me.lost_text().c_str());
     CHECK(me.t->poll().ok(), "poll: %s", me.t->poll().message().c_str());
   }
-  printf("%s exchange world %d: %d ranks x %d peers x 2 roots, %llu bytes each, %.1f ms\n", verdict(f0), world,
-         world, world - 1, (unsigned long long)nbytes, since(t0) * 1e3);
+  printf("%s exchange world %d: %d ranks x %d peers x 2 roots, %llu bytes each, %.1f ms\n", verdict(f0), world, world,
+         world - 1, (unsigned long long)nbytes, since(t0) * 1e3);
   for (int r = 0; r < world; ++r) w[r].t->close();
 }
 
@@ -143,8 +143,8 @@ void test_ordering() {
             observed.fetch_add(1);
           } else {
             if (since(start) > 30) {
-              CHECK(false, "rank %d: flag of rank %d root %d stuck at %llu of %d", d, s, root,
-                    (unsigned long long)seen, kN);
+              CHECK(false, "rank %d: flag of rank %d root %d stuck at %llu of %d", d, s, root, (unsigned long long)seen,
+                    kN);
               return;
             }
             std::this_thread::yield();
@@ -225,8 +225,8 @@ void test_close() {
   for (int root : {1, 0}) {
     const auto t0 = Clock::now();
     while (since(t0) < 10 && err[root].ok()) {
-      err[root] = w[0].t->put(1, root, w[0].base() + w[0].layout.send_offset(0), w[0].layout.recv_offset(0, 0),
-                              4096, w[0].layout.flag_offset(flag_index(0, root)), 1);
+      err[root] = w[0].t->put(1, root, w[0].base() + w[0].layout.send_offset(0), w[0].layout.recv_offset(0, 0), 4096,
+                              w[0].layout.flag_offset(flag_index(0, root)), 1);
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     CHECK(!err[root].ok() && err[root].message().find(strf("rank 1 (root %d)", root)) != std::string::npos,
@@ -240,8 +240,7 @@ void test_close() {
   // closed on rank 0's port, any report is in.
   CHECK(wait_streams_closed(port_of(w[0].t->details())), "rank 0 still has %d of rank 1's streams open",
         streams_on(port_of(w[0].t->details())));
-  CHECK(w[0].lost_count() == 0, "rank 0 reported rank 1's orderly close as a lost peer: %s",
-        w[0].lost_text().c_str());
+  CHECK(w[0].lost_count() == 0, "rank 0 reported rank 1's orderly close as a lost peer: %s", w[0].lost_text().c_str());
   w[0].t->close();
   CHECK(w[0].t->poll().message() == err[1].message(), "close() should keep the sticky error");
   CHECK(w[0].lost_count() == 0, "rank 0 reported a peer lost while closing itself: %s", w[0].lost_text().c_str());

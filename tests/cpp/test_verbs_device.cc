@@ -34,7 +34,10 @@ void test_sysfs() {
   // rxe9: link-local GIDs, an IPv4 on a VLAN (lower index), then the IPv4 of
   // its own netdev, v1 before v2, and an unused entry.
   const std::string p = root + "/rxe9/ports/1/";
-  struct Row { int i; const char *gid, *type, *ndev; };
+  struct Row {
+    int i;
+    const char *gid, *type, *ndev;
+  };
   const Row rows[] = {
       {0, "fe80:0000:0000:0000:5054:00ff:fe12:3456", "IB/RoCE v1", "veth0"},
       {1, "fe80:0000:0000:0000:5054:00ff:fe12:3456", "RoCE v2", "veth0"},
@@ -65,13 +68,17 @@ void test_sysfs() {
   else
     failed("sysfs-gid", "table " + std::to_string(table.size()) + " rows, pick " + std::to_string(pick));
   const int vlan_only = verbs::pick_roce_v2_gid(table, {"eth9"}, why);
-  if (vlan_only == 3) pass("sysfs-gid-fallback", "without an own-netdev GID, the lowest RoCE v2 IPv4 GID");
-  else failed("sysfs-gid-fallback", "picked " + std::to_string(vlan_only));
+  if (vlan_only == 3)
+    pass("sysfs-gid-fallback", "without an own-netdev GID, the lowest RoCE v2 IPv4 GID");
+  else
+    failed("sysfs-gid-fallback", "picked " + std::to_string(vlan_only));
   why.clear();
   const auto mt = verbs::read_gid_table(root, "mlx9", 1);
   const int none = verbs::pick_roce_v2_gid(mt, verbs::own_netdevs(root, "mlx9"), why);
-  if (none == -1 && contains(why, "10.0.0.1 IB/RoCE v1 on eth7")) pass("sysfs-gid-none", "says: " + why);
-  else failed("sysfs-gid-none", "picked " + std::to_string(none) + ", why: " + why);
+  if (none == -1 && contains(why, "10.0.0.1 IB/RoCE v1 on eth7"))
+    pass("sysfs-gid-none", "says: " + why);
+  else
+    failed("sysfs-gid-none", "picked " + std::to_string(none) + ", why: " + why);
   if (system(("rm -rf " + root).c_str()) != 0) failed("sysfs", "cleanup");
 
   std::vector<verbs::HcaSpec> specs;
@@ -83,15 +90,19 @@ void test_sysfs() {
   const Status three = verbs::parse_hca_list("a,b,c", specs);
   const Status badport = verbs::parse_hca_list("mlx5_0:x", specs);
   ok = ok && !excl.ok() && !three.ok() && contains(three.message(), "one or two") && !badport.ok();
-  if (ok) pass("hca-list", "JAX_ARX_IB_HCA forms parsed, bad ones refused");
-  else failed("hca-list", excl.message() + " | " + three.message() + " | " + badport.message());
+  if (ok)
+    pass("hca-list", "JAX_ARX_IB_HCA forms parsed, bad ones refused");
+  else
+    failed("hca-list", excl.message() + " | " + three.message() + " | " + badport.message());
 
   uint8_t g[16];
   ok = verbs::parse_gid("0000:0000:0000:0000:0000:ffff:c633:6401", g) && verbs::gid_text(g) == "198.51.100.1" &&
        verbs::parse_gid("fe80:0000:0000:0000:5054:00ff:fe12:3456", g) &&
        verbs::gid_text(g) == "fe80::5054:ff:fe12:3456";
-  if (ok) pass("gid-text", "IPv4-mapped GIDs print as addresses");
-  else failed("gid-text", verbs::gid_text(g));
+  if (ok)
+    pass("gid-text", "IPv4-mapped GIDs print as addresses");
+  else
+    failed("gid-text", verbs::gid_text(g));
 }
 // A ring's device list names two ports, prev's first; another count fails
 // construction, naming the rank, its neighbours and the form to use. The
@@ -104,15 +115,20 @@ void test_ring_device_list() {
     const Status st = make_rank(r, 2, 4, hca, 1 << 16, -1, true);
     said += (said.empty() ? "" : " | ") + st.message();
     if (contains(st.message(), "without rdma-core") || contains(st.message(), "could not load libibverbs")) continue;
-    ok = ok && !st.ok() && contains(st.message(), "rank 2 lists the port facing the previous rank (rank 1), then the "
-                                                  "port facing the next rank (rank 3)");
+    ok = ok && !st.ok() &&
+         contains(st.message(),
+                  "rank 2 lists the port facing the previous rank (rank 1), then the "
+                  "port facing the next rank (rank 3)");
   }
   Rank five;
   const Status st = make_rank(five, 0, 4, "a,b,c,d,e", 1 << 16, -1, true);
-  ok = ok && !st.ok() && (contains(st.message(), "a ring takes at most four") || contains(st.message(), "rdma-core") ||
-                          contains(st.message(), "libibverbs"));
-  if (ok) pass("ring-device-list", said);
-  else failed("ring-device-list", said + " | " + st.message());
+  ok = ok && !st.ok() &&
+       (contains(st.message(), "a ring takes at most four") || contains(st.message(), "rdma-core") ||
+        contains(st.message(), "libibverbs"));
+  if (ok)
+    pass("ring-device-list", said);
+  else
+    failed("ring-device-list", said + " | " + st.message());
 }
 
 void test_no_device_errors() {
@@ -133,9 +149,9 @@ void test_load_failure() {
     Rank r;
     r.config.ibverbs_lib = "/nonexistent/libibverbs.so.1";
     const Status st = make_rank(r, 0, 2, "", 1 << 16);
-    const bool ok = !st.ok() && (contains(st.message(), "/nonexistent/libibverbs.so.1") ||
-                                 contains(st.message(), "no rdma-core headers") ||
-                                 contains(st.message(), "without rdma-core"));
+    const bool ok =
+        !st.ok() && (contains(st.message(), "/nonexistent/libibverbs.so.1") ||
+                     contains(st.message(), "no rdma-core headers") || contains(st.message(), "without rdma-core"));
     printf("[rank 0] %s load-failure %s\n", ok ? "PASS" : "FAIL", st.message().c_str());
     fflush(stdout);
     _exit(ok ? 0 : 1);

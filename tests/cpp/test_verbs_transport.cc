@@ -150,7 +150,7 @@ Status exchange(Rank& r, int rank, int peer, uint64_t seq, uint64_t bytes) {
 
 struct Args {
   std::string hca[2];
-  int roots = 0;         // expected roots(); 0: do not check
+  int roots = 0;          // expected roots(); 0: do not check
   int gid[2] = {-1, -1};  // expected discovered GID index; -1: do not check
   int burst = 5000;
   uint64_t slot_bytes = 4 << 20;
@@ -196,8 +196,8 @@ void expect_peer_lost(Rank& r, const std::string& name, double limit_s) {
   if (names_peer && sticky && told)
     pass(name, strf("detected in %.2f s: %s", dt, st.message().c_str()));
   else
-    failed(name, strf("after %.2f s: names rank 1 %d, sticky %d, on_peer_lost(peer %d) %d: %s", dt, names_peer,
-                      sticky, r.lost_peer.load(), told, st.message().c_str()));
+    failed(name, strf("after %.2f s: names rank 1 %d, sticky %d, on_peer_lost(peer %d) %d: %s", dt, names_peer, sticky,
+                      r.lost_peer.load(), told, st.message().c_str()));
 }
 
 void run_rank(int rank, const Args& a) {
@@ -221,7 +221,8 @@ void run_rank(int rank, const Args& a) {
     std::string note;
     st = verbs::load("", api);
     if (st.ok()) st = verbs::open_devices(*api, a.hca[rank], -1, 4, devs, note);
-    if (!st.ok()) failed("gid-discovery", st.message());
+    if (!st.ok())
+      failed("gid-discovery", st.message());
     else if (devs[0].gid_index == a.gid[rank])
       pass("gid-discovery", "found the VM's RoCE v2 IPv4 GID: " + verbs::describe(devs[0]));
     else
@@ -351,9 +352,9 @@ void run_rank(int rank, const Args& a) {
   {
     const uint64_t lo = r.layout.inbox_lo(), hi = r.layout.inbox_hi();
     uint8_t* src = r.at(r.layout.send_offset(0));
-    const Status below = r.t->put(peer, 0, src, 0, 64, r.layout.flag_offset(0), 1);              // the control block
-    const Status above = r.t->put(peer, 0, src, hi - 32, 64, r.layout.flag_offset(0), 1);        // past the inbox
-    const Status flag = r.t->put(peer, 0, src, lo, 0, r.layout.send_offset(0), 1);               // a "flag" in send
+    const Status below = r.t->put(peer, 0, src, 0, 64, r.layout.flag_offset(0), 1);        // the control block
+    const Status above = r.t->put(peer, 0, src, hi - 32, 64, r.layout.flag_offset(0), 1);  // past the inbox
+    const Status flag = r.t->put(peer, 0, src, lo, 0, r.layout.send_offset(0), 1);         // a "flag" in send
     const Status unaligned = r.t->put(peer, 0, src, lo, 0, r.layout.flag_offset(0) + 4, 1);
     uint8_t outside[64] = {};
     const Status source = r.t->put(peer, 0, outside, r.layout.recv_offset(0, rank), 64, r.layout.flag_offset(0), 1);
@@ -361,13 +362,13 @@ void run_rank(int rank, const Args& a) {
     const Status after = r.t->poll();
     if (!below.ok() && !above.ok() && !flag.ok() && !unaligned.ok() && !source.ok() && !self.ok() && after.ok() &&
         contains(above.message(), "slots"))
-      pass("bounds", "writes outside the peer's inbox, from outside the region, or to itself are refused: " +
-                         above.message());
+      pass("bounds",
+           "writes outside the peer's inbox, from outside the region, or to itself are refused: " + above.message());
     else
-      failed("bounds", strf("accepted a bad put (below %d above %d flag %d unaligned %d source %d self %d) or "
-                            "poll failed: %s",
-                            below.ok(), above.ok(), flag.ok(), unaligned.ok(), source.ok(), self.ok(),
-                            after.message().c_str()));
+      failed("bounds",
+             strf("accepted a bad put (below %d above %d flag %d unaligned %d source %d self %d) or "
+                  "poll failed: %s",
+                  below.ok(), above.ok(), flag.ok(), unaligned.ok(), source.ok(), self.ok(), after.message().c_str()));
   }
   if (!barrier()) return;
 
@@ -375,10 +376,12 @@ void run_rank(int rank, const Args& a) {
   // an error naming rank 1 from poll() within the QP's retry budget.
   if (rank == 1) {
     r.t->close();
-    const Status after = r.t->put(peer, 0, r.at(r.layout.send_offset(0)), r.layout.recv_offset(0, rank), 8,
-                                  r.layout.flag_offset(0), 1);
-    if (!after.ok()) pass("closed-put", "put() after close(): " + after.message());
-    else failed("closed-put", "put() after close() succeeded");
+    const Status after =
+        r.t->put(peer, 0, r.at(r.layout.send_offset(0)), r.layout.recv_offset(0, rank), 8, r.layout.flag_offset(0), 1);
+    if (!after.ok())
+      pass("closed-put", "put() after close(): " + after.message());
+    else
+      failed("closed-put", "put() after close() succeeded");
     char c = 'c';
     send_all(&c, 1);
   } else {
@@ -409,8 +412,8 @@ void run_rank(int rank, const Args& a) {
           (!a.ring || contains(c.message(), "the port facing")) && dt < a.detect_limit_s)
         pass("silent-peer", strf("connect failed in %.2f s: %s", dt, c.message().c_str()));
       else
-        failed("silent-peer", strf("after %.2f s: %s", dt, c.ok() ? "connected to a peer that never did" :
-                                                                    c.message().c_str()));
+        failed("silent-peer",
+               strf("after %.2f s: %s", dt, c.ok() ? "connected to a peer that never did" : c.message().c_str()));
     }
     barrier();
   }
@@ -489,24 +492,36 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (k == "--hca0") a.hca[0] = val();
-    else if (k == "--hca1") a.hca[1] = val();
-    else if (k == "--roots") a.roots = std::stoi(val());
-    else if (k == "--gid0") a.gid[0] = std::stoi(val());
-    else if (k == "--gid1") a.gid[1] = std::stoi(val());
-    else if (k == "--burst") a.burst = std::stoi(val());
-    else if (k == "--slot-bytes") a.slot_bytes = std::stoull(val());
-    else if (k == "--detect-limit") a.detect_limit_s = std::stod(val());
-    else if (k == "--ring") a.ring = true;
+    if (k == "--hca0")
+      a.hca[0] = val();
+    else if (k == "--hca1")
+      a.hca[1] = val();
+    else if (k == "--roots")
+      a.roots = std::stoi(val());
+    else if (k == "--gid0")
+      a.gid[0] = std::stoi(val());
+    else if (k == "--gid1")
+      a.gid[1] = std::stoi(val());
+    else if (k == "--burst")
+      a.burst = std::stoi(val());
+    else if (k == "--slot-bytes")
+      a.slot_bytes = std::stoull(val());
+    else if (k == "--detect-limit")
+      a.detect_limit_s = std::stod(val());
+    else if (k == "--ring")
+      a.ring = true;
     else {
-      fprintf(stderr, "usage: %s --hca0 DEV[,DEV] --hca1 DEV[,DEV] [--roots N] [--gid0 I --gid1 I] "
-                      "[--burst N] [--slot-bytes B] [--detect-limit S] [--ring]\n", argv[0]);
+      fprintf(stderr,
+              "usage: %s --hca0 DEV[,DEV] --hca1 DEV[,DEV] [--roots N] [--gid0 I --gid1 I] "
+              "[--burst N] [--slot-bytes B] [--detect-limit S] [--ring]\n",
+              argv[0]);
       return 2;
     }
   }
   if (a.hca[0].empty() || a.hca[1].empty()) {
-    fprintf(stderr, "no devices named for both ranks (--hca0 rxe0 --hca1 rxe1, or ARX_TEST_HCA0/1); "
-                    "test_verbs_device runs the checks that need none\n");
+    fprintf(stderr,
+            "no devices named for both ranks (--hca0 rxe0 --hca1 rxe1, or ARX_TEST_HCA0/1); "
+            "test_verbs_device runs the checks that need none\n");
     return 2;
   }
 #if ARX_HAVE_VERBS
@@ -520,8 +535,10 @@ int main(int argc, char** argv) {
       failed("bad-hca", st.ok() ? "accepted" : st.message());
     Rank r2;
     const Status st2 = make_rank(r2, 0, 2, a.hca[0], 1 << 16, 250, a.ring);
-    if (!st2.ok() && contains(st2.message(), "JAX_ARX_IB_GID_INDEX")) pass("bad-gid-index", st2.message());
-    else failed("bad-gid-index", st2.ok() ? "accepted" : st2.message());
+    if (!st2.ok() && contains(st2.message(), "JAX_ARX_IB_GID_INDEX"))
+      pass("bad-gid-index", st2.message());
+    else
+      failed("bad-gid-index", st2.ok() ? "accepted" : st2.message());
   }
 #endif
   run_pair(a);

@@ -107,8 +107,17 @@ ARX_TESTING_API int arx_testing_layout(int64_t comm_id, int device_ordinal, uint
   const arx::Layout& L = ep->layout();
   const int roots = ep->route().direct ? 1 : ep->roots();
   const arx::FlagWords w = arx::psum_words(L.world, roots);
-  const uint64_t v[12] = {(uint64_t)(uintptr_t)ep->base(), L.flags, L.recv, L.send, L.ring, L.ll_recv,
-                          L.slot_bytes, L.send_bytes, L.total, (uint64_t)roots, (uint64_t)w.stride,
+  const uint64_t v[12] = {(uint64_t)(uintptr_t)ep->base(),
+                          L.flags,
+                          L.recv,
+                          L.send,
+                          L.ring,
+                          L.ll_recv,
+                          L.slot_bytes,
+                          L.send_bytes,
+                          L.total,
+                          (uint64_t)roots,
+                          (uint64_t)w.stride,
                           (uint64_t)w.pieces};
   std::memcpy(out, v, sizeof v);
   return 0;
