@@ -204,13 +204,16 @@ void test_stopped_peer() {
       done.store(true);
     });
     // Bounded wait here too, so that a send that never gives up fails the
-    // check instead of hanging the test; close() then frees it.
-    while (!done.load() && since(t0) < 4 * timeout_s + 10) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    // check instead of hanging the test; close() then frees it. The bound is
+    // wide: the timeout counts from the last byte the peer took, and filling
+    // both ends' socket buffers takes seconds on a loaded 2-core machine
+    // under ThreadSanitizer. How the timeout is counted is test_poll's and
+    // test_core's (test_timeout); here, that the put gives up, and why.
+    const double bound_s = 30;
+    while (!done.load() && since(t0) < bound_s) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     const double took = since(t0);
-    // About the timeout: the slack is for a loaded 2-core machine under
-    // ThreadSanitizer, where filling the socket buffers alone takes seconds.
-    CHECK(done.load() && took <= timeout_s + 8, "a put to a peer that does not read took %.1f s (timeout %g s)%s", took,
-          timeout_s, done.load() ? "" : " and had not returned");
+    CHECK(done.load(), "a put to a peer that does not read had not returned after %.1f s (timeout %g s)", took,
+          timeout_s);
     if (!done.load()) me.t->close();
     sender.join();
     CHECK(!st.ok() && contains(st.message(), "rank 1 (root 0) took no data for 2 s") &&
@@ -236,7 +239,7 @@ void test_stopped_peer() {
     // The send is under way (bytes wait in the socket for a peer that never
     // reads) and cannot finish: close() must then free it.
     const auto t1 = Clock::now();
-    while (queued_to(w.fake(1).port) == 0 && !done.load() && since(t1) < 10)
+    while (queued_to(w.fake(1).port) == 0 && !done.load() && since(t1) < 30)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     CHECK(queued_to(w.fake(1).port) > 0 && !done.load(),
           "the put should be blocked on the stopped peer (%lu bytes "
