@@ -36,13 +36,17 @@ import jax
 import numpy as np
 
 from jax_arx import (
+    _bulk,
     _bulk_endpoints,
     _carriers,
     _compat,
     _distributed,
     _endpoints,
     _grad,
+    _moe,
     _native,
+    _norm,
+    _psum,
     _registry,
     _store,
     config as _config,
@@ -142,6 +146,7 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
     _distributed.refuse_if_not_joined()
     # Before anything that uses them is traced (the package loads lazily):
     # the C++ handlers known to XLA, and jax.grad's sums routed to jax_arx.
+    _check_ffi_targets(_native.core(required=False))
     _native.register_ffi_targets()
     _grad.install()
     mesh = _resolve_mesh(mesh)
@@ -183,6 +188,33 @@ def initialize(mesh=None, *, topology=None, _tuning=None) -> None:
         _registry.add(made)
         store.remove_published()  # after success only: see its docstring
         _bulk_endpoints.restore(made.values())
+
+
+# The FFI targets the primitives lower to. Each must be one the C++ module
+# registers, on every platform it was built for: a name changed on one side
+# only would otherwise surface as XLA's "no FFI handler" at a first compile,
+# far from its cause.
+FFI_TARGETS = (
+    _psum.FFI_TARGET,
+    _norm.FFI_TARGET,
+    _bulk.ALL_GATHER_TARGET,
+    _bulk.PSUM_SCATTER_TARGET,
+    _moe.MOE_COMBINE_TARGET,
+)
+
+
+def _check_ffi_targets(core) -> None:
+    if core is None:
+        return  # not built: initialize() says so once it needs the module
+    for platform, targets in core.registrations().items():
+        missing = sorted(set(FFI_TARGETS) - set(targets))
+        if missing:
+            raise InitializationError(
+                f"jax_arx.initialize: the C++ module ({getattr(core, '__file__', core)}) registers no "
+                f"{', '.join(missing)} for {platform}, which jax_arx's Python code lowers to: the two come from "
+                "different versions of jax_arx. Reinstall it (pip install --force-reinstall jax_arx, or pip "
+                "install . from the checkout)"
+            )
 
 
 def _check_ring_size(cfg, axis, size) -> None:

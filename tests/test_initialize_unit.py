@@ -392,3 +392,33 @@ def test_cpu_beside_a_gpu_is_said_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(_distributed, "_warned_cpu", [])
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not _distributed.warn_if_cpu_beside_a_gpu(mesh, marks=(str(gpus),))
+
+
+@needs_4_devices
+def test_initialize_refuses_a_core_without_a_target_python_lowers_to(fake_core, monkeypatch):
+    # A core of another version: it registers every name but the fused norm's.
+    names = {name: object() for name in _comm.FFI_TARGETS if name != "jax_arx_psum_add_norm"}
+    monkeypatch.setattr(fake_core, "registrations", lambda: {"cpu": names})
+    with pytest.raises(jax_arx.InitializationError, match="registers no jax_arx_psum_add_norm for cpu.*Reinstall"):
+        jax_arx.initialize(auto_mesh((4,), ("tp",)))
+    assert _comm.communicator("tp") is None  # refused before anything was made
+
+
+def test_the_real_core_registers_every_target_python_lowers_to(tmp_path):
+    # The installed module, in a fresh interpreter (this one may hold a stand-in).
+    names = repr(_comm.FFI_TARGETS)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import jax_arx._core as c\nfor t in c.registrations().values(): "
+            f"assert set({names}) <= set(t), sorted(t)\nprint('ok', sorted(c.registrations()))",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if "No module named 'jax_arx._core'" in p.stderr:
+        pytest.skip("jax_arx's C++ module is not installed (pip install .)")
+    assert p.returncode == 0 and p.stdout.startswith("ok"), p.stderr[-2000:]
