@@ -59,6 +59,7 @@ def test_peer_exits_mid_stream(transport):
         WORLD,
         gpu_common.gpu_env(gpus, WORLD, {**ENV, "JAX_ARX_TRANSPORT": transport}),
         timeout=300,
+        peer_lost=True,
     )
     check_peer_exit(run, transport)
 

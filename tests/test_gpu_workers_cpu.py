@@ -19,9 +19,9 @@ import test_gpu_norm
 import test_gpu_psum
 
 
-def _smoke(module, args, world, env=None):
+def _smoke(module, args, world, env=None, **kw):
     return gpu_common.run_workers(
-        module.THIS, [*args, "--cpu-smoke"], world, gpu_common.cpu_env(env), timeout=600, cpu_devices=1
+        module.THIS, [*args, "--cpu-smoke"], world, gpu_common.cpu_env(env), timeout=600, cpu_devices=1, **kw
     )
 
 
@@ -46,7 +46,8 @@ def test_norm_worker(core_built, summary_line):
 
 def test_peer_exit_worker(core_built):
     env = {"JAX_ARX_TIMEOUT_S": str(test_gpu_failures.TIMEOUT_S), "JAX_ARX_TRANSPORT": "tcp"}
-    test_gpu_failures.check_peer_exit(_smoke(test_gpu_failures, ["peer_exit"], test_gpu_failures.WORLD, env), "tcp")
+    run = _smoke(test_gpu_failures, ["peer_exit"], test_gpu_failures.WORLD, env, peer_lost=True)
+    test_gpu_failures.check_peer_exit(run, "tcp")
 
 
 def test_mismatch_worker(core_built):
