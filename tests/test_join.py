@@ -30,6 +30,18 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _connect_when_listening(address, bound_s=10.0):
+    """A connection to ``address`` once rank 0 listens there (bounded)."""
+    host, port = _join.split_address(address)
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            return socket.create_connection((host, port))
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listened at {address} within {bound_s} s"
+            time.sleep(0.05)
+
+
 def _run_ranks(ranks, address, n, timeout_s=5.0, secrets=None):
     """join() for each rank in ``ranks`` on a thread of its own; returns
     {rank: None or the InitializationError's text} and the seconds each took."""
@@ -148,13 +160,7 @@ def test_strangers_on_the_port_neither_stall_nor_spoil_the_join():
     result = {}
     zero = threading.Thread(target=lambda: result.update(zero=_run_ranks([0], address, 3, timeout_s=10.0)[0][0]))
     zero.start()
-    strangers = []
-    deadline = time.monotonic() + 10
-    while not strangers and time.monotonic() < deadline:
-        try:
-            strangers.append(socket.create_connection(("127.0.0.1", port)))
-        except OSError:
-            time.sleep(0.05)
+    strangers = [_connect_when_listening(address)]
     silent = strangers[0]  # connects and says nothing
     for line in (b"x" * 1000, b"rank 2 of 3 deadbeef\n", b"rank 9 of\n"):
         s = socket.create_connection(("127.0.0.1", port))
@@ -176,16 +182,7 @@ def test_a_stranger_posing_as_a_rank_fails_the_job_loudly_without_a_secret():
     result = {}
     zero = threading.Thread(target=lambda: result.update(zero=_run_ranks([0], address, 2, timeout_s=10.0)[0][0]))
     zero.start()
-    host, port = _join.split_address(address)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s = socket.create_connection((host, port))
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    with s:
+    with _connect_when_listening(address) as s:
         s.recv(100)
         s.sendall(b"rank 1 of 2 -\n")
         assert s.recv(100) == b"ok\n"  # it is taken for rank 1: without a secret nothing tells them apart
@@ -197,16 +194,7 @@ def test_a_stranger_posing_as_a_rank_fails_the_job_loudly_without_a_secret():
         target=lambda: result.update(zero=_run_ranks([0], address, 2, timeout_s=2.0, secrets={0: "k" * 20})[0][0])
     )
     zero.start()
-    host, port = _join.split_address(address)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s = socket.create_connection((host, port))
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    with s:
+    with _connect_when_listening(address) as s:
         s.recv(100)
         s.sendall(b"rank 1 of 2 -\n")
         s.settimeout(10)
