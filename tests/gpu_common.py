@@ -221,20 +221,7 @@ def run_workers(
     if nprocs is None:
         cmd = [sys.executable, script, "--worker", *args]
     else:
-        devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices else []
-        cmd = [
-            sys.executable,
-            "-m",
-            "jax_arx.launch",
-            "-n",
-            str(nprocs),
-            *devices,
-            "--grace-s",
-            "20",
-            script,
-            "--worker",
-            *args,
-        ]
+        cmd = launched.launcher_cmd(nprocs, cpu_devices or None, script, "--worker", *args)
     start = time.monotonic()
     p = launched.run_launcher(cmd, env, HERE, timeout)
     seconds = time.monotonic() - start

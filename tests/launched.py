@@ -23,6 +23,14 @@ def clean_env(extra=None):
     return env
 
 
+def launcher_cmd(nprocs, cpu_devices, script, *args):
+    """``python -m jax_arx.launch -n nprocs`` running ``script *args``, with
+    ``cpu_devices`` CPU devices per process (None: jax's default backend) and
+    20 s of grace for the others once one rank has failed."""
+    devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices is not None else []
+    return [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices, "--grace-s", "20", script, *args]
+
+
 def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):
     """Runs ``worker --worker suite`` on ``nprocs`` processes over ``transport``
     (cwd outside the source tree, so the installed jax_arx is imported);
@@ -30,20 +38,7 @@ def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None,
     ``cpu_devices``: CPU devices per process, or None for jax's default
     backend (GPUs, where the worker picks its own)."""
     full_env = clean_env({"JAX_ARX_TRANSPORT": transport, **(env or {})})
-    devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices is not None else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "jax_arx.launch",
-        "-n",
-        str(nprocs),
-        *devices,
-        "--grace-s",
-        "20",
-        worker,
-        "--worker",
-        suite,
-    ]
+    cmd = launcher_cmd(nprocs, cpu_devices, worker, "--worker", suite)
     start = time.monotonic()
     p = run_launcher(cmd, full_env, cwd, timeout)
     elapsed = time.monotonic() - start
