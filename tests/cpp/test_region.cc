@@ -79,8 +79,11 @@ enum class End { kKilled, kExit, kSignalsThenKilled };
 
 void test_child_ends(End how, const char* what) {
   const int f0 = g_failures;
-  int p[2];
+  // p: the child's report; go: closed by us once we have seen the name, so
+  // that an _exit() child cannot end (and its guard unlink) before we look.
+  int p[2], go[2];
   if (pipe(p) != 0) return;
+  if (pipe(go) != 0) return;
   const pid_t child = fork();
   if (child == 0) {
     setpgid(0, 0);
@@ -90,15 +93,22 @@ void test_child_ends(End how, const char* what) {
     signal(SIGTERM, SIG_IGN);
     signal(SIGHUP, SIG_IGN);
     close(p[0]);
+    close(go[1]);
     std::unique_ptr<Region> r;
     if (!Region::create(4 << 20, true, r).ok()) _exit(2);
     char buf[256];
     snprintf(buf, sizeof buf, "%s %d\n", r->name().c_str(), r->guard_pid());
     if (write(p[1], buf, strlen(buf)) < 0) _exit(3);
-    if (how == End::kExit) _exit(1);  // no destructors, as os._exit
+    if (how == End::kExit) {
+      char c;
+      while (read(go[0], &c, 1) > 0) {
+      }
+      _exit(1);  // no destructors, as os._exit
+    }
     for (;;) pause();
   }
   close(p[1]);
+  close(go[0]);
   char buf[256] = {};
   size_t got = 0;
   while (got < sizeof buf - 1) {
@@ -112,6 +122,7 @@ void test_child_ends(End how, const char* what) {
   int guard = -1;
   EXPECT(sscanf(buf, "%199s %d", name, &guard) == 2, "%s: the child reported '%s'", what, buf);
   EXPECT(exists(name), "%s: %s should exist while its process lives", what, name);
+  close(go[1]);
   if (how == End::kSignalsThenKilled) {
     kill(-child, SIGINT);
     kill(-child, SIGTERM);
