@@ -17,8 +17,15 @@ RESULT = "RESULT "
 
 
 def clean_env(extra=None):
-    """The environment without the caller's jax / XLA / jax_arx settings."""
+    """The environment without the caller's jax / XLA / jax_arx settings
+    (``extra`` added), with no idle spin on a machine of few cores."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTHONPATH"))}
+    if (os.cpu_count() or 1) < 4:
+        # More spinning proxies than cores: a proxy that spins on after its
+        # work takes the core its peer needs (docs/configuration.md). The
+        # default spin stays covered by the C++ tests and on machines with
+        # more cores.
+        env["JAX_ARX_IDLE_SPIN_MS"] = "0"
     env.update(extra or {})
     return env
 
@@ -260,12 +267,23 @@ def alone_call_report(call, jax_arx, key: str, *, on_error=None) -> dict:
     return report
 
 
+def _running(pid):
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by
+    its launcher, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def leave_after_a_lost_peer(tag: str, survivors, code: int = 0):
     """Ends a surviving rank of a suite whose peer is gone, without the exit
     barriers of jax.distributed and jax_arx (they would wait for the dead).
     Rank 0's process holds jax's coordination service: when it leaves, jax's
-    client aborts every other rank (status 134), so each survivor says it is
-    done and rank 0 leaves after all of ``survivors`` have."""
+    client fails every other rank still running (status 1 or 134), so each
+    survivor gives its pid, and rank 0 leaves once every one of them has
+    exited (the ranks share this host)."""
     import jax
 
     from jax_arx import _compat
@@ -273,9 +291,10 @@ def leave_after_a_lost_peer(tag: str, survivors, code: int = 0):
     sys.stdout.flush()
     sys.stderr.flush()
     client, me = _compat.distributed_client(), jax.process_index()
-    client.key_value_set(f"{tag}/left{me}", "1")
+    client.key_value_set(f"{tag}/left{me}", str(os.getpid()))
     if me == 0:
-        for r in survivors:
-            if r != 0:
-                client.blocking_key_value_get(f"{tag}/left{r}", 120_000)
+        pids = [int(client.blocking_key_value_get(f"{tag}/left{r}", 120_000)) for r in survivors if r != 0]
+        deadline = time.monotonic() + 60
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
     os._exit(code)
