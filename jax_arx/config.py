@@ -1,10 +1,11 @@
 """jax_arx's settings, read from the ``JAX_ARX_*`` environment variables.
 
 This is the only place jax_arx reads its environment. Each variable is
-parsed strictly: a bad value raises :class:`jax_arx.ConfigError` naming the
-variable, the value and what is accepted, because a typo silently turning
-into a default is the kind of mistake that shows up only as a slow or hung
-job on the cluster.
+parsed strictly (``_env_values`` holds a reader per kind of value): a bad
+value raises :class:`jax_arx.ConfigError` naming the variable, the value
+and what is accepted, because a typo silently turning into a default is
+the kind of mistake that shows up only as a slow or hung job on the
+cluster.
 
 =========================  =======================================  =========
 variable                   meaning                                  default
@@ -99,12 +100,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import ipaddress
 import logging
 import os
-import re
 from collections.abc import Mapping
 
+from jax_arx import _env_values as _values
+from jax_arx._env_values import size_setting as size_setting  # the benchmarks' import
 from jax_arx.errors import ConfigError
 
 TRANSPORTS = ("shm", "tcp", "verbs")
@@ -171,10 +172,6 @@ OTHER_READERS = {
 FALLBACKS = ("lax", "error")
 GRAD_SUMS = ("jax_arx", "lax")
 ON_FAILURE = ("raise", "abort")
-
-# The C++ endpoint lays its slots out in 16-byte units (ffi/comm/config.cc
-# rejects anything else); checking here names the variable instead.
-_SIZE_ALIGNMENT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +266,8 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     _refuse_unknown(env)
     _warn_retired(env)
     defaults = Config()
-    slot_bytes = _size(env, "JAX_ARX_SLOT_BYTES", defaults.slot_bytes)
-    send_bytes = _size(env, "JAX_ARX_SEND_BYTES", defaults.send_bytes)
+    slot_bytes = _values.size(env, "JAX_ARX_SLOT_BYTES", defaults.slot_bytes)
+    send_bytes = _values.size(env, "JAX_ARX_SEND_BYTES", defaults.send_bytes)
     if send_bytes < slot_bytes:
         raise ConfigError(
             f"JAX_ARX_SEND_BYTES ({send_bytes}) must be at least JAX_ARX_SLOT_BYTES ({slot_bytes}): a "
@@ -278,31 +275,31 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
             "JAX_ARX_SLOT_BYTES"
         )
     return Config(
-        timeout_s=_positive_float(env, "JAX_ARX_TIMEOUT_S", defaults.timeout_s),
-        join_timeout_s=_positive_float(env, "JAX_ARX_JOIN_TIMEOUT_S", defaults.join_timeout_s),
-        idle_spin_ms=_nonnegative_int(env, "JAX_ARX_IDLE_SPIN_MS", defaults.idle_spin_ms),
-        idle_nap_us=_nonnegative_int(env, "JAX_ARX_IDLE_NAP_US", defaults.idle_nap_us),
-        transport=_choice(env, "JAX_ARX_TRANSPORT", TRANSPORTS, None),
-        topology=_choice(env, "JAX_ARX_TOPOLOGY", TOPOLOGIES, defaults.topology),
-        fallback=_choice(env, "JAX_ARX_FALLBACK", FALLBACKS, defaults.fallback),
-        grad_sums=_choice(env, "JAX_ARX_GRAD_SUMS", GRAD_SUMS, defaults.grad_sums),
-        on_failure=_choice(env, "JAX_ARX_ON_FAILURE", ON_FAILURE, defaults.on_failure),
+        timeout_s=_values.positive_float(env, "JAX_ARX_TIMEOUT_S", defaults.timeout_s),
+        join_timeout_s=_values.positive_float(env, "JAX_ARX_JOIN_TIMEOUT_S", defaults.join_timeout_s),
+        idle_spin_ms=_values.nonnegative_int(env, "JAX_ARX_IDLE_SPIN_MS", defaults.idle_spin_ms),
+        idle_nap_us=_values.nonnegative_int(env, "JAX_ARX_IDLE_NAP_US", defaults.idle_nap_us),
+        transport=_values.choice(env, "JAX_ARX_TRANSPORT", TRANSPORTS, None),
+        topology=_values.choice(env, "JAX_ARX_TOPOLOGY", TOPOLOGIES, defaults.topology),
+        fallback=_values.choice(env, "JAX_ARX_FALLBACK", FALLBACKS, defaults.fallback),
+        grad_sums=_values.choice(env, "JAX_ARX_GRAD_SUMS", GRAD_SUMS, defaults.grad_sums),
+        on_failure=_values.choice(env, "JAX_ARX_ON_FAILURE", ON_FAILURE, defaults.on_failure),
         slot_bytes=slot_bytes,
-        oneshot_max_bytes=_size(env, "JAX_ARX_ONESHOT_MAX_BYTES", None),
+        oneshot_max_bytes=_values.size(env, "JAX_ARX_ONESHOT_MAX_BYTES", None),
         send_bytes=send_bytes,
-        bulk_bytes=_size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.bulk_bytes),
-        tcp_addr=_ipv4(env, "JAX_ARX_TCP_ADDR"),
-        secret=_secret(env, "JAX_ARX_SECRET"),
-        ib_hca=_string(env, "JAX_ARX_IB_HCA") or _string(env, "NCCL_IB_HCA"),
-        ib_gid_index=_nonnegative_int(env, "JAX_ARX_IB_GID_INDEX", None),
-        ib_timeout=_int_in(env, "JAX_ARX_IB_TIMEOUT", 1, 31, "NCCL_IB_TIMEOUT"),
-        ib_retry_cnt=_int_in(env, "JAX_ARX_IB_RETRY_CNT", 0, 7, "NCCL_IB_RETRY_CNT"),
-        ib_tc=_int_in(env, "JAX_ARX_IB_TC", 0, 255, "NCCL_IB_TC"),
-        ib_sl=_int_in(env, "JAX_ARX_IB_SL", 0, 15, "NCCL_IB_SL"),
-        ibverbs_lib=_string(env, "JAX_ARX_IBVERBS_LIB"),
-        cuda_direct=_flag(env, "JAX_ARX_CUDA_DIRECT", defaults.cuda_direct),
-        cuda_peer_memory=_flag(env, "JAX_ARX_CUDA_PEER_MEMORY", None),
-        debug=_flag(env, "JAX_ARX_DEBUG", defaults.debug),
+        bulk_bytes=_values.size_or_off(env, "JAX_ARX_PREFILL_SLOT_BYTES", defaults.bulk_bytes),
+        tcp_addr=_values.ipv4(env, "JAX_ARX_TCP_ADDR"),
+        secret=_values.secret(env, "JAX_ARX_SECRET"),
+        ib_hca=_values.string(env, "JAX_ARX_IB_HCA") or _values.string(env, "NCCL_IB_HCA"),
+        ib_gid_index=_values.nonnegative_int(env, "JAX_ARX_IB_GID_INDEX", None),
+        ib_timeout=_values.int_in(env, "JAX_ARX_IB_TIMEOUT", 1, 31, "NCCL_IB_TIMEOUT"),
+        ib_retry_cnt=_values.int_in(env, "JAX_ARX_IB_RETRY_CNT", 0, 7, "NCCL_IB_RETRY_CNT"),
+        ib_tc=_values.int_in(env, "JAX_ARX_IB_TC", 0, 255, "NCCL_IB_TC"),
+        ib_sl=_values.int_in(env, "JAX_ARX_IB_SL", 0, 15, "NCCL_IB_SL"),
+        ibverbs_lib=_values.string(env, "JAX_ARX_IBVERBS_LIB"),
+        cuda_direct=_values.flag(env, "JAX_ARX_CUDA_DIRECT", defaults.cuda_direct),
+        cuda_peer_memory=_values.flag(env, "JAX_ARX_CUDA_PEER_MEMORY", None),
+        debug=_values.flag(env, "JAX_ARX_DEBUG", defaults.debug),
     )
 
 
@@ -359,152 +356,8 @@ def _closest(name: str) -> str | None:
 
 def _warn_retired(env) -> None:
     for name in RETIRED:
-        if _raw(env, name) is not None and name not in _warned:
+        if _values.raw(env, name) is not None and name not in _warned:
             _warned.add(name)
             logging.getLogger("jax_arx").warning(
                 "%s is no longer a setting (a benchmark decided it); it is ignored: unset it", name
             )
-
-
-def _raw(env: Mapping[str, str], name: str) -> str | None:
-    # An empty value means "unset": `VAR= python ...` is how shells unset for one command.
-    value = env.get(name)
-    if value is None or not value.strip():
-        return None
-    return value.strip()
-
-
-def _string(env, name):
-    return _raw(env, name)
-
-
-_MIN_SECRET_CHARS = 16
-
-
-def _secret(env, name):
-    value = _raw(env, name)
-    if value is not None and len(value) < _MIN_SECRET_CHARS:
-        # The value itself stays out of the message: it is meant to be secret.
-        raise ConfigError(
-            f"{name} is {len(value)} characters long; use at least {_MIN_SECRET_CHARS} random ones (e.g. "
-            "python3 -c 'import secrets; print(secrets.token_hex(32))'), the same on every process: someone "
-            "who can reach the ranks could otherwise guess it"
-        )
-    return value
-
-
-def _positive_float(env, name, default):
-    value = _raw(env, name)
-    if value is None:
-        return default
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
-    if not (x > 0 and x != float("inf")):
-        raise ConfigError(f"{name}={value!r} is not accepted: use a positive number of seconds, e.g. {name}=30")
-    return x
-
-
-def _nonnegative_int(env, name, default):
-    value = _raw(env, name)
-    if value is None:
-        return default
-    if not re.fullmatch(r"\d+", value):
-        raise ConfigError(f"{name}={value!r} is not accepted: use a non-negative integer, e.g. {name}=0")
-    return int(value)
-
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
-
-
-def _int_in(env, name, lo, hi, fallback_name=None):
-    """An integer in [lo, hi], or None when unset; ``fallback_name`` (NCCL's
-    variable for the same setting) is read when ``name`` is not set."""
-    if _raw(env, name) is None and fallback_name is not None and _raw(env, fallback_name) is not None:
-        name = fallback_name
-    value = _raw(env, name)
-    if value is None:
-        return None
-    if not re.fullmatch(r"\d+", value) or not lo <= int(value) <= hi:
-        raise ConfigError(f"{name}={value!r} is not accepted: use an integer from {lo} to {hi}")
-    return int(value)
-
-
-def _size(env, name, default, alignment=_SIZE_ALIGNMENT, minimum=1):
-    value = _raw(env, name)
-    if value is None:
-        return default
-    m = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", value)
-    unit = m and _SIZE_UNITS.get(m.group(2).lower())
-    if not m or unit is None:
-        raise ConfigError(
-            f"{name}={value!r} is not accepted: use a byte count, optionally with a binary suffix "
-            f"(K, KiB, M, MiB, G, GiB), e.g. {name}=1MiB"
-        )
-    n = int(m.group(1)) * unit
-    if alignment > 1 and (n <= 0 or n % alignment):
-        raise ConfigError(
-            f"{name}={value!r} is not accepted: {n} bytes is not a positive multiple of "
-            f"{alignment} bytes; use one, e.g. {name}=1MiB"
-        )
-    if n < minimum:
-        raise ConfigError(f"{name}={value!r} is not accepted: use at least {minimum} bytes, e.g. {name}=64KiB")
-    return n
-
-
-def size_setting(n: int) -> str:
-    """The smallest value of a size variable that holds ``n`` bytes, as a
-    user would write it (``2MiB``, ``196608``): for messages that say what
-    to set."""
-    n = -(-max(n, 1) // _SIZE_ALIGNMENT) * _SIZE_ALIGNMENT
-    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
-
-
-def _size_or_off(env, name, default):
-    """A size as ``_size`` reads it, or 0: the feature switched off."""
-    value = _raw(env, name)
-    if value is not None and re.fullmatch(r"0+\s*[a-zA-Z]*", value):
-        return 0
-    return _size(env, name, default)
-
-
-def _choice(env, name, choices, default):
-    value = _raw(env, name)
-    if value is None:
-        return default
-    if value.lower() not in choices:
-        raise ConfigError(f"{name}={value!r} is not accepted: use one of {', '.join(choices)}")
-    return value.lower()
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _flag(env, name, default):
-    value = _raw(env, name)
-    if value is None:
-        return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ConfigError(f"{name}={value!r} is not accepted: use 1 or 0 (or true/false, yes/no, on/off)")
-
-
-def _ipv4(env, name):
-    value = _raw(env, name)
-    if value is None:
-        return None
-    try:
-        return str(ipaddress.IPv4Address(value))
-    except ValueError:
-        # The tcp carrier speaks IPv4 only (ffi/transport/tcp.cc).
-        raise ConfigError(
-            f"{name}={value!r} is not accepted: use an IPv4 address of this host that its peers can reach, "
-            f"e.g. {name}=198.51.100.1"
-        ) from None
