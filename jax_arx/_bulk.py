@@ -41,6 +41,16 @@ PSUM_SCATTER_TARGET = "jax_arx_psum_scatter"
 SCATTER_DTYPES = _policy.REDUCING_DTYPES  # the reducing ops: float32, bfloat16, float16
 
 
+def _whole_bytes_refusal(aval):
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or jax.dtypes.itemsize_bits(aval.dtype) < 8:
+        return f"dtype {aval.dtype} is not supported (it is not whole bytes)"
+    return None
+
+
+ALL_GATHER = _policy.Op("all_gather", "jax.lax.all_gather", _whole_bytes_refusal)
+PSUM_SCATTER = _policy.Op("psum_scatter", "jax.lax.psum_scatter", _policy.reducing_dtype_refusal)
+
+
 ### public functions
 
 
@@ -81,7 +91,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     if to != "varying":
         return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to)
     return _per_leaf(
-        "all_gather",
+        ALL_GATHER,
         x,
         axis_name,
         axis_index_groups,
@@ -129,7 +139,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
       Each device's block of the sum.
     """
     return _per_leaf(
-        "psum_scatter",
+        PSUM_SCATTER,
         x,
         axis_name,
         axis_index_groups,
@@ -164,7 +174,7 @@ def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
             return lax_op(leaf)
         aval = jax.typeof(leaf)
         dim = dim_of(aval)
-        decision = None if dim is None else decide(op, aval, axes, axis_index_groups, gathered=op == "all_gather")
+        decision = None if dim is None else decide(op, aval, axes, axis_index_groups, gathered=op is ALL_GATHER)
         if decision is None:
             return lax_op(leaf)
         return bind(_compat.pvary_to(leaf, axes), dim, axes, decision)
@@ -198,21 +208,13 @@ class Decision(NamedTuple):
     world: int
 
 
-def decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decision | None:
-    """How to run ``op`` on ``aval`` over ``axes``: a decision to run it with
-    jax_arx, or None for jax.lax (``_policy.decide``). ``gathered``: the op's
+def decide(op: _policy.Op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decision | None:
+    """How to run ``op`` (all_gather, psum_scatter or the fused MoE combine)
+    on ``aval`` over ``axes``: a decision to run it with jax_arx, or None
+    for jax.lax (``_policy.decide``). ``gathered``: the op's
     buffer is world times ``aval`` (all_gather), else ``aval`` itself;
     ``nbytes`` overrides. The plan's envelope is about one rank's lane: its
     slice of the gathered output, or of the scattered input."""
-
-    def dtype_refusal(aval):
-        if op == "moe_combine_psum_scatter":
-            return None  # _moe._check_moe_shapes has checked y's dtype; the sum is bfloat16 rows
-        if op != "all_gather":
-            return _policy.reducing_dtype_refusal(aval)
-        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or jax.dtypes.itemsize_bits(aval.dtype) < 8:
-            return f"dtype {aval.dtype} is not supported (it is not whole bytes)"
-        return None
 
     def lane_bytes(world):
         total = (
@@ -222,12 +224,12 @@ def decide(op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decis
         )
         return total // world
 
-    comm = _policy.decide(op, aval, axes, axis_index_groups, dtype_refusal=dtype_refusal, lane_bytes=lane_bytes)
+    comm = _policy.decide(op, aval, axes, axis_index_groups, lane_bytes=lane_bytes)
     if comm is None or comm is _policy.UNFUSED:
         return None  # jax.lax, or the plan's unfused pair (_moe: jax_arx.psum_scatter either way)
     # The first bulk collective of the axis makes its endpoints (collective:
     # every process traces it; see _bulk_endpoints.py).
-    bulk = _bulk_endpoints.communicator_for(comm, op)
+    bulk = _bulk_endpoints.communicator_for(comm, op.name)
     return Decision(bulk.comm_id, bulk.endpoints[0].world)
 
 
@@ -258,7 +260,7 @@ def _collective_lowering(target, lax_prim, dimension_param, op, ctx, x, **params
         return _compat.lax_collective_lowering(lax_prim, ctx, x, **_lax_params(params))
     attributes = dict(
         comm_id=params["comm_id"],
-        site=_ordering.call_site_tag(ctx, op, params[dimension_param]),
+        site=_ordering.call_site_tag(ctx, op.name, params[dimension_param]),
         dimension=params[dimension_param],
     )
     return _ordering.emit_ordered_call(ctx, target, [x], attributes)
@@ -312,23 +314,21 @@ all_gather_p.def_impl(partial(_compat.apply_primitive, all_gather_p))
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
 _compat.register_lowering(
     all_gather_p,
-    partial(_collective_lowering, ALL_GATHER_TARGET, _compat.lax_all_gather_p, "all_gather_dimension", "all_gather"),
+    partial(_collective_lowering, ALL_GATHER_TARGET, _compat.lax_all_gather_p, "all_gather_dimension", ALL_GATHER),
     cacheable=False,
 )
 _compat.deflinear2(all_gather_p, _all_gather_transpose)
-_compat.register_batcher(all_gather_p, _batcher("all_gather", _compat.lax_all_gather_p, "all_gather_dimension", True))
+_compat.register_batcher(all_gather_p, _batcher(ALL_GATHER, _compat.lax_all_gather_p, "all_gather_dimension", True))
 
 psum_scatter_p = _compat.Primitive("jax_arx_psum_scatter")
 psum_scatter_p.def_impl(partial(_compat.apply_primitive, psum_scatter_p))
 psum_scatter_p.def_effectful_abstract_eval(_psum_scatter_abstract_eval)
 _compat.register_lowering(
     psum_scatter_p,
-    partial(
-        _collective_lowering, PSUM_SCATTER_TARGET, _compat.lax_reduce_scatter_p, "scatter_dimension", "psum_scatter"
-    ),
+    partial(_collective_lowering, PSUM_SCATTER_TARGET, _compat.lax_reduce_scatter_p, "scatter_dimension", PSUM_SCATTER),
     cacheable=False,
 )
 _compat.deflinear2(psum_scatter_p, _psum_scatter_transpose)
 _compat.register_batcher(
-    psum_scatter_p, _batcher("psum_scatter", _compat.lax_reduce_scatter_p, "scatter_dimension", False)
+    psum_scatter_p, _batcher(PSUM_SCATTER, _compat.lax_reduce_scatter_p, "scatter_dimension", False)
 )

@@ -19,6 +19,9 @@ from jax_arx._bulk import psum_scatter
 from jax_arx.errors import JaxArxFallbackError
 
 MOE_COMBINE_TARGET = "jax_arx_moe_combine_psum_scatter"
+# Its element types are _check_moe_shapes' (y's, before any decision); the
+# sum is of bfloat16 rows.
+OP = _policy.Op("moe_combine_psum_scatter", "jax.lax.psum_scatter", lambda aval: None)
 MAX_TOPK = 16  # experts per token the fused combine takes (the CUDA kernel keeps them in shared memory)
 
 
@@ -94,7 +97,7 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     T, topk = (int(d) for d in np.shape(pos)) if np.ndim(pos) == 2 else (None, None)
     R, H = (int(d) for d in np.shape(y)) if np.ndim(y) == 2 else (None, None)
     _check_moe_shapes(y, pos, w, shared, y_scale)  # the arguments' own errors first, wherever it is called
-    _policy.check_axes_bound("moe_combine_psum_scatter", axes)
+    _policy.check_axes_bound(OP, axes)
     world = _bulk.axis_size(axes)
     tpad = _padded(T, world, padded_tokens)
 
@@ -113,9 +116,9 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
     elif R == 0 or T == 0:
         return unfused()  # nothing to combine, or no rows to point at
     if why is not None:
-        _policy.fallback("moe_combine_psum_scatter", *why)
+        _policy.fallback(OP, *why)
         return unfused()
-    decision = _bulk.decide("moe_combine_psum_scatter", aval, axes, None, gathered=False, nbytes=tpad * H * 2)
+    decision = _bulk.decide(OP, aval, axes, None, gathered=False, nbytes=tpad * H * 2)
     if decision is None:
         return unfused()  # a fallback, or the plan's choice of the unfused pair (_policy.planned)
     operands = [y] + ([y_scale] if y_scale is not None else []) + [pos, w, shared]

@@ -21,6 +21,7 @@ import numpy as np
 from jax_arx import _compat, _ordering, _policy, _psum
 
 FFI_TARGET = "jax_arx_psum_add_norm"
+OP = _policy.Op("psum_add_norm", "jax.lax.psum, then the add and the norm in jax", _policy.reducing_dtype_refusal)
 
 KINDS = {"rms": 0, "layer": 1}
 
@@ -97,7 +98,7 @@ def psum_add_norm(x, residual, weight, axis_name, *, kind="rms", bias=None, eps=
     _check_operands(x, residual, weight, bias)
     axes = _compat.axes_tuple(axis_name)
     if axes:
-        _policy.check_axes_bound("psum_add_norm", axes)
+        _policy.check_axes_bound(OP, axes)
     operands = (x, residual, weight) + (() if bias is None else (bias,))
     decision = _decide(jax.typeof(x), axes) if axes and isinstance(x, _compat.Tracer) else None
     if decision is None:
@@ -179,14 +180,7 @@ def _decide(aval, axes) -> _Decision | str | None:
     fused, ``_policy.UNFUSED`` (jax_arx.psum, then the add and the norm in
     jax), or None (jax.lax)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    comm = _policy.decide(
-        "psum_add_norm",
-        aval,
-        axes,
-        None,
-        dtype_refusal=_policy.reducing_dtype_refusal,
-        lane_bytes=lambda world: partial_bytes,
-    )
+    comm = _policy.decide(OP, aval, axes, None, lane_bytes=lambda world: partial_bytes)
     return comm if comm is None or comm is _policy.UNFUSED else _Decision(comm.comm_id)
 
 
@@ -217,7 +211,7 @@ def _psum_add_norm_abstract_eval(x, residual, *rest, axes, comm_id, kind, eps, b
 def _psum_add_norm_lowering(ctx, *operands, axes, comm_id, kind, eps, bias, invariant):
     why = _policy.lowering_refusal(ctx, comm_id, axes)
     if why is not None:
-        _policy.fallback("psum_add_norm", *why)
+        _policy.fallback(OP, *why)
         return _compat.lower_fun(lambda *o: _unfused(*o, axes=axes, kind=kind, eps=eps, psum=_lax_psum), ctx, *operands)
     attributes = dict(
         comm_id=comm_id, site=_ordering.call_site_tag(ctx), kind=KINDS[kind], eps=float(np.float32(eps)), bias=int(bias)
@@ -280,7 +274,7 @@ def _psum_add_norm_batcher(axis_data, vals_in, dims_in, *, axes, comm_id, kind, 
     # A vmap over the summed axis (jax.lax's semantics, silently, as for
     # psum), or a batched weight: the unfused formula under the same vmap.
     if axis_data.name not in axes and any(d is not None for d in drest):
-        _policy.fallback("psum_add_norm", ("vmap_weight",), "a weight or bias batched by jax.vmap is not supported")
+        _policy.fallback(OP, ("vmap_weight",), "a weight or bias batched by jax.vmap is not supported")
     outs = jax.vmap(
         lambda *o: _unfused(*o, axes=axes, kind=kind, eps=eps, psum=_lax_psum),
         in_axes=tuple(dims_in),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -41,11 +42,19 @@ logger = logging.getLogger("jax_arx")
 # The reducing ops' element types (psum, psum_scatter, the MoE combine's sums).
 REDUCING_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 
-# What a fallback computes, where it is not jax.lax's op of the same name.
-_LAX_NAMES = {
-    "moe_combine_psum_scatter": "jax.lax.psum_scatter",
-    "psum_add_norm": "jax.lax.psum, then the add and the norm in jax",
-}
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """An op as this policy sees it, described once by the module that
+    defines it: ``name`` (it is ``jax_arx.{name}``, and the plan's op name),
+    ``lax_form`` (what a fallback computes instead, for its messages) and
+    ``dtype_refusal(aval)`` (why the op does not take this element type, or
+    None). The policy never branches on which op it is."""
+
+    name: str
+    lax_form: str
+    dtype_refusal: Callable[[object], str | None]
+
 
 _logged_reasons: set = set()
 _fallbacks: dict[str, dict[str, int]] = {}  # op -> reason -> calls traced that fell back (jax_arx.stats())
@@ -71,26 +80,25 @@ def noting(note: str):
         _note.reset(token)
 
 
-def fallback(op: str, key: tuple, why: str) -> None:
-    """Falls back to ``jax.lax.{op}`` (returns None), logging ``why`` the
-    first time this ``op`` and ``key`` (a kind of reason and what it
-    concerns) come up; or raises JaxArxFallbackError when
-    JAX_ARX_FALLBACK=error."""
-    lax_name = _LAX_NAMES.get(op, f"jax.lax.{op}")
+def fallback(op: Op, key: tuple, why: str) -> None:
+    """Falls back to ``op.lax_form`` (returns None), logging ``why`` the
+    first time this op and ``key`` (a kind of reason and what it concerns)
+    come up; or raises JaxArxFallbackError when JAX_ARX_FALLBACK=error."""
+    name, lax_name = op.name, op.lax_form
     note = _note.get()
     if note:
         why, key = f"{why} ({note})", (*key, note)
     if _config.load().fallback == "error":
         raise JaxArxFallbackError(
-            f"jax_arx.{op}: {why}; JAX_ARX_FALLBACK=error forbids falling back to {lax_name} (unset it to fall back)"
+            f"jax_arx.{name}: {why}; JAX_ARX_FALLBACK=error forbids falling back to {lax_name} (unset it to fall back)"
         )
     with _logged_lock:
-        first = (op, key) not in _logged_reasons
-        _logged_reasons.add((op, key))
-        reasons = _fallbacks.setdefault(op, {})
+        first = (name, key) not in _logged_reasons
+        _logged_reasons.add((name, key))
+        reasons = _fallbacks.setdefault(name, {})
         reasons[why] = reasons.get(why, 0) + 1
     if first:
-        logger.warning("jax_arx.%s: %s; using %s", op, why, lax_name)
+        logger.warning("jax_arx.%s: %s; using %s", name, why, lax_name)
     return None
 
 
@@ -102,11 +110,11 @@ def fallback_counts() -> dict[str, dict[str, int]]:
         return {op: dict(reasons) for op, reasons in _fallbacks.items()}
 
 
-def planned(op: str, reason: str) -> None:
+def planned(op: Op, reason: str) -> None:
     """Counts a call of ``op`` that the plan runs as its unfused pair, by
     the plan's ``reason`` (not a fallback: nothing is logged or refused)."""
     with _logged_lock:
-        reasons = _plans.setdefault(op, {})
+        reasons = _plans.setdefault(op.name, {})
         reasons[reason] = reasons.get(reason, 0) + 1
 
 
@@ -118,36 +126,29 @@ def plan_counts() -> dict[str, dict[str, int]]:
         return {op: dict(reasons) for op, reasons in _plans.items()}
 
 
-def check_axes_bound(op: str, axes: tuple) -> None:
+def check_axes_bound(op: Op, axes: tuple) -> None:
     """Raises NameError for the first of ``axes`` that nothing binds where
-    ``jax_arx.op`` is traced, naming it, the mesh's axes and the names that
+    ``op`` is traced, naming it, the mesh's axes and the names that
     are bound; jax.lax's collectives fail there on a bare AssertionError."""
     bound = _compat.bound_axis_names()
     for axis in axes:
         if axis not in bound:
             mesh_axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
             raise NameError(
-                f"jax_arx.{op}: axis name {axis!r} is not bound here: the mesh's axes are {mesh_axes}, and the names "
-                f"bound where it is called are {tuple(bound)}. Name an axis of the mesh the enclosing jax.shard_map "
-                "runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map."
+                f"jax_arx.{op.name}: axis name {axis!r} is not bound here: the mesh's axes are {mesh_axes}, and the "
+                f"names bound where it is called are {tuple(bound)}. Name an axis of the mesh the enclosing "
+                "jax.shard_map runs over (or one a jax.vmap(axis_name=...) binds), and call it inside that shard_map."
             )
 
 
 def decide(
-    op: str,
-    aval,
-    axes: tuple,
-    axis_index_groups,
-    *,
-    dtype_refusal: Callable[[object], str | None],
-    lane_bytes: Callable[[int], int],
+    op: Op, aval, axes: tuple, axis_index_groups, *, lane_bytes: Callable[[int], int]
 ) -> _registry.Communicator | str | None:
     """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
     None for jax.lax (after ``fallback`` for a reason the user should know
     about), or ``UNFUSED``, after ``planned``, where the plan runs a fused
     op as its unfused form (which its caller traces with jax_arx's ops).
-    ``dtype_refusal(aval)``: why the op does not take this dtype, or
-    None. ``lane_bytes(world)``: the bytes one rank moves, what the plan's
+    ``lane_bytes(world)``: the bytes one rank moves, what the plan's
     envelope is about (a psum's partial, a bulk collective's slice)."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(mesh.manual_axes)
@@ -161,7 +162,7 @@ def decide(
     if len(axes) != 1:
         other = [a for a in axes if a not in manual]
         why = (
-            f"a collective over several mesh axes at once {tuple(ours)} is not supported (call jax_arx.{op} "
+            f"a collective over several mesh axes at once {tuple(ours)} is not supported (call jax_arx.{op.name} "
             "once per axis to run each with jax_arx)"
             if len(ours) > 1
             else f"mesh axis {ours[0]!r} together with names bound by jax.vmap {tuple(other)} is not supported"
@@ -171,13 +172,13 @@ def decide(
     world = mesh.shape[axis]
     if world == 1:
         return None  # nothing to communicate
-    refusal = dtype_refusal(aval)
+    refusal = op.dtype_refusal(aval)
     if refusal:
         return fallback(op, ("dtype", str(aval.dtype)), refusal)
     comm = _axis_communicator(op, axis, mesh, aval)
     if comm is None:
         return None
-    algorithm, why_not = comm.plan(op, lane_bytes(world))
+    algorithm, why_not = comm.plan(op.name, lane_bytes(world))
     if not algorithm:
         return fallback(op, ("size", axis), f"{aval.str_short()}: {why_not}")
     if algorithm == ALGORITHM_UNFUSED:
@@ -193,7 +194,7 @@ def reducing_dtype_refusal(aval) -> str | None:
     return f"dtype {aval.dtype} is not supported (float32, bfloat16 and float16 are)"
 
 
-def _axis_communicator(op: str, axis, mesh, aval) -> _registry.Communicator | None:
+def _axis_communicator(op: Op, axis, mesh, aval) -> _registry.Communicator | None:
     """The communicator jax_arx.initialize set up for mesh axis ``axis``, if
     ``op`` on ``aval`` can run on it inside this shard_map; else None, after
     ``fallback``. The axis is set up, for this very mesh, the shard_map is
@@ -205,7 +206,7 @@ def _axis_communicator(op: str, axis, mesh, aval) -> _registry.Communicator | No
             op,
             ("uninitialized", axis),
             f"mesh axis {axis!r} has no jax_arx communicator: call jax_arx.initialize(mesh) on every "
-            f"process before tracing functions that use jax_arx.{op}",
+            f"process before tracing functions that use jax_arx.{op.name}",
         )
     if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (comm.mesh_axis_names, comm.mesh_shape):
         return fallback(

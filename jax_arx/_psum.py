@@ -50,6 +50,7 @@ from jax_arx import _compat, _ordering, _policy
 FFI_TARGET = "jax_arx_psum"
 
 SUPPORTED_DTYPES = _policy.REDUCING_DTYPES
+OP = _policy.Op("psum", "jax.lax.psum", _policy.reducing_dtype_refusal)
 
 # The most prefetch arrays one call takes: the CUDA handler's kMaxPrefetch
 # (ffi/cuda/device_side.h), which rejects more.
@@ -129,7 +130,7 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
     hint = _prefetch_operands(prefetch)  # checked even where it is dropped: the same program runs on GPUs
     if not axes:
         return x
-    _policy.check_axes_bound("psum", axes)
+    _policy.check_axes_bound(OP, axes)
     leaves, treedef = jax.tree.flatten(x)
     out = list(leaves)
     ours: dict[_Decision, list[int]] = {}  # leaves jax_arx sums, by decision, in leaf order
@@ -197,14 +198,7 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | None:
     """How to run a psum of ``aval`` over ``axes``: a decision to run it with
     jax_arx, or None for jax.lax.psum (``_policy.decide``)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    comm = _policy.decide(
-        "psum",
-        aval,
-        axes,
-        axis_index_groups,
-        dtype_refusal=_policy.reducing_dtype_refusal,
-        lane_bytes=lambda world: partial_bytes,
-    )
+    comm = _policy.decide(OP, aval, axes, axis_index_groups, lane_bytes=lambda world: partial_bytes)
     return None if comm is None else _Decision(comm.comm_id)
 
 
@@ -243,7 +237,7 @@ def _psum_lowering(ctx, *operands, axes, comm_id, prefetch):
     xs, pf = _split(operands, prefetch)
     why = _policy.lowering_refusal(ctx, comm_id, axes)
     if why is not None:
-        _policy.fallback("psum", *why)
+        _policy.fallback(OP, *why)
         return _compat.lax_psum_lowering(ctx, xs, axes=axes)  # the prefetch hint goes with jax_arx
     attributes = dict(comm_id=comm_id, site=_ordering.call_site_tag(ctx))
     if pf:  # a call without prefetch operands lowers as before

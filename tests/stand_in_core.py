@@ -114,12 +114,17 @@ def bulk_lax_lowering():
     ``_collective_lowering`` does where it falls back), counting lowerings."""
     count = {"n": 0}
     prims = {
-        _bulk.all_gather_p: (_bulk.ALL_GATHER_TARGET, _compat.lax_all_gather_p, "all_gather_dimension", "all_gather"),
+        _bulk.all_gather_p: (
+            _bulk.ALL_GATHER_TARGET,
+            _compat.lax_all_gather_p,
+            "all_gather_dimension",
+            _bulk.ALL_GATHER,
+        ),
         _bulk.psum_scatter_p: (
             _bulk.PSUM_SCATTER_TARGET,
             _compat.lax_reduce_scatter_p,
             "scatter_dimension",
-            "psum_scatter",
+            _bulk.PSUM_SCATTER,
         ),
     }
 

@@ -122,8 +122,8 @@ MUTATIONS = [
     M(
         "psum_scatter takes any dtype",
         "jax_arx/_bulk.py",
-        "            return _policy.reducing_dtype_refusal(aval)",
-        "            return None",
+        'PSUM_SCATTER = _policy.Op("psum_scatter", "jax.lax.psum_scatter", _policy.reducing_dtype_refusal)',
+        'PSUM_SCATTER = _policy.Op("psum_scatter", "jax.lax.psum_scatter", lambda aval: None)',
         (BULK, "-k", "unsupported_dtypes"),
     ),
     M(
