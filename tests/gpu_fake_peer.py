@@ -50,7 +50,7 @@ TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
 LL_LINE, LL_PAYLOAD = 16, 8  # layout.h, kLLLineBytes, kLLLinePayload
 TRIGGER_HEADER = 1 << 8  # layout.h, kTriggerHeader: a piece-0 trigger puts the staged header first
 NO_FLAG = M64  # layout.h, kTriggerNoFlag: a put with no flag word (LL lines)
-# base/words.h, "The flag page": kPsumWords + kMaxWorld x kChunks x kRoots bulk
+# base/words.h, "The flag page": kPsumWords + kMaxWorld x kMaxPieces x kRoots bulk
 # words, then 2 families x kMaxWorld heard words, then the header slots of
 # kDescriptorWords words by (family, parity, source).
 MAX_WORLD, DESCRIPTOR_WORDS = 8, 4
@@ -89,8 +89,8 @@ def ll_flag(seq, desc):
     return (desc & 0xFFFFFF) << 8 | ((seq >> 1) & 0x7F) << 1 | 1
 
 
-def chunk_range(nbytes, n, j):
-    """base/words.h, chunk_range: part j of n of nbytes, 16-byte steps."""
+def piece_range(nbytes, n, j):
+    """base/words.h, piece_range: piece j of n of nbytes, 16-byte steps."""
     step = ((nbytes + n - 1) // n + 15) & ~15
     return min(step * j, nbytes), min(step * (j + 1), nbytes)
 

@@ -233,7 +233,7 @@ def _aborted(c, peer, f, x):
 
 
 def case_oneshot_on_time_late_stale(c):
-    from gpu_fake_peer import EVERY_PEER, TRIGGER_HEADER, FakePeer, chunk_range, flag_word, raw
+    from gpu_fake_peer import EVERY_PEER, TRIGGER_HEADER, FakePeer, piece_range, flag_word, raw
 
     peer = FakePeer(9001, 0, timeout_s=SHORT_S, ll_max_bytes=0)
     n, nbytes = 1001, 2002
@@ -248,7 +248,7 @@ def case_oneshot_on_time_late_stale(c):
     ctl = peer.control()
     c.expect("on_time_control", ctl["begun"] == ctl["done"] == 1 and ctl["failed_seq"] == 0, control=ctl)
     for k in range(pieces):
-        lo, hi = chunk_range(nbytes, pieces, k)
+        lo, hi = piece_range(nbytes, pieces, k)
         want = {
             "src": peer.send + peer.send_bytes + lo,
             "len": hi - lo,
@@ -283,7 +283,7 @@ def case_oneshot_on_time_late_stale(c):
 
 
 def case_pieces_rank1_aliased(c):
-    from gpu_fake_peer import FakePeer, chunk_range, flag_word, raw
+    from gpu_fake_peer import FakePeer, piece_range, flag_word, raw
 
     peer = FakePeer(9002, 1, timeout_s=LONG_S, direct=True, ll_max_bytes=0)
     n, nbytes = 20001, 40002
@@ -295,7 +295,7 @@ def case_pieces_rank1_aliased(c):
     y = f(_dev(mine))
     c.expect("kernel_waiting", _until(lambda: peer.waiting(1), LONG_S / 2))
     for k in reversed(range(pieces)):  # each piece's bytes, then its flag; piece 0 last
-        lo, hi = chunk_range(nbytes, pieces, k)
+        lo, hi = piece_range(nbytes, pieces, k)
         peer.write(peer.slot_at(1, 0) + lo, raw(theirs)[lo:hi])
         peer.signal(0, 1, desc, [k])
     c.expect("sum", _same(np.asarray(y), _sum(theirs, mine)))
@@ -338,7 +338,7 @@ def case_two_shot(c):
         OP_PSUM_SCATTER,
         TRIGGER_HEADER,
         FakePeer,
-        chunk_range,
+        piece_range,
         flag_word,
         raw,
     )
@@ -349,7 +349,7 @@ def case_two_shot(c):
     algorithm, _ = peer.plan(nbytes)
     c.expect("plan", algorithm == "two_shot", algorithm=algorithm)
     scatter, gather = (peer.describe(op, "bfloat16", n, 0) for op in (OP_PSUM_SCATTER, OP_PSUM_GATHER))
-    (_, hi0), (lo1, hi1) = chunk_range(nbytes, 2, 0), chunk_range(nbytes, 2, 1)  # chunk 0 starts at 0
+    (_, hi0), (lo1, hi1) = piece_range(nbytes, 2, 0), piece_range(nbytes, 2, 1)  # piece 0 starts at 0
     mine, theirs = _inputs("bfloat16", n, 6)
     summed0 = _sum(mine[: hi0 // 2], theirs[: hi0 // 2])
     gathered = _inputs("bfloat16", n - hi0 // 2, 8)[0]  # rank 1's summed chunk

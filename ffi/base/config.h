@@ -16,7 +16,7 @@
 namespace arx {
 
 struct Config {
-  uint64_t slot_bytes = 1 << 20;   // per peer per parity: one-shot partial or two-shot chunk
+  uint64_t slot_bytes = 1 << 20;   // per peer per parity: one-shot partial or two-shot piece
   uint64_t send_bytes = 4 << 20;   // per parity: a two-shot partial
   uint64_t oneshot_max_bytes = 0;  // JAX_ARX_ONESHOT_MAX_BYTES: one-shot psum up to here (0: slot_bytes), then two-shot
   uint64_t bulk_bytes =
@@ -50,7 +50,7 @@ struct Config {
   // tuning: the pieces of a one-shot psum (comm/plan.cc); 0: built in.
   uint64_t cuda_chunk_bytes = 0;
   // tuning: the host device side cuts a bulk collective's lane into pieces
-  // of at least this many bytes, at most kChunks (comm/plan.cc, bulk_pieces);
+  // of at least this many bytes, at most kMaxPieces (comm/plan.cc, bulk_pieces);
   // 0: built in.
   uint64_t bulk_piece_bytes = 0;
   // tuning: 1 runs the fused MoE combine within the bulk envelope on every

@@ -34,7 +34,7 @@
 // Two families of collectives use the endpoint, each with its own sequence
 // numbers, buffers and flag words: psum (one-shot, two-shot, LL), and the
 // bulk collectives (all_gather, reduce_scatter, the fused MoE combine), which
-// move tens of MB per call in kChunks pieces.
+// move tens of MB per call in kMaxPieces pieces.
 #pragma once
 
 #include <cstddef>
@@ -181,7 +181,7 @@ ARX_HD uint32_t ll_flag(uint64_t seq, uint64_t desc) {
 // (checked at rendezvous).
 struct Geometry {
   uint32_t world = 0;
-  uint64_t slot_bytes = 0;  // psum: per source per parity (a one-shot partial, a two-shot chunk)
+  uint64_t slot_bytes = 0;  // psum: per source per parity (a one-shot partial, a two-shot piece)
   uint64_t send_bytes = 0;  // psum: per parity (a two-shot partial)
   uint64_t bulk_bytes = 0;  // bulk: per parity, every lane together (a whole gathered output; 0: none)
   TopologyKind topology = TopologyKind::kMesh;

@@ -41,8 +41,8 @@ ARX_HD uint64_t flag_desc(uint64_t flag) { return flag & kDescMask; }
 // What a collective is, for its descriptor.
 enum class OpCode : uint64_t {
   kPsum = 1,         // one-shot psum
-  kPsumScatter = 2,  // two-shot psum, first half: chunk j to rank j
-  kPsumGather = 3,   // two-shot psum, second half: the summed chunk to every rank
+  kPsumScatter = 2,  // two-shot psum, first half: piece j to rank j
+  kPsumGather = 3,   // two-shot psum, second half: the summed piece to every rank
   kAllGather = 4,
   kReduceScatter = 5,
   kMoeCombine = 6,  // the fused MoE combine + reduce-scatter
@@ -83,7 +83,7 @@ ARX_HD uint64_t describe(const Descriptor& d) {
 // needed anywhere.
 //   [kPsumWordBase, + kPsumWords)   psum: kPsumWords / world words per source,
 //                                   split into pieces x roots (FlagWords)
-//   [kBulkWordBase, + kBulkWords)   bulk: kChunks pieces x kRoots per source
+//   [kBulkWordBase, + kBulkWords)   bulk: kMaxPieces pieces x kRoots per source
 //   [kHeardWordBase, + 2 x kMaxWorld)  the last seq heard of each source, per
 //                                   family, for the watchdog only (see "Heard")
 //   [kHeaderWordBase, + kHeaderWords)  the exact descriptors ("Headers")
@@ -106,8 +106,8 @@ constexpr uint64_t kFlagWords = 2 * kPage / 8;
 constexpr int kPsumWordBase = 0;
 constexpr int kPsumWords = 256;
 constexpr int kBulkWordBase = kPsumWordBase + kPsumWords;
-constexpr int kChunks = 8;  // pieces of a bulk collective (per destination)
-constexpr int kBulkWords = kMaxWorld * kChunks * kRoots;
+constexpr int kMaxPieces = 8;  // pieces of a bulk collective (per destination), at most
+constexpr int kBulkWords = kMaxWorld * kMaxPieces * kRoots;
 constexpr int kHeardWordBase = kBulkWordBase + kBulkWords;
 constexpr int kDescriptorWords = 4;
 constexpr int kHeaderWordBase = kHeardWordBase + kFamilies * kMaxWorld;
@@ -147,7 +147,7 @@ ARX_HD int psum_stride(int world) { return kPsumWords / (world > 0 ? world : 1);
 ARX_HD FlagWords psum_words(int world, int roots) {
   return FlagWords{kPsumWordBase, psum_stride(world), psum_stride(world) / roots, roots};
 }
-ARX_HD FlagWords bulk_words(int roots) { return FlagWords{kBulkWordBase, kChunks * kRoots, kChunks, roots}; }
+ARX_HD FlagWords bulk_words(int roots) { return FlagWords{kBulkWordBase, kMaxPieces * kRoots, kMaxPieces, roots}; }
 
 // Whether word `index` of the flag page belongs to source `src` (a carrier
 // lets a peer store only its own words).
@@ -155,7 +155,7 @@ ARX_HD bool src_owns_word(int src, int index, int world) {
   if (index >= kPsumWordBase && index < kPsumWordBase + psum_stride(world) * world)
     return (index - kPsumWordBase) / psum_stride(world) == src;
   if (index >= kBulkWordBase && index < kBulkWordBase + kBulkWords)
-    return (index - kBulkWordBase) / (kChunks * kRoots) == src;
+    return (index - kBulkWordBase) / (kMaxPieces * kRoots) == src;
   return index == notice_word(src);
 }
 
@@ -176,27 +176,23 @@ ARX_HD void root_split(uint64_t bytes, int root, int roots, uint64_t& off, uint6
   len = root ? bytes - half : half;
 }
 
-// Part j of n of `bytes`: [lo, hi). Parts are 16-byte multiples except the
-// last, which takes the rest and may be short or empty; every element type
-// divides 16. (The two-shot's chunk j for rank j; the pipelined one-shot's
-// pieces.)
-ARX_HD void chunk_range(uint64_t bytes, int n, int j, uint64_t& lo, uint64_t& hi) {
-  const uint64_t step = ((bytes + n - 1) / n + 15) & ~15ull;
-  lo = step * j < bytes ? step * j : bytes;
-  hi = step * (j + 1) < bytes ? step * (j + 1) : bytes;
-}
-
-// Piece c of n (at most kChunks; kChunks when not given) of a bulk lane's
-// `bytes`: [lo, hi). Pieces start 16-aligned; the last takes the rest;
-// pieces may be empty and still carry their flag. A collective cut in fewer
-// pieces leaves the flag words of the others alone: a later one that uses
-// them waits for their seq to reach its own, as for any word.
+// Piece c of n of `bytes`: [lo, hi), the one split of every collective
+// that sends in pieces (the one-shot's pieces, the two-shot's piece j for
+// rank j, a bulk lane's pieces; at most kMaxPieces for a bulk lane, all of
+// them when n is not given). Pieces are 16-byte multiples except the last,
+// which may be short or empty; every element type divides 16. An empty piece
+// still carries its flag. A collective cut in fewer pieces leaves the flag
+// words of the others alone: a later one that uses them waits for their seq
+// to reach its own, as for any word.
+ARX_HD uint64_t piece_step(uint64_t bytes, int n) { return ((bytes + n - 1) / n + 15) & ~15ull; }
 ARX_HD void piece_range(uint64_t bytes, int n, int c, uint64_t& lo, uint64_t& hi) {
-  const uint64_t step = (bytes / n + 15) & ~15ull;
+  const uint64_t step = piece_step(bytes, n);
   lo = step * c < bytes ? step * c : bytes;
-  hi = c == n - 1 ? bytes : (step * (c + 1) < bytes ? step * (c + 1) : bytes);
+  hi = step * (c + 1) < bytes ? step * (c + 1) : bytes;
 }
-ARX_HD void piece_range(uint64_t bytes, int c, uint64_t& lo, uint64_t& hi) { piece_range(bytes, kChunks, c, lo, hi); }
+ARX_HD void piece_range(uint64_t bytes, int c, uint64_t& lo, uint64_t& hi) {
+  piece_range(bytes, kMaxPieces, c, lo, hi);
+}
 
 // Rows [lo, hi) of piece k of n of a destination's `rows`-row lane (the
 // fused MoE combine). Sender and receiver compute the same split.
@@ -204,6 +200,6 @@ ARX_HD void row_piece(uint64_t rows, int n, int k, uint64_t& lo, uint64_t& hi) {
   lo = rows * (uint64_t)k / n;
   hi = rows * (uint64_t)(k + 1) / n;
 }
-ARX_HD void row_piece(uint64_t rows, int k, uint64_t& lo, uint64_t& hi) { row_piece(rows, kChunks, k, lo, hi); }
+ARX_HD void row_piece(uint64_t rows, int k, uint64_t& lo, uint64_t& hi) { row_piece(rows, kMaxPieces, k, lo, hi); }
 
 }  // namespace arx

@@ -61,7 +61,7 @@ uint64_t heard(const Endpoint& ep, Family f, int j) {
       lo = kPsumWordBase + j * n;
       break;
     case Family::kBulk:
-      n = kChunks * kRoots;
+      n = kMaxPieces * kRoots;
       lo = kBulkWordBase + j * n;
       break;
   }

@@ -70,20 +70,20 @@ int psum_pieces(const Endpoint& ep, uint64_t bytes) {
   // proxy each is a trigger too, and a collective's triggers must fit the
   // ring's bound (proxy.h).
   const int words = psum_words(ep.spec().world, r.direct ? 1 : ep.roots()).pieces;
-  const int cap = r.direct ? words : std::min(words, kChunks);
+  const int cap = r.direct ? words : std::min(words, kMaxPieces);
   return (int)std::clamp<uint64_t>((bytes + target - 1) / target, 1, (uint64_t)cap);
 }
 
 // The pieces of a bulk collective's lanes of `lane_bytes`. The CUDA kernels
-// cut their grid for kChunks. The host copies with one thread: on the
-// direct channel (shm) a piece costs a flag store and a look, so kChunks;
+// cut their grid for kMaxPieces. The host copies with one thread: on the
+// direct channel (shm) a piece costs a flag store and a look, so kMaxPieces;
 // through the proxy, pieces of at least kPieceBytesBulkHostProxy.
 int bulk_pieces(const Endpoint& ep, uint64_t lane_bytes) {
-  if (ep.spec().platform == Platform::kCuda) return kChunks;
+  if (ep.spec().platform == Platform::kCuda) return kMaxPieces;
   const uint64_t cfg = ep.spec().config.bulk_piece_bytes;
-  if (!cfg && ep.route().direct) return kChunks;
+  if (!cfg && ep.route().direct) return kMaxPieces;
   const uint64_t target = cfg ? cfg : kPieceBytesBulkHostProxy;
-  return (int)std::clamp<uint64_t>((lane_bytes + target - 1) / target, 1, kChunks);
+  return (int)std::clamp<uint64_t>((lane_bytes + target - 1) / target, 1, kMaxPieces);
 }
 
 // The smallest value of a size variable that holds `n` bytes, as a person
@@ -122,7 +122,7 @@ Plan plan_psum(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes)
                                : host_inboxes        ? std::min(kOneShotMaxHostInboxes, L.slot_bytes)
                                                      : L.slot_bytes;
-  // The two-shot partial is staged whole (send_bytes), and each rank's chunk
+  // The two-shot partial is staged whole (send_bytes), and each rank's piece
   // fills at most a slot.
   const uint64_t twoshot_max = cuda ? std::min<uint64_t>(L.send_bytes, (uint64_t)L.world * L.slot_bytes) : 0;
   if (bytes <= oneshot_max) {

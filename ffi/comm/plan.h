@@ -19,7 +19,7 @@ enum class Algorithm : int64_t {
   kOneShot = 1,  // every rank puts its partial to every peer, in `pieces` pieces, then sums
   kTwoShot = 2,  // a reduce-scatter then an all-gather, a seq each
   kLL = 3,       // the one-shot with its flags inside the data (CUDA)
-  kBulk = 4,     // a bulk collective, in `pieces` pieces (at most kChunks)
+  kBulk = 4,     // a bulk collective, in `pieces` pieces (at most kMaxPieces)
   // The fused MoE combine left to its unfused pair: Python traces jax's
   // combine (jax_arx.moe_combine) then the bulk psum_scatter instead, so it
   // never reaches a handler, and Stats does not count it.

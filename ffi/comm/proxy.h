@@ -30,9 +30,9 @@ namespace arx {
 class Endpoint;
 
 // The most trigger entries one collective publishes: a piece per peer for
-// each of kChunks pieces (the bulk ops' per-destination pieces; psum takes
+// each of kMaxPieces pieces (the bulk ops' per-destination pieces; psum takes
 // fewer, see comm/plan.cc).
-constexpr int kMaxEntries = kChunks * (kMaxWorld - 1);
+constexpr int kMaxEntries = kMaxPieces * (kMaxWorld - 1);
 static_assert(3 * kMaxEntries <= kRing, "the trigger ring must hold three collectives' entries");
 
 class Proxy {

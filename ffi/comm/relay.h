@@ -49,11 +49,11 @@ class Endpoint;
 struct Trigger;
 
 // The most records one collective puts on one root: a piece each (psum's
-// pieces x roots fit a source's psum words; a bulk op sends kChunks pieces
+// pieces x roots fit a source's psum words; a bulk op sends kMaxPieces pieces
 // to dest) and the header.
 constexpr int kMaxRelayRecords = kPsumWords / kMaxRingWorld + 1;
 static_assert(3 * kMaxRelayRecords <= kRing, "a relay ring must hold three collectives' records");
-static_assert(kChunks + 1 <= kMaxRelayRecords, "the bulk ops' records fit a relay ring too");
+static_assert(kMaxPieces + 1 <= kMaxRelayRecords, "the bulk ops' records fit a relay ring too");
 
 class Relay {
  public:

@@ -4,7 +4,7 @@
 // one bulk seq per collective, kept on the device, so a CUDA graph that
 // captured the launch replays correctly.
 //
-// A collective goes out in kChunks pieces (per destination), and the grid is
+// A collective goes out in kMaxPieces pieces (per destination), and the grid is
 // 2G blocks: G producer blocks, each producing share g of every piece in
 // order, and G consumer blocks, each waiting for and consuming share g of
 // every piece in order. A producer block
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
   if (threadIdx.x == 0) s_failed = s.prior ? 1 : 0;
   __syncthreads();
 
-  for (int c = 0; c < kChunks && !s.prior; ++c) {
+  for (int c = 0; c < kMaxPieces && !s.prior; ++c) {
     uint64_t lo, hi, r0, r1;
     share_of<K>(op, c, gi, G, lo, hi, r0, r1);
     if (producer) {
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       __syncthreads();  // s_failed is read by every thread at the next piece
     }
   }
-  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, send.entries(kChunks), [&](int t, int n) {
+  settle(g, ch, Family::kBulk, s, s_failed && !s.prior, send.entries(kMaxPieces), [&](int t, int n) {
     if (op.nan_type < 0) {
       for (uint64_t p = t; p < op.out_bytes; p += n) op.out[p] = 0xFF;
     } else {

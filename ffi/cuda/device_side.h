@@ -51,7 +51,7 @@ struct DeviceWords {
   unsigned long long pad1[4];
   // The bulk collectives: per piece, the producer blocks done with their
   // share of it: seq << 16 | count (the last one signals the piece).
-  unsigned long long piece_arrived[kChunks];
+  unsigned long long piece_arrived[kMaxPieces];
 };
 static_assert(sizeof(DeviceWords) == 4 * 64, "DeviceWords: four lines");
 

@@ -61,7 +61,7 @@ cudaError_t launch_all_gather(const Endpoint& ep, const void* in, void* out, uin
   // The element type only matters for the NaN fill.
   op.dtype = nan_type == (int)DType::kF32 ? DType::kF32 : nan_type == (int)DType::kF16 ? DType::kF16 : DType::kBF16;
   op.out_bytes = bytes * world;
-  op.piece_bytes = bytes / kChunks + 16;
+  op.piece_bytes = bytes / kMaxPieces + 16;
   const Channels& c = channels_of(ep);
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
@@ -81,7 +81,7 @@ cudaError_t launch_reduce_scatter(const Endpoint& ep, DType dtype, const void* i
   op.dtype = dtype;
   op.out_bytes = op.slice;
   // Each share goes to world - 1 peers and is summed from world sources.
-  op.piece_bytes = op.slice / kChunks * world + 16;
+  op.piece_bytes = op.slice / kMaxPieces * world + 16;
   const Channels& c = channels_of(ep);
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
@@ -102,7 +102,7 @@ cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombine& a, uint16_t
   op.dtype = DType::kBF16;
   op.out_bytes = op.slice;
   // Computing a row reads topk rows of y: a share is worth more blocks.
-  op.piece_bytes = op.slice / kChunks * world * std::max<uint64_t>(a.topk, 1) + 16;
+  op.piece_bytes = op.slice / kMaxPieces * world * std::max<uint64_t>(a.topk, 1) + 16;
   const Channels& c = channels_of(ep);
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }

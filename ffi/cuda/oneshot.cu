@@ -3,7 +3,7 @@
 // arrive. The sum is fp32 in rank order from rank 0's element, rounded once,
 // as everywhere: the bits of ffi/host/psum.cc and of every other algorithm.
 //
-// The partial is cut into `pieces` pieces (chunk_range; comm/plan.cc chooses
+// The partial is cut into `pieces` pieces (piece_range; comm/plan.cc chooses
 // how many), and block b of B takes pieces b, b + B, b + 2B, ...; one more
 // block, the service block, does what belongs to the seq as a whole. For
 // each of its pieces c, block b
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t rows = nm.on() ? count / nm.width : 0, row_bytes = nm.on() ? nm.width * E::kSize : 0;
   // Piece c: bytes [lo, hi), and for a fused call rows [r0, r1) (see the top).
   auto piece = [&](int c, uint64_t& lo, uint64_t& hi, uint64_t& r0, uint64_t& r1) {
-    if (!nm.on()) return chunk_range(bytes, pieces, c, lo, hi);
+    if (!nm.on()) return piece_range(bytes, pieces, c, lo, hi);
     r0 = rows * (uint64_t)c / (uint64_t)pieces;
     r1 = rows * (uint64_t)(c + 1) / (uint64_t)pieces;
     lo = r0 * row_bytes;

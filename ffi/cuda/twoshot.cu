@@ -1,7 +1,7 @@
 // The two-shot psum over a channel (comm/channel.h), for partials past the
-// one-shot's slot: a reduce-scatter kernel (seq s: chunk j of the partial to
-// rank j, each rank sums its chunk from every rank's), then an all-gather
-// kernel (seq s + 1: each rank's summed chunk to every rank). The sum is the
+// one-shot's slot: a reduce-scatter kernel (seq s: piece j of the partial to
+// rank j, each rank sums its piece from every rank's), then an all-gather
+// kernel (seq s + 1: each rank's summed piece to every rank). The sum is the
 // one-shot's, fp32 in rank order from rank 0's element, rounded once, so the
 // bits are the same whichever algorithm ran.
 //
@@ -130,25 +130,20 @@ __device__ bool signal_and_wait(const Grid& g, const Ch& ch, const SeqStart& s, 
   return s_failed != 0;
 }
 
-// The lane the reduce-scatter stages chunk j in: the chunks lie in place.
-__host__ __device__ inline uint64_t chunk_step(uint64_t bytes, int world) {
-  return ((bytes + world - 1) / world + 15) & ~15ull;
-}
-
 template <typename Ch, DType D>
 __global__ void __launch_bounds__(kThreads, 1)
     scatter_kernel(Grid g, Ch ch, const uint8_t* in, uint8_t* out, uint64_t count, uint64_t tag, Prefetch pf) {
   using E = Elem<D>;
-  const uint64_t bytes = count * E::kSize, lane = chunk_step(bytes, ch.world);
+  const uint64_t bytes = count * E::kSize, lane = piece_step(bytes, ch.world);  // the pieces lie in place
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsumScatter, (uint64_t)D, count, tag));
   const int rank = ch.rank, world = ch.world;
   if (blockIdx.x == 0) note_begun(g, Family::kPsum, s);
   const auto send = ch.open(s.send(), Fan::kEachPeer, lane);
   if (!s.prior) {
-    for (int step = 1; step < world; ++step) {  // chunk j to rank j only, in send order
+    for (int step = 1; step < world; ++step) {  // piece j to rank j only, in send order
       const int j = (rank + step) % world;
       uint64_t lo, hi;
-      chunk_range(bytes, world, j, lo, hi);
+      piece_range(bytes, world, j, lo, hi);
       copy_bytes<false>(send.put_dst((uint64_t)j), in + lo, hi - lo);
     }
   }
@@ -159,14 +154,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int step = 1; step < world; ++step) {
           const int j = (rank + step) % world;
           uint64_t lo, hi;
-          chunk_range(bytes, world, j, lo, hi);
+          piece_range(bytes, world, j, lo, hi);
           send.signal((uint64_t)j, 0, 0, hi - lo);
         }
         note_published(g, Family::kPsum, s);
       },
       &pf, gave_up);
   uint64_t lo, hi;
-  chunk_range(bytes, world, rank, lo, hi);
+  piece_range(bytes, world, rank, lo, hi);
   if (failed)
     fill_nan_range<D>(out, 0, bytes, global_thread(), grid_threads());
   else
@@ -175,8 +170,8 @@ __global__ void __launch_bounds__(kThreads, 1)
          [&](int t, int n) { fill_nan_range<D>(out, 0, bytes, t, n); });
 }
 
-// The second kernel: this rank's summed chunk (in out, where the first kernel
-// wrote it) to every peer, and every peer's chunk into out.
+// The second kernel: this rank's summed piece (in out, where the first kernel
+// wrote it) to every peer, and every peer's piece into out.
 template <typename Ch, DType D>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_kernel(Grid g, Ch ch, uint8_t* out, uint64_t count, uint64_t tag) {
@@ -186,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int rank = ch.rank, world = ch.world;
   if (blockIdx.x == 0) note_begun(g, Family::kPsum, s);
   uint64_t lo, hi;
-  chunk_range(bytes, world, rank, lo, hi);
+  piece_range(bytes, world, rank, lo, hi);
   // A failed reduce-scatter (seq - 1) recorded its failure: prior, so this
   // sends nothing and fills NaN.
   const auto send = ch.open(s.send(), Fan::kEveryPeer);
@@ -206,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int src = 0; src < world; ++src) {
       if (src == rank) continue;  // already in out
       uint64_t a, b;
-      chunk_range(bytes, world, src, a, b);
+      piece_range(bytes, world, src, a, b);
       copy_bytes<true>(out + a, ch.in.lane(s.par, src), b - a);
     }
   }

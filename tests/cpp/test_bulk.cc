@@ -344,7 +344,7 @@ void test_out_of_order_producer(TransportKind kind, int world) {
         std::memset(send.put_dst((uint64_t)j) + t * row, (int)(1 + r * 64 + j * 8 + t % 8), row);
     std::vector<std::pair<int, int>> order;
     for (int j = 0; j < world; ++j)
-      for (int k = 0; k < kChunks && j != r; ++k) order.push_back({j, k});
+      for (int k = 0; k < kMaxPieces && j != r; ++k) order.push_back({j, k});
     std::shuffle(order.begin(), order.end(), std::mt19937(r * 5 + 1));
     for (auto [j, k] : order) {
       uint64_t lo, hi;
@@ -357,7 +357,7 @@ void test_out_of_order_producer(TransportKind kind, int world) {
     for (int s = 0; s < world; ++s) {
       if (s == r) continue;
       const uint8_t* recv = ch.in.lane(par, s);
-      for (int k = 0; k < kChunks && !bad[r]; ++k) {
+      for (int k = 0; k < kMaxPieces && !bad[r]; ++k) {
         NeverStop poll;
         uint64_t seen = 0, theirs[kDescriptorWords];
         if (wait_piece(ch.in, s, k, seq, d, poll, seen, theirs) != WaitEnd::kArrived) {
@@ -459,8 +459,8 @@ void test_too_big(TransportKind kind) {
   EXPECT(!rig.eps[0]->failed(), "refusing a size does not fail the endpoint");
 }
 
-// The plan's pieces: kChunks on the direct channel (shm); through the proxy
-// (tcp), one per 512 KiB of lane, at least 1 and at most kChunks; and what
+// The plan's pieces: kMaxPieces on the direct channel (shm); through the proxy
+// (tcp), one per 512 KiB of lane, at least 1 and at most kMaxPieces; and what
 // Config::bulk_piece_bytes asks for.
 void test_pieces(TransportKind kind) {
   Rig rig;
@@ -473,7 +473,7 @@ void test_pieces(TransportKind kind) {
       {0, 1}, {16 << 10, 1}, {512 << 10, 1}, {(512 << 10) + 16, 2}, {1 << 20, 2}, {2 << 20, 4}, {4 << 20, 8}};
   for (auto [lane, pieces] : want) {
     const Plan p = plan_bulk(*rig.eps[0], "all_gather", lane);
-    EXPECT(p.algorithm == Algorithm::kBulk && p.pieces == (proxy ? pieces : kChunks),
+    EXPECT(p.algorithm == Algorithm::kBulk && p.pieces == (proxy ? pieces : kMaxPieces),
            "%s: a lane of %llu bytes goes in %d pieces", transport_name(kind), (unsigned long long)lane, p.pieces);
   }
   Config small = test_config();
@@ -484,8 +484,8 @@ void test_pieces(TransportKind kind) {
     return;
   }
   EXPECT(plan_bulk(*tuned.eps[0], "psum_scatter", 16 << 10).pieces == 4 &&
-             plan_bulk(*tuned.eps[0], "psum_scatter", 1 << 20).pieces == kChunks,
-         "%s: bulk_piece_bytes 4096 cuts 16 KiB in 4 pieces, 1 MiB in kChunks", transport_name(kind));
+             plan_bulk(*tuned.eps[0], "psum_scatter", 1 << 20).pieces == kMaxPieces,
+         "%s: bulk_piece_bytes 4096 cuts 16 KiB in 4 pieces, 1 MiB in kMaxPieces", transport_name(kind));
 }
 
 // An endpoint made without the bulk lanes (Config::bulk_lanes = false, what

@@ -52,7 +52,7 @@ int main() {
             EXPECT(!l.src_may_flag(other, l.flag_offset(pw.index(src, piece, r))), "not another's psum words");
           }
         for (int r = 0; r < roots; ++r) {
-          EXPECT(l.src_may_flag(src, l.flag_offset(bw.index(src, kChunks - 1, r))), "its bulk words");
+          EXPECT(l.src_may_flag(src, l.flag_offset(bw.index(src, kMaxPieces - 1, r))), "its bulk words");
           EXPECT(!l.src_may_flag(other, l.flag_offset(bw.index(src, 0, r))), "not another's bulk words");
         }
       }
@@ -73,30 +73,30 @@ int main() {
         }
     }
   }
-  for (uint64_t bytes : {0ull, 1ull, 15ull, 100ull, 129ull, 1000003ull}) {
-    uint64_t covered = 0;
-    for (int c = 0; c < kChunks; ++c) {
-      uint64_t lo, hi;
-      piece_range(bytes, c, lo, hi);
-      EXPECT(lo == covered && hi >= lo && (lo % 16 == 0 || lo == bytes), "pieces tile %llu bytes",
-             (unsigned long long)bytes);
-      covered = hi;
-    }
-    EXPECT(covered == bytes, "the last piece ends the lane of %llu bytes", (unsigned long long)bytes);
-    for (int n : {1, 3, 8, 64}) {
-      covered = 0;
-      for (int j = 0; j < n; ++j) {
+  // piece_range tiles the bytes in 16-aligned pieces, none longer than
+  // bytes / n + 16 (what a bulk lane's piece slots hold, cuda/launch.cc);
+  // without n it is kMaxPieces pieces.
+  for (uint64_t bytes : {0ull, 1ull, 15ull, 100ull, 129ull, 130ull, 1000003ull}) {
+    for (int n : {1, 3, kMaxPieces, 64}) {
+      uint64_t covered = 0;
+      for (int c = 0; c < n; ++c) {
         uint64_t lo, hi;
-        chunk_range(bytes, n, j, lo, hi);
-        EXPECT(lo == covered && hi >= lo, "chunks tile %llu bytes in %d", (unsigned long long)bytes, n);
+        piece_range(bytes, n, c, lo, hi);
+        EXPECT(lo == covered && hi >= lo && (lo % 16 == 0 || lo == bytes) && hi - lo <= bytes / n + 16,
+               "pieces tile %llu bytes in %d", (unsigned long long)bytes, n);
+        if (n == kMaxPieces) {
+          uint64_t lo8, hi8;
+          piece_range(bytes, c, lo8, hi8);
+          EXPECT(lo8 == lo && hi8 == hi, "piece_range without n is kMaxPieces pieces");
+        }
         covered = hi;
       }
-      EXPECT(covered == bytes, "the last chunk ends %llu bytes in %d", (unsigned long long)bytes, n);
+      EXPECT(covered == bytes, "the last piece ends %llu bytes in %d", (unsigned long long)bytes, n);
     }
   }
   for (int world = 2; world <= kMaxWorld; ++world)
     for (int rank = 0; rank < world; ++rank) {
-      for (int pieces : {1, kChunks}) {
+      for (int pieces : {1, kMaxPieces}) {
         std::vector<int> hit(pieces * (world - 1), 0);
         uint64_t expect = 0;
         for (int p = 0; p < pieces; ++p)

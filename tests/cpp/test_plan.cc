@@ -130,7 +130,7 @@ void check_pieces() {
     auto ep = open_endpoint(c);
     if (!ep) return;
     const FlagWords w = psum_words(c.world, direct ? 1 : ep->roots());
-    const int cap = direct ? w.pieces : std::min(w.pieces, kChunks);
+    const int cap = direct ? w.pieces : std::min(w.pieces, kMaxPieces);
     for (uint64_t bytes : std::initializer_list<uint64_t>{16, 4096, 4097, 40000, 1 << 20}) {
       const Plan p = plan_psum(*ep, bytes);
       const int want = (int)std::min<uint64_t>((bytes + 4095) / 4096, (uint64_t)cap);
@@ -214,7 +214,7 @@ void check_bulk() {
                        p.why_not.find(op) != std::string::npos,
                    "%s refused without the op and the setting: '%s'", op, p.why_not.c_str());
           else
-            EXPECT(p.pieces == kChunks, "%s: %d pieces", op, p.pieces);
+            EXPECT(p.pieces == kMaxPieces, "%s: %d pieces", op, p.pieces);
         }
       }
       ep->close();

@@ -66,7 +66,7 @@ void add_source(const Layout& L, int src, Allowed& a) {
   // stride leaves one spare).
   for (int i = 0; i < psum.stride; ++i) a.flags.push_back(L.flag_offset(psum.base + src * psum.stride + i));
   for (int r = 0; r < kRoots; ++r)
-    for (int c = 0; c < kChunks; ++c) a.flags.push_back(L.flag_offset(bulk.index(src, c, r)));
+    for (int c = 0; c < kMaxPieces; ++c) a.flags.push_back(L.flag_offset(bulk.index(src, c, r)));
   a.flags.push_back(L.flag_offset(notice_word(src)));
 }
 
@@ -114,7 +114,7 @@ FrameHeader protocol_write(const Layout& L, int src, int at, Rng& rng) {
       const int mode = (int)pick(rng, 1, 2);
       const uint64_t bytes = pick(rng, 0, mode == 2 ? std::min(L.send_bytes, world * L.slot_bytes) : L.slot_bytes);
       hi = bytes;
-      if (mode == 2) chunk_range(bytes, world, (int)pick(rng, 0, world - 1), lo, hi);
+      if (mode == 2) piece_range(bytes, world, (int)pick(rng, 0, world - 1), lo, hi);
       if (hi - lo > L.slot_bytes) hi = lo + L.slot_bytes;
       root_split(hi - lo, root, kRoots, off, len);
       dst = L.recv_offset(par, owner) + off;
@@ -125,14 +125,14 @@ FrameHeader protocol_write(const Layout& L, int src, int at, Rng& rng) {
       if (!L.bulk_lane) return FrameHeader{kFrameMagic, 0, 0, L.flag_offset(notice_word(owner)), 1};
       const uint64_t lane = pick(rng, 0, L.bulk_lane);
       if (pick(rng, 0, 1)) {
-        piece_range(lane, (int)pick(rng, 0, kChunks - 1), lo, hi);
+        piece_range(lane, (int)pick(rng, 0, kMaxPieces - 1), lo, hi);
       } else {
         lo = pick(rng, 0, lane);
         hi = pick(rng, lo, lane);
       }
       root_split(hi - lo, root, kRoots, off, len);
       dst = L.bulk_recv_offset(par, owner) + lo + off;
-      flag = L.flag_offset(bulk.index(owner, (int)pick(rng, 0, kChunks - 1), root));
+      flag = L.flag_offset(bulk.index(owner, (int)pick(rng, 0, kMaxPieces - 1), root));
       break;
     }
     case 2:  // the exact descriptor, before the flag words, without one
@@ -203,7 +203,7 @@ FrameHeader hostile_header(const Layout& L, int world, int src, Rng& rng) {
       case 0:
         return psum.index(who, (int)pick(rng, 0, psum.pieces - 1), r);
       case 1:
-        return bulk.index(who, (int)pick(rng, 0, kChunks - 1), r);
+        return bulk.index(who, (int)pick(rng, 0, kMaxPieces - 1), r);
       case 2:
         return notice_word(who);
       default:
