@@ -87,6 +87,47 @@ inline float e4m3_to_f32(uint8_t v) {
   return f;
 }
 
+// The element types the reducing ops take, each as fp32 and back (one
+// rounding, as above): the host's loops over them are written once, against
+// E::kSize, E::load and E::store, and with_element picks E for a DType.
+struct F32Element {
+  static constexpr uint64_t kSize = 4;
+  static float load(const uint8_t* p) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  static void store(uint8_t* p, float f) { std::memcpy(p, &f, 4); }
+};
+template <float (*ToF32)(uint16_t), uint16_t (*FromF32)(float)>
+struct HalfElement {
+  static constexpr uint64_t kSize = 2;
+  static float load(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return ToF32(v);
+  }
+  static void store(uint8_t* p, float f) {
+    const uint16_t v = FromF32(f);
+    std::memcpy(p, &v, 2);
+  }
+};
+using BF16Element = HalfElement<bf16_to_f32, f32_to_bf16>;
+using F16Element = HalfElement<f16_to_f32, f32_to_f16>;
+
+// f(E{}) for the element type of `t`.
+template <typename F>
+void with_element(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32:
+      return f(F32Element{});
+    case DType::kBF16:
+      return f(BF16Element{});
+    case DType::kF16:
+      return f(F16Element{});
+  }
+}
+
 // The bits of a quiet NaN of each type: what a failed collective writes.
 inline void fill_nan(DType t, void* out, uint64_t count) {
   switch (t) {

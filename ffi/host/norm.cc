@@ -1,6 +1,5 @@
 // The fused psum's epilogue on the host (base/norm.h): the same operations
 // in the same order as the CUDA side's, so both give the same bits.
-#include <cstring>
 
 #include "base/norm.h"
 #include "host/convert.h"
@@ -9,8 +8,11 @@
 namespace arx::host {
 namespace {
 
-template <typename Load, typename Store>
-void rows(uint64_t count, uint64_t esize, uint8_t* hidden, const AddNorm& n, Load load, Store store) {
+template <typename E>
+void rows(uint64_t count, uint8_t* hidden, const AddNorm& n) {
+  constexpr uint64_t esize = E::kSize;
+  constexpr auto load = E::load;
+  constexpr auto store = E::store;
   const uint8_t* res = static_cast<const uint8_t*>(n.residual);
   const uint8_t* w = static_cast<const uint8_t*>(n.weight);
   const uint8_t* b = static_cast<const uint8_t*>(n.bias);
@@ -59,45 +61,7 @@ void rows(uint64_t count, uint64_t esize, uint8_t* hidden, const AddNorm& n, Loa
 }  // namespace
 
 void add_norm(DType dtype, void* hidden, uint64_t count, const AddNorm& n) {
-  uint8_t* h = static_cast<uint8_t*>(hidden);
-  switch (dtype) {
-    case DType::kF32:
-      rows(
-          count, 4, h, n,
-          [](const uint8_t* p) {
-            float f;
-            std::memcpy(&f, p, 4);
-            return f;
-          },
-          [](uint8_t* p, float f) { std::memcpy(p, &f, 4); });
-      return;
-    case DType::kBF16:
-      rows(
-          count, 2, h, n,
-          [](const uint8_t* p) {
-            uint16_t v;
-            std::memcpy(&v, p, 2);
-            return bf16_to_f32(v);
-          },
-          [](uint8_t* p, float f) {
-            const uint16_t v = f32_to_bf16(f);
-            std::memcpy(p, &v, 2);
-          });
-      return;
-    case DType::kF16:
-      rows(
-          count, 2, h, n,
-          [](const uint8_t* p) {
-            uint16_t v;
-            std::memcpy(&v, p, 2);
-            return f16_to_f32(v);
-          },
-          [](uint8_t* p, float f) {
-            const uint16_t v = f32_to_f16(f);
-            std::memcpy(p, &v, 2);
-          });
-      return;
-  }
+  with_element(dtype, [&](auto e) { rows<decltype(e)>(count, static_cast<uint8_t*>(hidden), n); });
 }
 
 }  // namespace arx::host

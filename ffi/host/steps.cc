@@ -75,8 +75,11 @@ void scatter_rows(uint8_t* strided, const uint8_t* contig, uint64_t lo, uint64_t
 
 namespace {
 
-template <typename Load, typename Store>
-void sum_blocks(const uint8_t* const* parts, int world, uint64_t count, int esize, void* out, Load load, Store store) {
+template <typename E>
+void sum_blocks(const uint8_t* const* parts, int world, uint64_t count, void* out) {
+  constexpr uint64_t esize = E::kSize;
+  constexpr auto load = E::load;
+  constexpr auto store = E::store;
   constexpr uint64_t kBlock = 512;
   float acc[kBlock];
   for (uint64_t base = 0; base < count; base += kBlock) {
@@ -95,44 +98,7 @@ void sum_blocks(const uint8_t* const* parts, int world, uint64_t count, int esiz
 }  // namespace
 
 void sum_rank_order(DType dtype, const uint8_t* const* parts, int world, uint64_t count, void* out) {
-  switch (dtype) {
-    case DType::kF32:
-      sum_blocks(
-          parts, world, count, 4, out,
-          [](const uint8_t* p) {
-            float f;
-            std::memcpy(&f, p, 4);
-            return f;
-          },
-          [](uint8_t* p, float f) { std::memcpy(p, &f, 4); });
-      return;
-    case DType::kBF16:
-      sum_blocks(
-          parts, world, count, 2, out,
-          [](const uint8_t* p) {
-            uint16_t h;
-            std::memcpy(&h, p, 2);
-            return bf16_to_f32(h);
-          },
-          [](uint8_t* p, float f) {
-            const uint16_t h = f32_to_bf16(f);
-            std::memcpy(p, &h, 2);
-          });
-      return;
-    case DType::kF16:
-      sum_blocks(
-          parts, world, count, 2, out,
-          [](const uint8_t* p) {
-            uint16_t h;
-            std::memcpy(&h, p, 2);
-            return f16_to_f32(h);
-          },
-          [](uint8_t* p, float f) {
-            const uint16_t h = f32_to_f16(f);
-            std::memcpy(p, &h, 2);
-          });
-      return;
-  }
+  with_element(dtype, [&](auto e) { sum_blocks<decltype(e)>(parts, world, count, out); });
 }
 
 }  // namespace arx::host
