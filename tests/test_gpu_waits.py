@@ -233,7 +233,7 @@ def _aborted(c, peer, f, x):
 
 
 def case_oneshot_on_time_late_stale(c):
-    from gpu_fake_peer import EVERY_PEER, TRIGGER_HEADER, FakePeer, piece_range, flag_word, raw
+    from gpu_fake_peer import EVERY_PEER, TRIGGER_HEADER, FakePeer, flag_word, piece_range, raw
 
     peer = FakePeer(9001, 0, timeout_s=SHORT_S, ll_max_bytes=0)
     n, nbytes = 1001, 2002
@@ -283,7 +283,7 @@ def case_oneshot_on_time_late_stale(c):
 
 
 def case_pieces_rank1_aliased(c):
-    from gpu_fake_peer import FakePeer, piece_range, flag_word, raw
+    from gpu_fake_peer import FakePeer, flag_word, piece_range, raw
 
     peer = FakePeer(9002, 1, timeout_s=LONG_S, direct=True, ll_max_bytes=0)
     n, nbytes = 20001, 40002
@@ -338,8 +338,8 @@ def case_two_shot(c):
         OP_PSUM_SCATTER,
         TRIGGER_HEADER,
         FakePeer,
-        piece_range,
         flag_word,
+        piece_range,
         raw,
     )
 
