@@ -336,7 +336,12 @@ def suite_relay_lost(w):
     x = w.put(parts)
     good = sum(all(got.tobytes() == reference_sum(parts).tobytes() for got in w.mine(f(x)).values()) for _ in range(3))
     client, me = _compat.distributed_client(), w.jax.process_index()
+    # Rank 1 finishing its calls is not its peers finishing theirs (it
+    # relays for rank 0 after its own sum is done): it leaves once all have.
+    client.key_value_set(f"test_ring_cpu/good{me}", "1")
     if me == 1:
+        for r in range(w.world):
+            client.blocking_key_value_get(f"test_ring_cpu/good{r}", 120_000)
         print(RESULT + json.dumps({"exited": True}), flush=True)
         client.key_value_set("test_ring_cpu/exiting", "1")
         os._exit(0)  # no shutdown, no word to the others
