@@ -30,12 +30,13 @@ def clean_env(extra=None):
     return env
 
 
-def launcher_cmd(nprocs, cpu_devices, script, *args):
+def launcher_cmd(nprocs, cpu_devices, script, *args, grace_s=20):
     """``python -m jax_arx.launch -n nprocs`` running ``script *args``, with
     ``cpu_devices`` CPU devices per process (None: jax's default backend) and
-    20 s of grace for the others once one rank has failed."""
+    ``grace_s`` seconds of grace for the others once one rank has failed."""
     devices = ["--cpu-devices", str(cpu_devices)] if cpu_devices is not None else []
-    return [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices, "--grace-s", "20", script, *args]
+    grace = ["--grace-s", str(grace_s)]
+    return [sys.executable, "-m", "jax_arx.launch", "-n", str(nprocs), *devices, *grace, script, *args]
 
 
 def run_suite(worker, suite, nprocs, transport, cwd, *, cpu_devices=1, env=None, timeout=300):

@@ -89,20 +89,7 @@ def test_on_failure_abort_ends_the_process_with_the_failure(core_built, tmp_path
     env = launched.clean_env(
         {"JAX_ARX_ON_FAILURE": "abort", "JAX_ARX_TIMEOUT_S": str(ABORT_TIMEOUT_S), "JAX_ARX_TRANSPORT": "shm"}
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "jax_arx.launch",
-        "-n",
-        "2",
-        "--cpu-devices",
-        "1",
-        "--grace-s",
-        str(GRACE_S),
-        THIS,
-        "--worker",
-        "abort",
-    ]
+    cmd = launched.launcher_cmd(2, 1, THIS, "--worker", "abort", grace_s=GRACE_S)
     p = launched.run_launcher(cmd, env, tmp_path, 300)
     ended = time.time()
     out = p.stdout + p.stderr

@@ -183,26 +183,13 @@ def test_program_writes_what_it_prints(ready, tmp_path):
     (tmp_path / "mine.txt").write_text("\n".join(sentences[i] for i in picked) + "\n", encoding="utf-8")
     np.save(tmp_path / "mine-ref.npy", ref[picked])
     out = tmp_path / "emb.npy"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jax_arx.launch",
-        "-n",
-        "2",
+    cmd = launched.launcher_cmd(
+        2,
+        None,
         os.path.join(EXAMPLES, "minilm.py"),
-        "--mode",
-        "sp",
-        "--sentences",
-        "mine.txt",
-        "--reference",
-        "mine-ref.npy",
-        "--batch-size",
-        "6",
-        "--repeats",
-        "1",
-        "--out",
-        str(out),
-    ]
+        *("--mode", "sp", "--sentences", "mine.txt", "--reference", "mine-ref.npy"),
+        *("--batch-size", "6", "--repeats", "1", "--out", str(out)),
+    )
     p = launched.run_launcher(cmd, launched.clean_env({"JAX_ARX_IDLE_SPIN_MS": "0"}), tmp_path, 600)
     detail = f"status {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
     assert p.returncode == 0, detail
