@@ -59,6 +59,18 @@ def synced_median_seconds(f, *args, repeats):
 _BARRIERS = [0]
 
 
+def timing_default(value, gpu, cpu):
+    """A timing option's value: ``value`` where the command line gave one,
+    else ``gpu`` on GPUs and ``cpu`` on the CPU backend, whose times are a
+    smoke (the host's scheduling, docs/performance.md): fewer runs there keep
+    an example's check-and-time run, and CI's runs of it, to seconds."""
+    if value is not None:
+        return value
+    import jax
+
+    return gpu if jax.default_backend() == "gpu" else cpu
+
+
 def barrier(name, timeout_s=600):
     """Every process waits here for the others, through jax.distributed's
     key-value service, never an XLA collective: on GPUs those are NCCL's,

@@ -43,7 +43,8 @@ Options:
                          check failed
   --dtype f32|bf16       weights and activations (default f32)
   --batch-size B         sentences per batch (default 16)
-  --repeats R            timed passes per figure, median (default 5; 0: no timing)
+  --repeats R            timed passes per figure, median (default 5; on the
+                         CPU backend 3; 0: no timing)
   --tolerance X          largest absolute difference allowed against the
                          reference and the unsharded run (default 1e-5 in
                          f32, 1e-2 in bf16)
@@ -77,7 +78,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import minilm_model as M  # noqa: E402  (beside this file)
-from bench_common import barrier, median_seconds, synced_median_seconds  # noqa: E402
+from bench_common import barrier, median_seconds, synced_median_seconds, timing_default  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "minilm_fixture")
 FIXTURE_SENTENCES = os.path.normpath(os.path.join(FIXTURE, "sentences.txt"))
@@ -101,11 +102,11 @@ def parse_args(argv=None):
     p.add_argument("--out")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, help="timed runs per figure, median; 0: no timing (default 5; CPU: 3)")
     p.add_argument("--tolerance", type=float)
     p.add_argument("--model-dir")
     a = p.parse_args(argv)
-    if a.batch_size < 1 or a.repeats < 0:
+    if a.batch_size < 1 or (a.repeats is not None and a.repeats < 0):
         p.error("--batch-size must be at least 1 and --repeats at least 0")
     if a.reference is None and os.path.abspath(a.sentences) == os.path.abspath(FIXTURE_SENTENCES):
         a.reference = FIXTURE_EMBEDDINGS
@@ -363,6 +364,7 @@ def carrier(axis):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.repeats = timing_default(args.repeats, 5, 3)
     model = Model(args)
     rank0 = jax.process_index() == 0
     say = print if rank0 else (lambda *a, **k: None)

@@ -62,6 +62,7 @@ from bench_common import (  # noqa: E402  (beside this file)
     per_call_us,
     rank_order_sum,
     synced_median_seconds,
+    timing_default,
 )
 from jax_arx import moe_combine  # noqa: E402  (the plain-jax combine, for the jax.lax model)
 
@@ -77,8 +78,10 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--tokens", type=int, default=1024, help="prompt length (split over the ranks)")
-    p.add_argument("--calls", type=int, default=16, help="dependent collective pairs per timed program")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median)")
+    p.add_argument(
+        "--calls", type=int, help="dependent collective pairs per timed program (default 16; the CPU backend: 8)"
+    )
+    p.add_argument("--repeats", type=int, help="timed runs per figure, the median kept (default 5; the CPU backend: 3)")
     p.add_argument("--sizes-kb", default="64,256,1024,4096", help="per-rank slice sizes to time")
     return p.parse_args()
 
@@ -279,6 +282,7 @@ def pair_program(mesh, kind, calls):
 
 def main():
     a = parse_args()
+    a.calls, a.repeats = timing_default(a.calls, 16, 8), timing_default(a.repeats, 5, 3)
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     n = mesh.shape[AXIS]

@@ -48,6 +48,7 @@ from bench_common import (  # noqa: E402  (beside this file)
     per_call_us,
     rank_order_sum,
     synced_median_seconds,
+    timing_default,
 )
 
 AXIS = "tp"
@@ -61,8 +62,10 @@ def parse_args():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--tokens", type=int, default=4, help="decode batch: tokens per step")
     p.add_argument("--context", type=int, default=64, help="KV cache length")
-    p.add_argument("--calls", type=int, default=200, help="dependent collectives per timed program")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median)")
+    p.add_argument(
+        "--calls", type=int, help="dependent collectives per timed program (default 200; the CPU backend: 50)"
+    )
+    p.add_argument("--repeats", type=int, help="timed runs per figure, the median kept (default 7; the CPU backend: 3)")
     p.add_argument("--sizes-kb", default="8,64,256,512")
     p.add_argument("--json", help="write the measurements to this file (rank 0)")
     p.add_argument(
@@ -216,6 +219,7 @@ def chain_program(mesh, psum, calls):
 
 def main():
     args = parse_args()
+    args.calls, args.repeats = timing_default(args.calls, 200, 50), timing_default(args.repeats, 7, 3)
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     tp = mesh.shape[AXIS]
