@@ -27,6 +27,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,23 @@ def _run(cmd, timeout, env=None):
     return out
 
 
+def _package_compiler():
+    """The environment with the compiler that scikit-build-core gives the
+    package's build (Python's, sysconfig's CXX) where the caller names none:
+    ccache keys an object by the compiler's name too (c++ and g++ are one
+    program under two names), so with the names alike the core's objects that
+    ``pip install .`` compiled serve this build."""
+    env = dict(os.environ)
+    cxx = (sysconfig.get_config_var("CXX") or "").split()
+    if "CXX" not in env and cxx and shutil.which(cxx[0]):
+        env["CXX"] = cxx[0]
+    return env
+
+
 @pytest.fixture(scope="module")
 def core_build():
     d = BUILD / "release"
-    _cmake(d, "-DJAX_ARX_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release")
+    _cmake(d, "-DJAX_ARX_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release", env=_package_compiler())
     return d
 
 
