@@ -35,6 +35,9 @@ Series, per jax_arx configuration:
                       epilogue
   psum + add + norm   jax_arx.psum(x), + residual, then the norm in jax
                       (float32, XLA's own fusion)
+  psum + add          jax_arx.psum(x) + residual alone, no norm: what a
+                      fused call costs if its norm were free, so the
+                      least its ratio to the unfused step can be
 
 Method (bench_common.median_seconds): K dependent steps in one jitted
 program, each step's partial the previous step's normed / 2 and its
@@ -51,7 +54,8 @@ sum before it is rounded to bf16).
 
 Prints, per world, the table of the checks, the latencies (us per call),
 and the ratios: fused over unfused per configuration (target: at most 0.7
-on GPUs), and the proxy route over the floor. With --out DIR, writes
+on GPUs), psum + add over unfused (the least that ratio can be), and the
+proxy route over the floor. With --out DIR, writes
 bench_norm.json (world 2) or bench_norm_world{N}.json (_check before the
 world for --check) and a plot of a timed run. Exit status 0 when every job
 ran and every check passed, 1 otherwise.
@@ -77,8 +81,8 @@ ROW_BYTES = HIDDEN * 2  # bf16
 SIZES = [ROW_BYTES * r for r in (1, 4, 16, 64)]
 CPU_SIZES = [ROW_BYTES * r for r in (1, 4)]
 EPS = 1e-6
-FUSED, UNFUSED, FLOOR = "psum_add_norm", "psum + add + norm", bench_psum.FLOOR
-SERIES = (FUSED, UNFUSED)
+FUSED, UNFUSED, BOUND, FLOOR = "psum_add_norm", "psum + add + norm", "psum + add", bench_psum.FLOOR
+SERIES = (FUSED, UNFUSED, BOUND)
 # The fused series times the fused kernels themselves (the norm_fused
 # tuning): by default the plan steps aside on GPUs for psum then the add
 # and the norm in jax (ffi/comm/plan.cc, plan_add_norm), which the unfused
@@ -94,6 +98,10 @@ RATIOS = [
         for c in ("arx-shm", "arx-shm-host", "arx-shm-proxy")
     ),
     ("arx-tcp: psum_add_norm over psum + add + norm", ("arx-tcp", FUSED), ("arx-tcp", UNFUSED), None),
+    *(
+        (f"{c}: psum + add over psum + add + norm", (c, BOUND), (c, UNFUSED), None)
+        for c in ("arx-shm", "arx-shm-host", "arx-shm-proxy")
+    ),
     ("proxy route: psum_add_norm over the pinned round trip", ("arx-shm-proxy", FUSED), ("floor", FLOOR), None),
 ]
 # The tolerance of normed, in float32 ulps of the row's largest |value|
@@ -126,12 +134,17 @@ class Case:
         self.hidden = (summed + self.residual.astype(np.float32)).astype(bf16)
         self.normed = normed_f64(self.hidden, self.weight[0], kind)
 
-    def want(self, rank):
-        """The call's result as the cell sees it: normed rows, then hidden rows."""
-        return np.concatenate([self.normed, self.hidden.astype(np.float64)])
+    def want(self, series):
+        """The call's result as the cell sees it: normed rows (hidden again
+        for the series without a norm), then hidden rows."""
+        first = self.hidden.astype(np.float64) if series == BOUND else self.normed
+        return np.concatenate([first, self.hidden.astype(np.float64)])
 
     def tolerance(self, series):
-        """Per element of want(): normed's tolerance (the docstring's), 0 for hidden."""
+        """Per element of want(series): normed's tolerance (the docstring's),
+        0 for hidden."""
+        if series == BOUND:
+            return np.zeros((2 * self.rows, HIDDEN))
         ulp = np.spacing(np.abs(self.normed).astype(self.hidden.dtype)).astype(np.float64)
         row = ROW_ULPS[series] * 2.0**-23 * np.abs(self.normed).max(-1, keepdims=True)
         return np.concatenate([0.5 * ulp + row, np.zeros(self.hidden.shape)])
@@ -163,7 +176,11 @@ class Worker(bw.BenchWorker):
             y = f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS) * w.astype(jnp.float32)
             return y.astype(h.dtype), h
 
-        return {FUSED: fused, UNFUSED: unfused}
+        def bound(x, r, w):
+            h = self.jax_arx.psum(x, bw.AXIS) + r
+            return h, h
+
+        return {FUSED: fused, UNFUSED: unfused, BOUND: bound}
 
     def series(self, config, comm):
         jnp = self.jax.numpy
@@ -186,7 +203,7 @@ class Worker(bw.BenchWorker):
                     nbytes,
                     call,
                     args,
-                    case.want,
+                    lambda rank, c=case, n=name: c.want(n),
                     comm=comm,
                     plan_op="psum",
                     tolerance=lambda rank, t=tol: t,
@@ -221,7 +238,8 @@ def table_rows(doc, names):
 
 
 def plot(doc, rows, path, title):
-    lines = [(c, s, label, "-" if s == FUSED else ":" if s == FLOOR else "--") for c, s, label in rows]
+    style = {FUSED: "-", FLOOR: ":", BOUND: "-."}
+    lines = [(c, s, label, style.get(s, "--")) for c, s, label in rows]
     report.plot_latencies(
         doc,
         [("psum + residual + norm", lines)],

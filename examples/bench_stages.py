@@ -8,7 +8,10 @@ Needs a trace build of jax_arx (the stamps cost nothing in any other):
     JAX_ARX_CUDA_DIRECT=0 python -m jax_arx.launch -n 2 examples/bench_stages.py --sizes-kb 8,64
 
 Every rank runs --calls dependent psums of each size in one jitted program
-(as the benchmarks time them), --repeats times, then reads its endpoint's
+(as the benchmarks time them), --repeats times (--op add_norm: the fused
+jax_arx.psum_add_norm instead, RMSNorm over rows of 4096 bf16, its fused
+kernels forced as examples/bench_norm.py's fused series has them; the
+norm runs between "seen" and "end"), then reads its endpoint's
 stamps (ffi/base/trace.h): the kernel's (or host side's) begin, its last
 signal, the proxy taking the first trigger and returning from its last put,
 the last peer's piece seen, the end. GPU stamps are moved onto the host's
@@ -98,18 +101,42 @@ def parse_args():
     p.add_argument("--calls", type=int, default=64, help="dependent psums per program")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the table to this file (rank 0)")
-    return p.parse_args()
+    p.add_argument("--op", default="psum", choices=("psum", "add_norm"), help="the call traced (default psum)")
+    args = p.parse_args()
+    if args.op == "add_norm" and any(int(v) % (2 * HIDDEN // 1024) for v in args.sizes_kb.split(",")):
+        p.error(f"--op add_norm: --sizes-kb in whole rows of {HIDDEN} bf16 (multiples of {2 * HIDDEN // 1024})")
+    return args
 
 
-def chain(mesh, calls):
+# --op add_norm: the rows' width, as examples/bench_norm.py's.
+HIDDEN = 4096
+
+
+def chain(mesh, calls, op):
     world = mesh.shape[AXIS]
+    spec = P(AXIS)
 
     def body(i, x):
         return (jax_arx.psum(x, AXIS) * (1.0 / world)).astype(x.dtype) + x[0, 0] * 0
 
-    return jax.jit(
-        jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-    )
+    def fused_body(i, carry):
+        x, r, w = carry
+        normed, hidden = jax_arx.psum_add_norm(x, r, w[0], AXIS)
+        return (normed * 0.5).astype(x.dtype), hidden, w
+
+    if op == "psum":
+        return jax.jit(
+            jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=spec, out_specs=spec)
+        )
+
+    def loop(x):
+        rows = x.shape[1] // HIDDEN
+        x = x.reshape(rows, HIDDEN)
+        w = jnp.ones((1, HIDDEN), x.dtype)
+        out, _, _ = jax.lax.fori_loop(0, calls, fused_body, (x, x, w))
+        return out.reshape(1, -1)
+
+    return jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
 def my_rows(endpoint, offset_ns):
@@ -135,7 +162,7 @@ def main():
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     world = mesh.shape[AXIS]
-    jax_arx.initialize(mesh)
+    jax_arx.initialize(mesh, _tuning={"norm_fused": 1} if args.op == "add_norm" else None)
     from jax_arx import _comm, _core
 
     if not hasattr(_core, "trace"):
@@ -152,7 +179,7 @@ def main():
         offset, error = rtt["offset_ns"], rtt["error_ns"]
     if rank0:
         print(
-            f"bench_stages: {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
+            f"bench_stages: {args.op}, {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
             f"GPU clock onto the host's within {error / 1e3:.2f} us",
             flush=True,
         )
@@ -167,7 +194,7 @@ def main():
         # ranks that share a GPU).
         local = np.ones((len(jax.local_devices()), elems), jnp.bfloat16)
         x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, P(AXIS)), local)
-        f = chain(mesh, args.calls)
+        f = chain(mesh, args.calls, args.op)
         f(x).block_until_ready()
         barrier(f"bench_stages {kb}")
         for _ in range(args.repeats):
@@ -201,7 +228,8 @@ def main():
         barrier(f"bench_stages {kb} read")
     if rank0 and args.json:
         with open(args.json, "w") as fh:
-            json.dump({"route": endpoint.route, "clock_error_us": error / 1e3, "median_us": table}, fh, indent=1)
+            doc = {"op": args.op, "route": endpoint.route, "clock_error_us": error / 1e3, "median_us": table}
+            json.dump(doc, fh, indent=1)
     jax_arx.shutdown()
 
 
