@@ -23,6 +23,9 @@
 
 #include "base/status.h"
 
+#ifndef ARX_HAVE_VERBS
+#error "ARX_HAVE_VERBS is not set: list this source in CMakeLists.txt's ARX_VERBS_SOURCES"
+#endif
 #if ARX_HAVE_VERBS
 #include "transport/verbs_lib.h"
 #endif

@@ -26,6 +26,11 @@
 
 #include <tuple>
 
+// has_verbs() below: the verbs sources' setting (CMakeLists.txt).
+#ifndef ARX_HAVE_VERBS
+#error "ARX_HAVE_VERBS is not set: list this source in CMakeLists.txt's ARX_VERBS_SOURCES"
+#endif
+
 namespace nb = nanobind;
 
 namespace arx {
