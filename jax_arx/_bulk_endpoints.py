@@ -120,6 +120,12 @@ def _make(comm: _registry.Communicator, what: str) -> _registry.Communicator:
     made = _endpoints.connect_endpoints(_native.core(), store, plans, bulk_options(setup.options), what)
     store.remove_published()  # after success only: see its docstring
     bulk = dataclasses.replace(comm, comm_id=key, endpoints=tuple(le for _, le in made), setup=None)
+    # The axis fails as one: a failure of the psum or the bulk endpoint of a
+    # device is the other's too, so the ranks' outcomes differ by at most the
+    # one collective the notices allow, per axis (ffi/comm/endpoint.h).
+    psum_eps = {le.endpoint.device_ordinal: le.endpoint for le in comm.endpoints}
+    for le in bulk.endpoints:
+        le.endpoint.fail_together(psum_eps[le.endpoint.device_ordinal])
     _registry.add_bulk(comm.axis_name, bulk)
     _made.add(comm.comm_id)
     _endpoints.debug(

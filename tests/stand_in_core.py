@@ -171,6 +171,7 @@ import threading
 endpoints = []          # every Endpoint made, in order
 registered = {}         # (comm_id, device_ordinal) -> Endpoint, while connected
 failed = {}             # (comm_id, device_ordinal) -> failure message
+partners = {}           # (comm_id, device_ordinal) -> the keys fail_together linked to it
 fail_create_rank = None  # make Endpoint(rank=this) raise
 _cv = threading.Condition()
 _connecting = {}
@@ -237,7 +238,15 @@ class Endpoint:
         self.closed = True
 
     def failure(self):
-        return failed.get((self.comm_id, self.device_ordinal))
+        k = (self.comm_id, self.device_ordinal)
+        return failed.get(k) or next((failed[p] for p in partners.get(k, ()) if p in failed), None)
+
+    def fail_together(self, other):
+        assert isinstance(other, Endpoint) and self.connected and other.connected, (self, other)
+        a, b = (self.comm_id, self.device_ordinal), (other.comm_id, other.device_ordinal)
+        assert a != b, a
+        partners.setdefault(a, set()).add(b)
+        partners.setdefault(b, set()).add(a)
 
     def plan(self, op, nbytes):
         return self._real.plan(op, nbytes)

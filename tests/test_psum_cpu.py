@@ -33,7 +33,8 @@ and a CRC of all jax_arx results must be the same on every rank.
 - ``quick`` (4 processes; 2 processes with 2 CPU devices each): a subset.
 - ``failures`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): ranks that call psum
   with different sizes, or with as many elements in different shapes, get
-  an error saying so, never a sum; then, after
+  an error saying so, never a sum, and an all_gather on the same axis that
+  ran before fails after it on every rank (the axis fails as one); then, after
   ``jax_arx.shutdown()`` and ``initialize()``, a peer that never calls makes
   rank 0's call fail within the timeout with an error naming rank 1, and
   ``jax_arx.check()`` raises it too.
@@ -85,6 +86,11 @@ def test_two_processes_with_two_devices_each(core_built, tmp_path):
 def test_failures_are_errors_not_sums(core_built, tmp_path, transport):
     results = _run("failures", 2, transport, tmp_path, env={"JAX_ARX_TIMEOUT_S": "3"})
     missing = launched.assert_failure_suite(results)
+    for rank in (0, 1):  # the axis's bulk endpoints fail with its psum endpoints
+        bulk = results[rank]["bulk_after"]
+        assert results[rank]["bulk_before"] and not bulk["finite_result"], results[rank]
+        assert "other communicator of its mesh axis" in bulk["error"], bulk
+        assert "different collective" in bulk["error"] and bulk["kind"] == "CollectiveMismatchError", bulk
     for rank in (0, 1):  # the same element count in another shape
         shape = results[rank]["shape_mismatch"]
         assert not shape["finite_result"] and "different collective" in shape["error"], shape
@@ -537,11 +543,19 @@ def _suite_failures(w):
     me = jax.process_index()
     out = {}
 
+    # A bulk collective on the axis first (its endpoints made and healthy).
+    g = w.smap(lambda v: jax_arx.all_gather(v, "tp", tiled=True), P("tp"), P("tp"))
+    y = w.put(np.ones((w.world, 8), np.float32))
+    out["bulk_before"] = bool(np.isfinite(np.concatenate(w.shards(g(y)))).all())
+
     # Ranks that disagree on the size: an error, never a sum.
     n = 1000 + me
     x = jax.make_array_from_callback((w.world, n), w.sharded, lambda idx: np.ones((1, n), np.float32))
     f = w.smap(lambda v: jax_arx.psum(v, "tp"), P("tp"), P())
     out["mismatch"] = launched.mismatch_report(lambda: np.concatenate(w.shards(f(x))), jax_arx)
+    # The axis fails as one (ffi/comm/endpoint.h, fail_together): the bulk
+    # collective that ran before now fails too, on every rank.
+    out["bulk_after"] = launched.mismatch_report(lambda: np.concatenate(w.shards(g(y))), jax_arx)
 
     # Ranks that hold as many elements in another shape ((64, 2) against
     # (2, 64)): an error, never an element-by-element sum.

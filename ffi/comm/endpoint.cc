@@ -129,7 +129,21 @@ DirectChannel Endpoint::direct_channel(Family f) const {
   return make_direct_channel(layout_, f, spec_.rank, base(), peers);
 }
 
-void Endpoint::fail(const std::string& message) {
+namespace {
+
+// The failure of `ep` because its partner `from` (fail_together) failed
+// with `why`: it keeps why's words, which errors.classify() reads.
+std::string partner_failure(const Endpoint& ep, const Endpoint& from, const std::string& why) {
+  return strf("jax_arx: %s fails with %s, the other communicator of its mesh axis: %s", ep.label().c_str(),
+              from.label().c_str(), why.c_str());
+}
+
+}  // namespace
+
+void Endpoint::fail(const std::string& message) { fail_from(message, false); }
+
+void Endpoint::fail_from(const std::string& message, bool partner) {
+  std::vector<std::shared_ptr<Endpoint>> partners;
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     if (failed_.load(std::memory_order_relaxed)) return;  // the first failure is the one reported
@@ -142,10 +156,28 @@ void Endpoint::fail(const std::string& message) {
       _exit(1);
     }
     failure_ = message;
+    failed_by_partner_.store(partner, std::memory_order_release);  // before failed_: the proxy reads it after
     failed_.store(true, std::memory_order_release);
+    for (const std::weak_ptr<Endpoint>& w : partners_)
+      if (std::shared_ptr<Endpoint> p = w.lock()) partners.push_back(std::move(p));
   }
   // Every wait on this endpoint, host or device, gives up at once from now.
   store_release(&control()->abort, 1);
+  // Outside failure_mu_: a partner's fail() comes back here and returns at
+  // the check above, and two failing at once take their locks one at a time.
+  for (const std::shared_ptr<Endpoint>& p : partners) p->fail_from(partner_failure(*p, *this, message), true);
+}
+
+void Endpoint::fail_together(const std::shared_ptr<Endpoint>& a, const std::shared_ptr<Endpoint>& b) {
+  for (const auto& [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
+    std::lock_guard<std::mutex> lock(from->failure_mu_);
+    from->partners_.push_back(to);
+  }
+  // A failure before the link: failure() reads a device side's record too.
+  for (const auto& [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
+    const std::string why = from->failure();
+    if (!why.empty()) to->fail_from(partner_failure(*to, *from, why), true);
+  }
 }
 
 void Endpoint::peer_lost(int peer, const std::string& why) {

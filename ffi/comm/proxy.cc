@@ -340,7 +340,7 @@ void Proxy::loop(uint64_t consumed) {
     // even when no host code of ours runs (replayed CUDA graphs).
     if (!failure_seen && ep_.failed()) {
       failure_seen = true;
-      send_notices(ep_, relay, forwarded);
+      if (!ep_.failed_by_partner()) send_notices(ep_, relay, forwarded);  // endpoint.h, fail_together
     }
     if (!failure_seen && watchdog.look()) {
       int from = -1;

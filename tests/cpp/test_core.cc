@@ -290,6 +290,45 @@ void test_fail_everywhere(TransportKind kind) {
   for (auto& ep : rig.eps) ep->close();
 }
 
+// The psum and bulk endpoints of one axis fail together (Endpoint::
+// fail_together): rank 0's psum endpoint gives up, so its bulk endpoint
+// fails too and tells rank 1's, which then fails a call it could otherwise
+// complete. Without the link the second rig stays healthy.
+void test_fail_together(TransportKind kind) {
+  Config cfg;
+  cfg.timeout_s = 0.5;
+  Rig psum, bulk;
+  if (!make_rig(kind, 2, psum, cfg) || !make_rig(kind, 2, bulk, cfg, "test/bulk", 8)) {
+    EXPECT(false, "rigs");
+    return;
+  }
+  for (int r = 0; r < 2; ++r) Endpoint::fail_together(psum.eps[r], bulk.eps[r]);
+  std::vector<float> x(64, 1.0f), o0(64), o1(64);
+  const Status s0 = testing::psum(*psum.eps[0], DType::kF32, x.data(), o0.data(), 64, 0);  // rank 1 is late
+  EXPECT(!s0.ok() && s0.message().find("timed out") != std::string::npos, "rank 0 times out: %s", s0.message().c_str());
+  const std::string mine = bulk.eps[0]->failure();
+  EXPECT(mine.find("fails with") != std::string::npos && mine.find("timed out") != std::string::npos,
+         "%s: rank 0's other endpoint fails with it, saying why: '%s'", transport_name(kind), mine.c_str());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!bulk.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT(bulk.eps[1]->failed(), "%s: rank 1's other endpoint learns of it", transport_name(kind));
+  const Status s1 = testing::psum(*bulk.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
+  EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: rank 1's call on the other endpoint fails: %s", transport_name(kind),
+         s1.message().c_str());
+  // A link made after a failure fails the healthy endpoint at once.
+  Rig late;
+  if (!make_rig(kind, 2, late, cfg, "test/late", 9)) {
+    EXPECT(false, "rig");
+    return;
+  }
+  Endpoint::fail_together(late.eps[0], psum.eps[0]);
+  EXPECT(late.eps[0]->failed() && late.eps[0]->failure().find("timed out") != std::string::npos,
+         "%s: linked to a failed endpoint: '%s'", transport_name(kind), late.eps[0]->failure().c_str());
+  for (Rig* rig : {&psum, &bulk, &late})
+    for (auto& ep : rig->eps) ep->close();
+}
+
 // A rank that lost a peer (its link closed: the carrier's callback) tells
 // the others whom: a rank told by that notice before it sees the loss
 // itself must name the lost rank too, not only the rank that told it.
@@ -450,6 +489,7 @@ int main(int argc, char** argv) {
     test_mismatch(k);
     test_descriptor_collision(k);
     test_fail_everywhere(k);
+    test_fail_together(k);
     test_lost_peer_named_everywhere(k);
     test_fingerprint(k);
     test_abort_on_failure(k);
