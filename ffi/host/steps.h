@@ -43,7 +43,10 @@ struct HostPoll {
   Clock::duration not_running{};  // the gaps left out of this collective's waits
 
   // Before a wait: the time since the last look was this rank's own work.
-  void begin() { last = Clock::now(); }
+  void begin() {
+    last = Clock::now();
+    long_wait = false;
+  }
   bool expired() {
     const Clock::time_point now = Clock::now();
     const Clock::duration gap = now - last;
@@ -57,12 +60,18 @@ struct HostPoll {
   }
   bool aborted(uint32_t turn) const { return (turn & 15) == 15 && load_acquire(&ctl->abort) != 0; }
   bool stopped(uint32_t) const { return false; }
+  // A wait 5 ms into its collective is not about to end (a slow or
+  // descheduled peer, a loaded host): from then on each turn naps instead
+  // of yielding, so the wait leaves the cores to the peers it waits for
+  // where the threads outnumber them. Before, a turn only yields: the
+  // latency of a wait that ends soon. The clock is read every 16th turn.
+  mutable bool long_wait = false;
   void pause(uint32_t turn) const {
-    if ((turn & 15) == 15 && Clock::now() - start > std::chrono::milliseconds(5)) {
+    if (!long_wait && (turn & 15) == 15) long_wait = Clock::now() - start > std::chrono::milliseconds(5);
+    if (long_wait)
       std::this_thread::sleep_for(std::chrono::microseconds(50));
-      return;
-    }
-    sched_yield();
+    else
+      sched_yield();
   }
 };
 
