@@ -173,6 +173,15 @@ MUTATIONS = [
         (BULK, "-k", "argument_errors"),
     ),
     M(
+        "an axis's endpoints fail one at a time (fail_together links nothing)",
+        "ffi/comm/endpoint.cc",
+        "  for (const std::shared_ptr<Endpoint>& p : partners) "
+        "p->fail_from(partner_failure(*p, *this, message), true);",
+        "  (void)partners;",
+        ("test_core", "--quick", "shm"),
+        cpp=True,
+    ),
+    M(
         "JAX_ARX_ONESHOT_MAX_BYTES ignored by the plan",
         "ffi/comm/plan.cc",
         "const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes)\n",
