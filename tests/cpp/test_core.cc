@@ -306,12 +306,14 @@ void test_fail_together(TransportKind kind) {
   std::vector<float> x(64, 1.0f), o0(64), o1(64);
   const Status s0 = testing::psum(*psum.eps[0], DType::kF32, x.data(), o0.data(), 64, 0);  // rank 1 is late
   EXPECT(!s0.ok() && s0.message().find("timed out") != std::string::npos, "rank 0 times out: %s", s0.message().c_str());
+  // The call's wait recorded its failure in the Control block; the endpoint
+  // (and with it the partner) fails when its proxy, or a reader, looks.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((!bulk.eps[0]->failed() || !bulk.eps[1]->failed()) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   const std::string mine = bulk.eps[0]->failure();
   EXPECT(mine.find("fails with") != std::string::npos && mine.find("timed out") != std::string::npos,
          "%s: rank 0's other endpoint fails with it, saying why: '%s'", transport_name(kind), mine.c_str());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!bulk.eps[1]->failed() && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   EXPECT(bulk.eps[1]->failed(), "%s: rank 1's other endpoint learns of it", transport_name(kind));
   const Status s1 = testing::psum(*bulk.eps[1], DType::kF32, x.data(), o1.data(), 64, 0);
   EXPECT(!s1.ok() && std::isnan(o1[0]), "%s: rank 1's call on the other endpoint fails: %s", transport_name(kind),
