@@ -84,9 +84,9 @@ EPS = 1e-6
 FUSED, UNFUSED, BOUND, FLOOR = "psum_add_norm", "psum + add + norm", "psum + add", bench_psum.FLOOR
 SERIES = (FUSED, UNFUSED, BOUND)
 # The fused series times the fused kernels themselves (the norm_fused
-# tuning): by default the plan steps aside on GPUs for psum then the add
-# and the norm in jax (ffi/comm/plan.cc, plan_add_norm), which the unfused
-# series times.
+# tuning): by default the plan steps aside for psum then the add and the
+# norm in jax (ffi/comm/plan.cc, plan_add_norm), which the unfused series
+# times.
 CONFIGS = {
     **{name: dict(c, tuning=dict(c["tuning"], norm_fused=1)) for name, c in bj.ARX_CONFIGS.items()},
     "floor": bj.floor_config(),

@@ -21,7 +21,8 @@ Sharding (Megatron style), over the mesh axis ``axis``:
   Each block ends with an all-reduce (``psum``) of its [T, B, 384] partial;
   bias, residual and LayerNorm follow on the full sum. With jax_arx the
   three are one ``psum_add_norm`` (the bias added to the residual first,
-  the norm in the call's own reduction order, so not the bits of jax's).
+  so not the bits of jax's; where it runs fused, the norm in its own
+  reduction order too).
 - ``sp``: every rank holds T / n consecutive tokens of the residual stream.
   Each block all-gathers the tokens (``all_gather``), runs tensor-parallel
   as above over all T tokens, and reduce-scatters the partial back to the

@@ -25,8 +25,8 @@ here):
   float32 addition of two partials, which is commutative, so jax.lax's
   order cannot change it; at 3 and more ranks its order is its own). tp
   with jax_arx runs each sum, residual add and LayerNorm as one
-  jax_arx.psum_add_norm, whose norm sums each row in its own order (and
-  adds the bias to the residual first), so tp against jax.lax, and tp
+  jax_arx.psum_add_norm, which adds the bias to the residual first (and,
+  where it runs fused, norms each row in its own order), so tp against jax.lax, and tp
   against sp, are held to F32_VS_UNSHARDED instead;
 - that the compiled programs call jax_arx's collectives (no fallback).
 
@@ -120,7 +120,7 @@ def check_encodings(out_dir, world, *, vs_fixture, vs_unsharded, exact, impls=IM
             continue
         arx, lax = (np.load(os.path.join(out_dir, f"{mode}-{i}-rank0.npy")) for i in IMPLS)
         figures[f"{mode} jax_arx vs lax"] = max_abs(arx, lax)
-        if exact and world == 2 and mode == "sp":  # tp: psum_add_norm's own order (see the module docstring)
+        if exact and world == 2 and mode == "sp":  # tp: psum_add_norm's order (see the module docstring)
             assert arx.tobytes() == lax.tobytes(), f"{mode}: jax_arx and jax.lax differ at 2 ranks"
         assert worst_rows(arx, lax, vs_unsharded) == {}, f"{mode}: jax_arx vs jax.lax"
     tp, sp = (np.load(os.path.join(out_dir, f"{m}-jax_arx-rank0.npy")) for m in MODES)

@@ -15,7 +15,11 @@ fused call, on every rank:
 - a CRC of every result is the same on every rank (bit-identical results).
 
 One launch per world and carrier runs every case (one program per dtype in
-``norms``), so the suite costs three launches.
+``norms``), so the suite costs three launches. The workers ask for the
+fused host side (the ``norm_fused`` tuning): by default the plan steps
+aside for psum then the add and the norm in jax, on the CPU as on GPUs
+(ffi/comm/plan.cc, plan_add_norm), and it is the fused host side whose
+contract these cases check.
 
 - ``norms`` (worlds 2 and 3 over shm, 2 over tcp): every dtype, both kinds,
   with and without bias, shapes (1, W), (5, W), (2, 3, W) for W in 1, 7,
@@ -134,7 +138,7 @@ def test_bad_input():
 
 class _Worker(launched.MeshWorker):
     def __init__(self):
-        super().__init__("tp")
+        super().__init__("tp", tuning={"norm_fused": 1})  # the docstring: the fused host side
         self.crc = 0
         self.replicated = self.jax.sharding.NamedSharding(self.mesh, self.P())
 
@@ -408,8 +412,8 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 @pytest.mark.usefixtures("four_devices")
 def test_steps_aside_where_the_plan_says_unfused(fake_core, lax_lowering, monkeypatch, caplog):
-    """Where the plan says the fused kernels lose (on GPUs, ffi/comm/plan.cc
-    plan_add_norm; here the communicator's plan says so for the CPU), the
+    """Where the plan says the fused kernels lose (by default, on GPUs and
+    the CPU: ffi/comm/plan.cc plan_add_norm; here a stand-in plan), the
     call is jax_arx.psum, then the add and the norm in jax: no fused
     primitive, no fallback (nothing logged, JAX_ARX_FALLBACK=error allows
     it), the plan's reason counted for stats()["plans"], hidden the psum

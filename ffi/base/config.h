@@ -58,9 +58,9 @@ struct Config {
   // the fused kernel loses (comm/plan.cc, plan_moe_combine).
   int64_t moe_fused = 0;
   // tuning: 1: jax_arx.psum_add_norm runs its fused kernels wherever its
-  // psum runs; 0: the plan decides, and on GPUs steps aside for psum then
-  // the add and the norm in jax, where the fused kernels lose (comm/plan.cc,
-  // plan_add_norm).
+  // psum runs; 0: the plan decides, and steps aside for psum then the add
+  // and the norm in jax, where the fused kernels or host side lose
+  // (comm/plan.cc, plan_add_norm).
   int64_t norm_fused = 0;
   // tuning: on the direct channel, a one-shot psum up to this size goes LL,
   // its flags inside the data (cuda/ll.cu). -1: built in; 0: never.

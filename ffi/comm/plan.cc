@@ -189,11 +189,13 @@ Plan plan_bulk(const Endpoint& ep, const char* op, uint64_t lane_bytes) {
 
 Plan plan_add_norm(const Endpoint& ep, uint64_t bytes) {
   Plan p = plan_psum(ep, bytes);
-  if (p.algorithm == Algorithm::kNone || ep.spec().platform != Platform::kCuda || ep.spec().config.norm_fused) return p;
-  // On GPUs the norm in the psum kernels' epilogue runs on the blocks that
-  // summed each row, a row at a time, where XLA's separate add and norm
-  // kernel takes the whole GPU: measured, the fused call lost to the
-  // unfused three on every route (docs/performance.md, "The fused norm").
+  if (p.algorithm == Algorithm::kNone || ep.spec().config.norm_fused) return p;
+  // The fused norm runs a row at a time: on GPUs on the blocks that summed
+  // it, in the kernels' epilogue, where XLA's separate add and norm kernel
+  // takes the whole GPU; on the CPU in one thread, element by element,
+  // where XLA's norm is vectorized. Measured, the fused call lost to the
+  // unfused three on every route, GPU and CPU (docs/performance.md, "The
+  // fused norm", and its CPU figures under "On the CPU backend").
   // So it steps aside: hidden keeps its bits (psum + residual either way);
   // normed is the formula in XLA's reduction order, the same on every rank.
   // Every rank decides alike: the route and the config are the

@@ -285,8 +285,8 @@ void check_moe() {
 }
 
 // plan_add_norm on every route, by default and with norm_fused, inside and
-// past psum's envelope: on GPUs the fused kernels step aside unless asked
-// for; the CPU backend runs them.
+// past psum's envelope: the fused kernels and host side step aside unless
+// asked for, on GPUs and on the CPU backend alike.
 void check_add_norm() {
   struct Route {
     Platform platform;
@@ -309,7 +309,7 @@ void check_add_norm() {
       if (!ep) return;
       for (uint64_t bytes : {(uint64_t)16, (uint64_t)8 * kKiB, (uint64_t)c.cfg.slot_bytes, 64 * c.cfg.send_bytes}) {
         const Plan psum = plan_psum(*ep, bytes), p = plan_add_norm(*ep, bytes);
-        const bool steps_aside = psum.algorithm != Algorithm::kNone && r.platform == Platform::kCuda && !fused;
+        const bool steps_aside = psum.algorithm != Algorithm::kNone && !fused;
         const Algorithm want = steps_aside ? Algorithm::kUnfused : psum.algorithm;
         EXPECT(p.algorithm == want, "%s, %s, norm_fused %lld: %llu bytes ran %s, want %s",
                r.platform == Platform::kHost ? "host" : "cuda", r.says, (long long)fused, (unsigned long long)bytes,
