@@ -53,9 +53,7 @@
 
 #include "transport/transport.h"
 
-#ifndef ARX_HAVE_VERBS
-#error "ARX_HAVE_VERBS is not set: list this source in CMakeLists.txt's ARX_VERBS_SOURCES"
-#endif
+#include "transport/verbs_build.h"
 #if ARX_HAVE_VERBS
 
 #include <string>

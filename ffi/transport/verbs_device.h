@@ -23,9 +23,7 @@
 
 #include "base/status.h"
 
-#ifndef ARX_HAVE_VERBS
-#error "ARX_HAVE_VERBS is not set: list this source in CMakeLists.txt's ARX_VERBS_SOURCES"
-#endif
+#include "transport/verbs_build.h"
 #if ARX_HAVE_VERBS
 #include "transport/verbs_lib.h"
 #endif

@@ -10,9 +10,7 @@
 // ibv_query_port: call api().reg_mr and verbs::query_port() instead.
 #pragma once
 
-#ifndef ARX_HAVE_VERBS
-#error "ARX_HAVE_VERBS is not set: list this source in CMakeLists.txt's ARX_VERBS_SOURCES"
-#endif
+#include "transport/verbs_build.h"
 #if ARX_HAVE_VERBS
 
 #include <infiniband/verbs.h>

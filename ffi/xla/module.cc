@@ -16,6 +16,7 @@
 
 #include "comm/endpoint.h"
 #include "comm/plan.h"
+#include "transport/verbs_build.h"  // has_verbs()
 #include "xla/capsule.h"
 #include "xla/handlers.h"
 
@@ -25,11 +26,6 @@
 #endif
 
 #include <tuple>
-
-// has_verbs() below: the verbs sources' setting (CMakeLists.txt).
-#ifndef ARX_HAVE_VERBS
-#error "ARX_HAVE_VERBS is not set: list this source in CMakeLists.txt's ARX_VERBS_SOURCES"
-#endif
 
 namespace nb = nanobind;
 
