@@ -125,16 +125,15 @@ class Endpoint {
   void peer_lost(int peer, const std::string& why);
   // Endpoints that fail together: the psum and the bulk endpoint of one mesh
   // axis on one device (jax_arx/_bulk_endpoints.py). A failure of either,
-  // whatever its cause, is the other's at once, and each tells its own
-  // peers (the proxy's notices), so no rank completes a collective on one
-  // communicator of an axis after the other gave up: the ranks' outcomes
-  // differ by at most the one collective the notices allow, per axis, not
-  // per communicator. Both ways, held weakly (either may close first); an
-  // endpoint already failed fails the other now. An endpoint failed by its
-  // partner sends no notices of its own (failed_by_partner()): its peers'
-  // endpoints learn from their partners, told by the first endpoint's
-  // notices, so every rank's error keeps that first one's cause (a
-  // mismatch, a timeout) instead of a vaguer one racing it.
+  // whatever its cause, is the other's at once, so no rank completes a
+  // collective on one communicator of an axis after the other gave up: the
+  // ranks' outcomes differ by at most the one collective the notices allow,
+  // per axis, not per communicator. The endpoint that failed first tells
+  // its peers (the proxy's notices); one failed by its partner sends none
+  // (failed_by_partner()): its peers' endpoints learn from their partners,
+  // so every rank's error keeps the first cause (a mismatch, a timeout)
+  // instead of a vaguer one racing it. Both ways, held weakly (either may
+  // close first); an endpoint already failed fails the other now.
   static void fail_together(const std::shared_ptr<Endpoint>& a, const std::shared_ptr<Endpoint>& b);
   bool failed_by_partner() const { return failed_by_partner_.load(std::memory_order_acquire); }
   // The ranks peer_lost() named (bit j: rank j), for the notices.
@@ -170,6 +169,8 @@ class Endpoint {
 
  private:
   Endpoint() = default;
+  // fail(), saying whether the failure came from a partner (fail_together).
+  void fail_from(const std::string& message, bool partner);
   EndpointSpec spec_;
   Layout layout_;
   std::string label_;
@@ -187,7 +188,6 @@ class Endpoint {
   std::atomic<bool> failed_{false};
   std::vector<std::weak_ptr<Endpoint>> partners_;  // fail_together(); under failure_mu_
   std::atomic<bool> failed_by_partner_{false};
-  void fail_from(const std::string& message, bool partner);
   std::atomic<uint64_t> lost_mask_{0};
   struct FreeTrace {
     void operator()(TraceBuffer* t) const { std::free(t); }

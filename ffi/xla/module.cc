@@ -276,7 +276,7 @@ NB_MODULE(_core, m) {
           [](PyEndpoint& self, PyEndpoint& other) { arx::Endpoint::fail_together(self.endpoint(), other.endpoint()); },
           nb::arg("other"),
           "Links this endpoint's failure with `other`'s, both ways (comm/endpoint.h): a failure of either, "
-          "earlier or later, fails the other, which tells its own peers.")
+          "earlier or later, fails the other.")
       .def_prop_ro("rank", [](const PyEndpoint& p) { return p.endpoint()->spec().rank; })
       .def_prop_ro("world", [](const PyEndpoint& p) { return p.endpoint()->spec().world; })
       .def_prop_ro("comm_id", [](const PyEndpoint& p) { return p.endpoint()->spec().comm_id; })
