@@ -34,6 +34,20 @@ using namespace arx::testing;
 
 namespace {
 
+// The settings jax_arx gives a psum endpoint: no bulk lanes (the bulk ops get
+// endpoints of their own, jax_arx/_bulk_endpoints.py; tests/cpp/test_bulk.cc
+// tests those). With them every rank's region would pin 128 MiB more, and
+// sizing and unmapping those pages was most of this test's time on shm.
+// The proxies nap as soon as they are idle, as in the Python tests
+// (tests/launched.py): a rank's threads outnumber the cores, and spinning
+// proxies starve the ranks that have work, most of all on a loaded machine.
+Config psum_config() {
+  Config c;
+  c.bulk_lanes = false;
+  c.idle_spin_ms = 0;
+  return c;
+}
+
 void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-4.f, 4.f);
   buf.resize(count * dtype_size(t));
@@ -47,7 +61,7 @@ void fill_random(DType t, std::vector<uint8_t>& buf, uint64_t count, std::mt1993
 }
 
 void test_allreduce(TransportKind kind, int world, DType dtype, const std::vector<uint64_t>& counts, int repeats,
-                    const Config& cfg = Config()) {
+                    const Config& cfg = psum_config()) {
   Rig rig;
   if (!make_rig(kind, world, rig, cfg)) {
     EXPECT(false, "rig %s world %d", transport_name(kind), world);
@@ -97,7 +111,7 @@ void test_allreduce(TransportKind kind, int world, DType dtype, const std::vecto
 // from rank 0's element, not from +0.0); mixed signs give +0.0.
 void test_signed_zero(TransportKind kind) {
   Rig rig;
-  if (!make_rig(kind, 3, rig, Config())) {
+  if (!make_rig(kind, 3, rig, psum_config())) {
     EXPECT(false, "rig");
     return;
   }
@@ -124,7 +138,7 @@ void test_signed_zero(TransportKind kind) {
 }
 
 // Thousands of back-to-back calls: parity reuse under load.
-void test_back_to_back(TransportKind kind, int world, int calls, const Config& cfg = Config()) {
+void test_back_to_back(TransportKind kind, int world, int calls, const Config& cfg = psum_config()) {
   Rig rig;
   if (!make_rig(kind, world, rig, cfg)) {
     EXPECT(false, "rig");
@@ -160,7 +174,7 @@ void test_back_to_back(TransportKind kind, int world, int calls, const Config& c
 // refuse any direct put between ranks that are not neighbours, so a relay
 // the proxy forgot fails the call instead of going round it.
 void test_ring(TransportKind kind, bool quick) {
-  Config ring;
+  Config ring = psum_config();
   ring.topology = TopologyKind::kRing;
   const std::vector<uint64_t> counts = {1, 9, 1000, 4097, quick ? 20000ull : 200000ull};
   for (int world : {2, 3, 4}) {
@@ -208,7 +222,7 @@ void test_ring(TransportKind kind, bool quick) {
 // peer). `slow` (--quick: sanitizer and emulated builds): a timeout that
 // their set-up fits in.
 void test_timeout(TransportKind kind, bool slow) {
-  Config cfg;
+  Config cfg = psum_config();
   cfg.timeout_s = slow ? 3 : 0.5;
   Rig rig;
   if (!make_rig(kind, 3, rig, cfg)) {
@@ -238,7 +252,7 @@ void test_timeout(TransportKind kind, bool slow) {
 
 // Ranks that issue different sizes get an error, not a wrong sum.
 void test_mismatch(TransportKind kind) {
-  Config cfg;
+  Config cfg = psum_config();
   cfg.timeout_s = 2;
   Rig rig;
   if (!make_rig(kind, 2, rig, cfg)) {
@@ -265,7 +279,7 @@ void test_mismatch(TransportKind kind) {
 // peer that comes late (stopped past the timeout, say) fails that
 // collective too instead of completing it with the data it was sent.
 void test_fail_everywhere(TransportKind kind) {
-  Config cfg;
+  Config cfg = psum_config();
   cfg.timeout_s = 0.5;
   Rig rig;
   if (!make_rig(kind, 2, rig, cfg)) {
@@ -295,7 +309,7 @@ void test_fail_everywhere(TransportKind kind) {
 // fails too and tells rank 1's, which then fails a call it could otherwise
 // complete. Without the link the second rig stays healthy.
 void test_fail_together(TransportKind kind) {
-  Config cfg;
+  Config cfg = psum_config();
   cfg.timeout_s = 0.5;
   Rig psum, bulk;
   if (!make_rig(kind, 2, psum, cfg) || !make_rig(kind, 2, bulk, cfg, "test/bulk", 8)) {
@@ -335,7 +349,7 @@ void test_fail_together(TransportKind kind) {
 // the others whom: a rank told by that notice before it sees the loss
 // itself must name the lost rank too, not only the rank that told it.
 void test_lost_peer_named_everywhere(TransportKind kind) {
-  Config cfg;
+  Config cfg = psum_config();
   cfg.timeout_s = 5;
   Rig rig;
   if (!make_rig(kind, 3, rig, cfg)) {
@@ -366,7 +380,7 @@ void test_descriptor_collision(TransportKind kind) {
   }
   EXPECT(b != 0, "no colliding pair of f32 counts below 2^18");
   if (!b) return;
-  Config cfg;
+  Config cfg = psum_config();
   cfg.timeout_s = 5;
   Rig rig;
   if (!make_rig(kind, 2, rig, cfg)) {
@@ -409,7 +423,7 @@ void test_abort_on_failure(TransportKind kind) {
   if (pid == 0) {
     dup2(err_pipe[1], 2);
     close(err_pipe[0]);
-    Config cfg;
+    Config cfg = psum_config();
     cfg.timeout_s = 0.3;
     cfg.abort_on_failure = true;
     Rig rig;
@@ -452,6 +466,7 @@ void test_fingerprint(TransportKind kind) {
       s.name = "fp";
       s.secret = std::string(1, 'x');  // not = "x": GCC 12 warns falsely on that assignment (its bug 105329)
       s.config.slot_bytes = 1 << 20;
+      s.config.bulk_bytes = 1 << 20;  // bulk lanes, but small: one of the cases takes them away
       s.config.timeout_s = 2;
       if (r == 1) change(s.config);
       EXPECT(Endpoint::create(s, eps[r]).ok(), "create");
