@@ -24,15 +24,15 @@ else
   PHASES=()
   C=$RXE_DEV_C D=$RXE_DEV_D
   if [[ ${RXE_NDEV:-2} == 4 ]]; then
-    PHASES+=(--phase "name=two-roots transport=verbs hca=$A,$C/$B,$D expect=verbs calls=4 bulk=20")
+    PHASES+=(--phase "name=two-roots transport=verbs hca=$A,$C/$B,$D expect=verbs calls=4 bulk=10")
     # A ring of 2: each rank's list names the port facing prev, then the port
     # facing next (two roots each: soft-RoCE has one device per netdev, opened
     # twice). Rank 0's next port rxe0 is wired to rank 1's prev port rxe1,
     # rank 1's next port rxe3 to rank 0's prev port rxe2.
-    PHASES+=(--phase "name=ring transport=verbs topology=ring hca=$C,$C,$A,$A/$B,$B,$D,$D expect=verbs calls=4"
-             --phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB calls=4")
+    PHASES+=(--phase "name=ring transport=verbs topology=ring hca=$C,$C,$A,$A/$B,$B,$D,$D expect=verbs calls=2"
+             --phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB calls=2")
   else
-    PHASES+=(--phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB calls=4 bulk=20")
+    PHASES+=(--phase "name=one-root transport=verbs hca=$A/$B expect=verbs chunk=64KiB calls=4 bulk=10")
   fi
   PHASES+=(--phase "name=auto-verbs transport=auto hca=$A/$B expect=verbs calls=2"
            --phase "name=auto-tcp transport=auto hca=$A/- expect=tcp calls=2"

@@ -30,7 +30,7 @@ import bulk_reference as ref  # noqa: E402
 import jax_arx  # noqa: E402
 
 AXIS = "x"
-GATHER_ELEMENTS = 1 << 20  # bf16 per rank: 2 MiB in, 4 MiB gathered
+GATHER_ELEMENTS = 1 << 19  # bf16 per rank: 1 MiB in, 2 MiB gathered
 MOE = dict(T=2048, R=256, H=512, topk=2)  # 2 MiB of combined rows, 1 MiB per rank after the sum
 SETS = 2  # input sets, used in turn
 BATCH = 10  # calls dispatched before any result is read
