@@ -44,7 +44,7 @@ Options:
   --dtype f32|bf16       weights and activations (default f32)
   --batch-size B         sentences per batch (default 16)
   --repeats R            timed passes per figure, median (default 5; on the
-                         CPU backend 3; 0: no timing)
+                         CPU backend 1; 0: no timing)
   --tolerance X          largest absolute difference allowed against the
                          reference and the unsharded run (default 1e-5 in
                          f32, 1e-2 in bf16)
@@ -102,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--out")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, help="timed runs per figure, median; 0: no timing (default 5; CPU: 3)")
+    p.add_argument("--repeats", type=int, help="timed runs per figure, median; 0: no timing (default 5; CPU: 1)")
     p.add_argument("--tolerance", type=float)
     p.add_argument("--model-dir")
     a = p.parse_args(argv)
@@ -364,7 +364,7 @@ def carrier(axis):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.repeats = timing_default(args.repeats, 5, 3)
+    args.repeats = timing_default(args.repeats, 5, 1)
     model = Model(args)
     rank0 = jax.process_index() == 0
     say = print if rank0 else (lambda *a, **k: None)
@@ -487,8 +487,8 @@ def print_times(timed, model, args):
     batches of this run."""
     lengths = [b.ids.shape[0] for b in model.batches]
     print(
-        f"time per batch of {args.batch_size} sentences, by padded length (median of {args.repeats} runs; "
-        "lower is better):"
+        f"time per batch of {args.batch_size} sentences, by padded length "
+        f"({'one run' if args.repeats == 1 else f'median of {args.repeats} runs'}; lower is better):"
     )
     print(
         f"  {'':<28}"
