@@ -299,8 +299,9 @@ def test_verbs_soft_roce(vm_suite):
 def test_psum_soft_roce(vm_suite, summary_line):
     """jax_arx.psum between two processes in the VM over soft-RoCE, every result
     checked bit for bit against numpy's fp32 rank-order sum (bf16, f16, f32,
-    sizes 1 to 131071, 4 back to back per dtype and size on two roots (72 calls), 2 in
-    the other phases): two roots per rank, one root (with small WRs), a ring of 2, the automatic choice (verbs when both ranks name
+    sizes 1 to 131071, 4 back to back per dtype and size on two roots (72
+    calls), 2 in the other phases): two roots per rank, one root (with small
+    WRs), a ring of 2, the automatic choice (verbs when both ranks name
     devices, tcp when one does not), then a rank exiting mid-stream, which the
     other's psum reports, naming it, within seconds. On two roots (one with
     RXE_VM_NDEV=2), 30 bulk calls too, bit for bit against numpy: all_gather
