@@ -50,21 +50,28 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 }
 
 // Peer data: bypass the caches (the proxy, a NIC or a peer GPU wrote it).
+// The "memory" clobbers keep the compiler from moving these loads above the
+// flag wait that announced the data (its acquire is an asm statement too,
+// and volatile asm alone orders only asm among itself, not ordinary
+// accesses the compiler might merge or hoist around it).
 __device__ __forceinline__ uint4 ld_cv_v4(const void* p) {
   uint4 v;
-  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
   return v;
 }
 
 __device__ __forceinline__ uint16_t ld_cv_u16(const void* p) {
   uint16_t v;
-  asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
   return v;
 }
 
 __device__ __forceinline__ uint32_t ld_cv_u32(const void* p) {
   uint32_t v;
-  asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
