@@ -77,6 +77,12 @@ in its own jax_arx.initialize() within the job:
   two-shot      JAX_ARX_ONESHOT_MAX_BYTES=16: two-shot at every size (GPUs
                 only: the CPU has no two-shot, and says so)
 
+With --pause S (timed runs only), each series also times, at its smallest
+size, one jitted call's wall time, dispatch included: warm (": one call"),
+and as the first call after every rank slept S seconds alike, a barrier
+before the sleep (": one call after S s"): the GPU, the host and the proxy
+waking up. Each is the median of PAUSE_SAMPLES, the slowest rank's.
+
 The settings of a series are its own: the JAX_ARX_* variables that define
 series are dropped from the environment the jobs inherit, and every jax_arx
 series runs with JAX_ARX_FALLBACK=error, so a size jax_arx would leave to
@@ -123,6 +129,7 @@ THIS = os.path.abspath(__file__)
 SIZES = [8 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
 CPU_SIZES = [8 << 10, 64 << 10]
 SEED = 1
+PAUSE_SAMPLES = 5
 XLA_ONESHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
 XLA_WATCH = r"(?i)collective kernel|one.?shot"
 CONFIGS = {
@@ -306,6 +313,36 @@ class Worker(bw.BenchWorker):
                 baseline=nbytes,
                 intended=lambda planned, ran, n=nbytes: as_intended(config, series, n, planned, ran),
             )
+        if self.job.get("pause") and not self.job["check_only"]:
+            self.one_call(config, series, call, min(self.job["sizes"]))
+
+    def one_call(self, config, series, call, nbytes):
+        """--pause: one jitted call's wall time, dispatch and the wait for
+        its result included, warm and then as the first call after every
+        rank slept --pause seconds (a barrier first, so they sleep alike);
+        the median of PAUSE_SAMPLES each, the slowest rank's."""
+        import time
+
+        x = self.inputs(nbytes)[0]
+        f = self.smap(call)
+        f(x).block_until_ready()
+        figures = []
+        for pause in (0, self.job["pause"]):
+            times = []
+            for _ in range(PAUSE_SAMPLES):
+                self.ex.barrier()
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                f(x).block_until_ready()
+                times.append((time.perf_counter() - t0) * 1e6)
+            figures.append(float(np.median(times)))
+        views = self.ex.gather(figures)
+        if views is None:
+            return
+        for name, us in zip(pause_series(series, self.job["pause"]), np.max(views, axis=0), strict=True):
+            self.rec.time(config, nbytes, name, float(us))
+            print(f"{config} {name} {nbytes >> 10} KB: {us:.1f} us", flush=True)
+        self.rec.write()
 
     def inputs(self, nbytes):
         """The sharded input of a size, the reference sum (the same on every
@@ -336,15 +373,24 @@ class Worker(bw.BenchWorker):
 # --- the driver ------------------------------------------------------------------------
 
 
-def table_rows(doc, names, algorithms):
+def pause_series(series, pause):
+    """The --pause figures' series names: warm, and after the pause."""
+    return f"{series}: one call", f"{series}: one call after {pause:g} s"
+
+
+def table_rows(doc, names, algorithms, pause=0):
     rows = []
     for config in names:
         if CONFIGS[config]["kind"] == "arx":
             rows += [(config, a, f"{config} {a}") for a in algorithms]
+            if pause:
+                rows += [(config, s, f"{config} {s}") for a in algorithms for s in pause_series(a, pause)]
         elif CONFIGS[config]["kind"] == "floor":
             rows.append((config, FLOOR, f"{config}: {FLOOR}"))
         else:
             rows.append((config, LAX, config))
+            if pause and CONFIGS[config]["kind"] != "floor":
+                rows += [(config, s, f"{config} {s}") for s in pause_series(LAX, pause)]
     return [r for r in rows if r[0] in doc["results"] or r[0] in doc["checks"]]
 
 
@@ -361,12 +407,20 @@ def parse_args(argv):
         "partials per rank, e.g. 8KB,4MB (default 8 KB to 4 MB; --cpu: 8 and 64 KB)",
     )
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="series of each jax_arx configuration")
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=0,
+        help="also time one call, warm and after every rank slept this many seconds (0: not)",
+    )
     args = ap.parse_args(argv)
     if args.worker:
         return args
     args.k, args.samples, args.reps = args.k or 32, args.samples or 9, args.reps or 5
     bj.finish_arguments(ap, args, CONFIGS, DEFAULT, CPU_SIZES if args.cpu else SIZES)
     args.algorithms = bj.parse_series(ap, args.algorithms, ALGORITHMS, "--algorithms")
+    if args.pause < 0:
+        ap.error("--pause must be at least 0")
     return args
 
 
@@ -375,9 +429,9 @@ def bench(args, world):
         name="psum",
         script=THIS,
         configs=CONFIGS,
-        job=dict(algorithms=args.algorithms),
+        job=dict(algorithms=args.algorithms, pause=args.pause),
         meta=dict(algorithms={a: algorithm_env(a, max(args.sizes), world) for a in args.algorithms}),
-        rows=lambda doc: table_rows(doc, args.names, args.algorithms),
+        rows=lambda doc: table_rows(doc, args.names, args.algorithms, args.pause),
         ratios=RATIOS,
         plot=plot,
         label_width=30,

@@ -123,6 +123,10 @@ void Endpoint::close() {
   connected_ = false;
 }
 
+void Endpoint::wake_proxy() const {
+  if (proxy_ && (!route_.direct || layout_.topo.relays())) proxy_->wake();
+}
+
 DirectChannel Endpoint::direct_channel(Family f) const {
   uint8_t* peers[kMaxWorld] = {};
   for (int j = 0; j < spec_.world; ++j) peers[j] = windows_.base(j);

@@ -112,6 +112,13 @@ class Endpoint {
   };
   const Route& route() const { return route_; }
   void set_route(const Route& r) { route_ = r; }
+  // A collective of this endpoint begins: where the proxy carries it (the
+  // route through the proxy, or a ring's relays), a napping proxy wakes now,
+  // not up to a nap after the collective's first trigger (comm/proxy.h,
+  // wake). Device sides call it before they publish, from the thread that
+  // issues the collective (a replayed CUDA graph issues none: its first
+  // collective after a pause may still wait out a nap). An atomic add.
+  void wake_proxy() const;
   // The host-memory channels of family `f`, as this process sees the region.
   ProxyChannel proxy_channel(Family f) const { return make_proxy_channel(layout_, f, spec_.rank, roots(), base()); }
   DirectChannel direct_channel(Family f) const;

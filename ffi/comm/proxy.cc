@@ -1,5 +1,9 @@
 #include "comm/proxy.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -16,15 +20,33 @@ using Clock = std::chrono::steady_clock;
 // Idle backoff: the exact busy poll while there is work and for
 // idle_spin_ms after it, then a nap of idle_nap_us per turn, so an idle
 // communicator does not burn a core. idle_nap_us = 0 keeps spinning.
+//
+// The bell (Proxy::wake): a device side rings it as a collective begins, so
+// a napping proxy wakes then, not up to a nap later, and spins through the
+// collective and idle_spin_ms after it. No wake is lost: a ring after the
+// proxy's last look at the bell either changes it before the futex wait
+// (which then returns at once) or finds `asleep` set (and wakes the wait);
+// and were one lost, the nap still ends in idle_nap_us.
 struct IdleNap {
   Clock::duration spin;
   std::chrono::microseconds nap;
+  std::atomic<uint32_t>& bell;
+  std::atomic<bool>& asleep;
   Clock::time_point last = Clock::now();
-  IdleNap(int64_t spin_ms, int64_t nap_us) : spin(std::chrono::milliseconds(spin_ms)), nap(nap_us) {}
+  uint32_t heard;  // the bell's value at the last look
+  IdleNap(int64_t spin_ms, int64_t nap_us, std::atomic<uint32_t>& b, std::atomic<bool>& a)
+      : spin(std::chrono::milliseconds(spin_ms)), nap(nap_us), bell(b), asleep(a), heard(b.load()) {}
   void busy() { last = Clock::now(); }
   void idle() {
-    if (nap.count() > 0 && Clock::now() - last > spin) {
-      std::this_thread::sleep_for(nap);
+    const uint32_t b = bell.load();
+    if (b != heard) {
+      heard = b;
+      busy();
+    } else if (nap.count() > 0 && Clock::now() - last > spin) {
+      asleep.store(true);
+      const timespec ts{(time_t)(nap.count() / 1000000), (long)(nap.count() % 1000000) * 1000};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell), FUTEX_WAIT_PRIVATE, b, &ts, nullptr, 0);
+      asleep.store(false, std::memory_order_relaxed);
       return;
     }
     // Yield even while spinning: on a machine with fewer cores than
@@ -301,8 +323,15 @@ void Proxy::start() {
   thread_ = std::thread([this, consumed] { loop(consumed); });
 }
 
+void Proxy::wake() {
+  bell_.fetch_add(1);
+  if (asleep_.load())
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+}
+
 void Proxy::stop() {
   stop_ = true;
+  wake();  // not a nap later
   if (thread_.joinable()) thread_.join();
 }
 
@@ -310,7 +339,7 @@ void Proxy::loop(uint64_t consumed) {
   const Config& cfg = ep_.spec().config;
   Control* ctl = ep_.control();
   Trigger* ring = reinterpret_cast<Trigger*>(ep_.base() + ep_.layout().ring);
-  IdleNap nap(cfg.idle_spin_ms, cfg.idle_nap_us);
+  IdleNap nap(cfg.idle_spin_ms, cfg.idle_nap_us, bell_, asleep_);
   Watchdog watchdog(ep_);
   Relay relay(ep_);
   bool failure_seen = false;

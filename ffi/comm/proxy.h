@@ -41,11 +41,19 @@ class Proxy {
   ~Proxy() { stop(); }
   void start();
   void stop();
+  // A collective begins on this endpoint: a napping proxy wakes now and spins
+  // through it (proxy.cc, IdleNap). Any thread; an atomic add, and a futex
+  // wake only when the proxy naps.
+  void wake();
 
  private:
   void loop(uint64_t consumed);
   Endpoint& ep_;
   std::atomic<bool> stop_{false};
+  std::atomic<uint32_t> bell_{0};
+  std::atomic<bool> asleep_{false};
+  static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_always_lock_free,
+                "the bell is a futex word");
   std::thread thread_;
 };
 

@@ -16,11 +16,18 @@ cudaError_t over(const Channels& c, Family f, Fn fn) {
   return fn(f == Family::kPsum ? c.psum_proxy : c.bulk_proxy);
 }
 
+// The channels of a collective that begins now: its proxy, if it has one,
+// is awake for it (Endpoint::wake_proxy).
+const Channels& begin(const Endpoint& ep) {
+  ep.wake_proxy();
+  return channels_of(ep);
+}
+
 }  // namespace
 
 cudaError_t launch_psum(const Endpoint& ep, const Plan& plan, DType dtype, const void* in, void* out, uint64_t count,
                         uint64_t tag, const Prefetch& pf, cudaStream_t stream, const AddNorm& nm) {
-  const Channels& c = channels_of(ep);
+  const Channels& c = begin(ep);
   tag = add_norm_tag(tag, nm);
   switch (plan.algorithm) {
     case Algorithm::kLL:
@@ -62,7 +69,7 @@ cudaError_t launch_all_gather(const Endpoint& ep, const void* in, void* out, uin
   op.dtype = nan_type == (int)DType::kF32 ? DType::kF32 : nan_type == (int)DType::kF16 ? DType::kF16 : DType::kBF16;
   op.out_bytes = bytes * world;
   op.piece_bytes = bytes / kMaxPieces + 16;
-  const Channels& c = channels_of(ep);
+  const Channels& c = begin(ep);
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 
@@ -82,7 +89,7 @@ cudaError_t launch_reduce_scatter(const Endpoint& ep, DType dtype, const void* i
   op.out_bytes = op.slice;
   // Each share goes to world - 1 peers and is summed from world sources.
   op.piece_bytes = op.slice / kMaxPieces * world + 16;
-  const Channels& c = channels_of(ep);
+  const Channels& c = begin(ep);
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 
@@ -103,7 +110,7 @@ cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombine& a, uint16_t
   op.out_bytes = op.slice;
   // Computing a row reads topk rows of y: a share is worth more blocks.
   op.piece_bytes = op.slice / kMaxPieces * world * std::max<uint64_t>(a.topk, 1) + 16;
-  const Channels& c = channels_of(ep);
+  const Channels& c = begin(ep);
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 

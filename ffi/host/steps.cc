@@ -13,6 +13,7 @@ Collective::Collective(Endpoint& ep, Family f, const Descriptor& d) : ep_(ep), c
   seq_ = load_relaxed(&ctl_->done[(int)f]) + 1;
   ring_ = load_relaxed(&ctl_->ring_published);
   store_relaxed(&ctl_->begun[(int)f], seq_);
+  ep.wake_proxy();
   ARX_STAMP(ep.trace(), f, seq_, kBegin, trace_now());
   ARX_STAMP(ep.trace(), f, seq_, kSeq, seq_);
   poll_ = HostPoll{

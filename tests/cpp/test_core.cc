@@ -167,6 +167,36 @@ void test_back_to_back(TransportKind kind, int world, int calls, const Config& c
   for (auto& ep : rig.eps) ep->close();
 }
 
+// A collective that begins wakes a napping proxy (comm/proxy.h, wake): with
+// naps of 3 s, a psum through the proxies after they fell asleep returns in
+// far less than a nap. Without the bell each proxy would take its first
+// trigger only when its nap ends. The shm carrier's host side goes direct,
+// without its proxy: nothing to wake there.
+void test_wake(TransportKind kind) {
+  if (kind == TransportKind::kShm) return;
+  Config cfg = psum_config();
+  cfg.idle_nap_us = 3000000;
+  cfg.timeout_s = 30;
+  Rig rig;
+  if (!make_rig(kind, 2, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // both proxies nap (set-up is over)
+  std::vector<double> took(2);
+  on_ranks(2, [&](int r) {
+    std::vector<float> in(64, (float)(r + 1)), out(64);
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 64, 0);
+    took[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT(s.ok() && out[0] == 3.f, "%s wake: rank %d psum: %s", transport_name(kind), r, s.message().c_str());
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT(took[r] < 1.5, "%s wake: rank %d's psum after the proxies fell asleep took %.3f s: the bell woke no proxy",
+           transport_name(kind), r, took[r]);
+  for (auto& ep : rig.eps) ep->close();
+}
+
 // A ring (base/topology.h): the same bits as a mesh, and at world 4 through
 // the relays, which each rank must have used; back-to-back calls reuse the
 // relay rings many times over (tests/cpp/test_bulk.cc relays the bulk ops,
@@ -501,6 +531,7 @@ int main(int argc, char** argv) {
       test_back_to_back(k, world, quick ? 300 : 2000);
     }
     test_ring(k, quick);
+    test_wake(k);
     test_signed_zero(k);
     test_timeout(k, quick);
     test_mismatch(k);

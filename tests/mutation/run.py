@@ -182,6 +182,14 @@ MUTATIONS = [
         cpp=True,
     ),
     M(
+        "a beginning collective wakes no napping proxy (wake_proxy does nothing)",
+        "ffi/comm/endpoint.cc",
+        "  if (proxy_ && (!route_.direct || layout_.topo.relays())) proxy_->wake();",
+        "  (void)route_;",
+        ("test_core", "--quick", "tcp"),
+        cpp=True,
+    ),
+    M(
         "JAX_ARX_ONESHOT_MAX_BYTES ignored by the plan",
         "ffi/comm/plan.cc",
         "const uint64_t oneshot_max = cfg.oneshot_max_bytes ? std::min(cfg.oneshot_max_bytes, L.slot_bytes)\n",
