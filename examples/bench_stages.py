@@ -16,7 +16,10 @@ stamps (ffi/base/trace.h): the kernel's (or host side's) begin, its last
 signal, the proxy taking the first trigger and returning from its last put,
 the last peer's piece seen, the end. GPU stamps are moved onto the host's
 clock (jax_arx._core.pinned_round_trip: a ping-pong whose shortest round
-trip bounds the offset; its half is printed as the error). Rank 0 prints, per
+trip bounds the offset; its half is printed as the error), measured right
+before and right after each size's calls and averaged: the two clocks drift
+apart by microseconds within a second, so one offset taken at the start
+put the proxy's taking of a trigger before its publishing. Rank 0 prints, per
 size, the median over the calls of each stage's length, with the peer's
 stamps for the cross-rank ones (ranks on one host share the clock), and
 writes them to --json.
@@ -51,8 +54,11 @@ GPU_STAGES = (BEGIN, PUBLISHED, ARRIVED, END, FLAG_SEEN)
 SPANS = [
     ("launch gap: previous end -> begin", ("me", "prev_end"), ("me", BEGIN)),
     ("begin -> published (copy, fence, signal)", ("me", BEGIN), ("me", PUBLISHED)),
-    ("published -> proxy took it", ("me", PUBLISHED), ("me", TAKEN)),
-    ("proxy took -> its last put returned", ("me", TAKEN), ("me", POSTED)),
+    # The proxy takes a seq's first trigger, perhaps before its last piece
+    # is published (the LL route publishes its announcement first): "proxy
+    # took" is the first, "published" and "returned" the last of the seq.
+    ("published -> the proxy's last put returned", ("me", PUBLISHED), ("me", POSTED)),
+    ("proxy took the first -> its last put returned", ("me", TAKEN), ("me", POSTED)),
     ("peer delivered -> flags seen, while polling", ("peer", "deliver"), ("me", "flags_polling")),
     ("flags seen -> header checked", ("me", FLAG_SEEN), ("me", ARRIVED)),
     ("peer published -> seen", ("peer", PUBLISHED), ("me", ARRIVED)),
@@ -173,10 +179,14 @@ def main():
     rank0 = jax.process_index() == 0
     (le,) = [e for e in _comm.communicators()[AXIS].endpoints]
     endpoint = le.endpoint
-    offset, error = (None, 0)
-    if devices[0].platform == "gpu":
+    gpu = devices[0].platform == "gpu"
+
+    def clock_offset():
+        """(the GPU clock's offset onto the host's, its error), in ns."""
         rtt = _core.pinned_round_trip(endpoint.device_ordinal)
-        offset, error = rtt["offset_ns"], rtt["error_ns"]
+        return rtt["offset_ns"], rtt["error_ns"]
+
+    error = clock_offset()[1] if gpu else 0
     if rank0:
         print(
             f"bench_stages: {args.op}, {describe_run(jax, jax_arx, AXIS)}; route {endpoint.route}; "
@@ -197,9 +207,14 @@ def main():
         f = chain(mesh, args.calls, args.op)
         f(x).block_until_ready()
         barrier(f"bench_stages {kb}")
+        before = clock_offset()[0] if gpu else None
         for _ in range(args.repeats):
             y = f(x)
         y.block_until_ready()
+        after = clock_offset()[0] if gpu else None
+        offset = (before + after) // 2 if gpu else None
+        if gpu and rank0:
+            print(f"bench_stages: {kb} KB: the clocks' offset moved {(after - before) / 1e3:+.2f} us", flush=True)
         barrier(f"bench_stages {kb} done")
         rows = my_rows(endpoint, offset)
         key = f"bench_stages/{kb}"
