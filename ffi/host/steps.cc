@@ -30,6 +30,7 @@ bool Collective::wait_peers(const Inbox& in, int piece) {
     poll_.begin();
     const WaitEnd e = wait_piece(in, src, piece, seq_, d_, poll_, seen, r.theirs);
     if (e == WaitEnd::kArrived) {
+      poll_.end();
       ARX_STAMP(ep_.trace(), family_, seq_, kArrived, trace_now());
       continue;
     }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <sched.h>
+#include <time.h>
 
 #include <chrono>
 #include <thread>
@@ -30,7 +31,10 @@ namespace arx::host {
 // the frames that reached this rank while it was stopped are taken (the
 // carrier's receiver runs again too) instead of a timeout declared on the
 // first look after the resume that names a healthy peer; and a timeout that
-// still comes says how long this rank itself was not running.
+// still comes says how long this rank itself was not running. Between two
+// waits (or before the first) the thread works (copies, sums), so there the
+// wall time it did not spend on the CPU is what did not run: a stop that
+// falls between two waits of one collective is left out the same way.
 struct HostPoll {
   using Clock = std::chrono::steady_clock;
   // Far above a turn's pause (50 us) and a scheduler's slice on a loaded
@@ -41,11 +45,34 @@ struct HostPoll {
   Clock::duration timeout;
   Clock::time_point last{};       // the last look (set by begin())
   Clock::duration not_running{};  // the gaps left out of this collective's waits
+  // The end of the last wait (end(); none yet: the start), with this
+  // thread's CPU time then.
+  Clock::time_point ended{};
+  int64_t ended_cpu = thread_cpu_ns();
 
-  // Before a wait: the time since the last look was this rank's own work.
+  // Before a wait: the time since the last one ended (or the collective
+  // began) was this rank's own work, but for what of it the thread was off
+  // the CPU.
   void begin() {
-    last = Clock::now();
+    const Clock::time_point now = Clock::now();
+    const Clock::duration off =
+        (now - (ended == Clock::time_point{} ? start : ended)) - std::chrono::nanoseconds(thread_cpu_ns() - ended_cpu);
+    if (off > kNotRunning) {
+      not_running += off;
+      start += off;
+    }
+    last = now;
     long_wait = false;
+  }
+  // After a wait that arrived.
+  void end() {
+    ended = Clock::now();
+    ended_cpu = thread_cpu_ns();
+  }
+  static int64_t thread_cpu_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
   }
   bool expired() {
     const Clock::time_point now = Clock::now();

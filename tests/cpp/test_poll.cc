@@ -4,6 +4,7 @@
 // timeout of running time. A thread asleep stands in for a stopped one: the
 // poll sees the same gap between two looks.
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <thread>
 
@@ -55,12 +56,29 @@ int main() {
            "after the stop the wait expired in %lld ms, not after a timeout (%lld ms) of running time",
            (long long)took.count(), (long long)timeout.count());
   }
-  {  // begin(): the time before a wait (this rank's own work) is no gap.
+  {  // begin(): the time before a wait, this rank's own work on the CPU, is no gap.
     HostPoll p = make(timeout);
-    std::this_thread::sleep_for(milliseconds(300));
+    p.end();
+    const auto t0 = HostPoll::Clock::now();
+    volatile uint64_t work = 0;
+    while (HostPoll::Clock::now() - t0 < milliseconds(300)) work = work + 1;
     p.begin();
     p.expired();
     EXPECT(p.not_running.count() == 0, "work between two waits counted as not running");
+  }
+  {  // Stopped between two waits (off the CPU, not in a look): left out too.
+    HostPoll p = make(timeout);
+    p.end();
+    std::this_thread::sleep_for(3 * timeout);
+    p.begin();
+    EXPECT(!p.expired(), "the first look of the wait after a stop declared the timeout");
+    EXPECT(p.not_running >= 3 * timeout - milliseconds(5), "a stop of %lld ms between waits counted as %lld ms",
+           (long long)(3 * timeout).count(),
+           (long long)std::chrono::duration_cast<milliseconds>(p.not_running).count());
+    const milliseconds took = look_until_expired(p, milliseconds(5000));
+    EXPECT(took >= timeout - milliseconds(5) && took < milliseconds(3000),
+           "after a stop between waits the wait expired in %lld ms, not after a timeout (%lld ms) of running time",
+           (long long)took.count(), (long long)timeout.count());
   }
   printf("%s\n", testing::g_failures ? "FAILED" : "poll: ok");
   return testing::g_failures ? 1 : 0;

@@ -182,6 +182,14 @@ MUTATIONS = [
         cpp=True,
     ),
     M(
+        "a stop between two waits of a collective counts as the next peer's lateness",
+        "ffi/host/steps.h",
+        "    if (off > kNotRunning) {",
+        "    if (false) {",
+        ("test_poll",),
+        cpp=True,
+    ),
+    M(
         "a beginning collective wakes no napping proxy (wake_proxy does nothing)",
         "ffi/comm/endpoint.cc",
         "  if (proxy_ && (!route_.direct || layout_.topo.relays())) proxy_->wake();",
