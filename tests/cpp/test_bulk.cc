@@ -223,7 +223,8 @@ void test_moe(TransportKind kind, int world, const std::vector<MoeCase>& cases) 
 // combines and psums interleaved on one endpoint: two separate sequences,
 // parity reuse of every buffer, and the trigger ring (kRing entries, up to
 // kMaxPieces x (world - 1) a call) wrapping many times.
-void test_back_to_back(TransportKind kind, int world, int calls) {
+// `big_every`: one round of four calls in this many is large.
+void test_back_to_back(TransportKind kind, int world, int calls, int big_every = 2) {
   Rig rig;
   if (!bulk_rig(kind, world, rig)) {
     EXPECT(false, "rig");
@@ -233,12 +234,12 @@ void test_back_to_back(TransportKind kind, int world, int calls) {
   std::vector<std::string> why(world);
   on_ranks(world, [&](int r) {
     Endpoint& ep = *rig.eps[r];
-    // Per-rank elements: pieces of uneven sizes; every other round of the
-    // four calls larger (600 KB lanes), cut in another number of pieces
-    // where the plan cuts by size (comm/plan.cc, bulk_pieces).
+    // Per-rank elements: pieces of uneven sizes; one round of the four
+    // calls in big_every larger (600 KB lanes), cut in another number of
+    // pieces where the plan cuts by size (comm/plan.cc, bulk_pieces).
     std::vector<float> in(150038 * world), out(150038 * world);
     for (int c = 1; c <= calls && !bad[r]; ++c) {
-      const uint64_t n = (c / 4) % 2 ? 150038 : 37;
+      const uint64_t n = (c / 4) % big_every == 1 ? 150038 : 37;
       auto value = [&](int rank, uint64_t i) { return (float)((c * 7 + rank * 3 + (int)i) % 1000); };
       switch (c % 4) {
         case 0: {  // all_gather
@@ -556,7 +557,10 @@ int main(int argc, char** argv) {
       test_all_gather(k, world, ag_sizes);
       test_reduce_scatter(k, world, DType::kBF16, rs_counts);
       test_moe(k, world, moe);
-      test_back_to_back(k, world, quick ? 200 : 400);  // a ring of 4 must wrap the trigger ring twice
+      // A ring of 4 must wrap the trigger ring twice: many calls, few of
+      // them large in --quick (ThreadSanitizer's run, where every byte
+      // copied costs).
+      test_back_to_back(k, world, quick ? 200 : 400, quick ? 5 : 2);
     }
     g_topology = TopologyKind::kMesh;
     g_piece_bytes = 4096;  // small lanes in many pieces, on every carrier
