@@ -31,7 +31,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -121,18 +120,14 @@ def _episode(jax, jax_arx, mesh, client, k, fns, x, wants):
 
 
 def _worker(episodes):
-    import jax_arx
+    from test_failures_cpu import _setup  # beside this file
 
-    jax_arx.distributed_initialize()
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
+    jax, jax_arx, mesh, sharded, P = _setup()
     from jax_arx import _compat
 
-    mesh = Mesh(np.array(jax.devices()), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     world, n = mesh.size, 1024
     rows = np.arange(world * n, dtype=np.float32).reshape(world, n)
-    x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("x")), lambda idx: rows[idx])
+    x = jax.make_array_from_callback(rows.shape, sharded, lambda idx: rows[idx])
 
     def smap(body, out):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out))
@@ -147,5 +142,4 @@ def _worker(episodes):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     suite = sys.argv[sys.argv.index("--worker") + 1]
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     print(launched.RESULT + json.dumps(_worker(int(suite.split(":")[1]))), flush=True)

@@ -124,7 +124,7 @@ void Endpoint::close() {
 }
 
 void Endpoint::wake_proxy() const {
-  if (proxy_ && (!route_.direct || layout_.topo.relays())) proxy_->wake();
+  if (proxy_ && !route_.direct) proxy_->wake();
 }
 
 DirectChannel Endpoint::direct_channel(Family f) const {

@@ -113,7 +113,7 @@ class Endpoint {
   const Route& route() const { return route_; }
   void set_route(const Route& r) { route_ = r; }
   // A collective of this endpoint begins: where the proxy carries it (the
-  // route through the proxy, or a ring's relays), a napping proxy wakes now,
+  // route through the proxy, which every ring takes), a napping proxy wakes now,
   // not up to a nap after the collective's first trigger (comm/proxy.h,
   // wake). Device sides call it before they publish, from the thread that
   // issues the collective (a replayed CUDA graph issues none: its first

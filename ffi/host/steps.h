@@ -47,7 +47,7 @@ struct HostPoll {
   Clock::duration not_running{};  // the gaps left out of this collective's waits
   // The end of the last wait (end(); none yet: the start), with this
   // thread's CPU time then.
-  Clock::time_point ended{};
+  Clock::time_point ended = start;
   int64_t ended_cpu = thread_cpu_ns();
 
   // Before a wait: the time since the last one ended (or the collective
@@ -55,8 +55,7 @@ struct HostPoll {
   // the CPU.
   void begin() {
     const Clock::time_point now = Clock::now();
-    const Clock::duration off =
-        (now - (ended == Clock::time_point{} ? start : ended)) - std::chrono::nanoseconds(thread_cpu_ns() - ended_cpu);
+    const Clock::duration off = (now - ended) - std::chrono::nanoseconds(thread_cpu_ns() - ended_cpu);
     if (off > kNotRunning) {
       not_running += off;
       start += off;
