@@ -238,15 +238,25 @@ def is_undefined_primal(x) -> bool:
 # The MLIR Python bindings jax lowers with (``ir.Operation``, ``ir.Value``,
 # ``ir.InsertionPoint``, ...).
 ir = _mlir.ir
+ir_constant = _mlir.ir_constant  # a numpy array as a constant op's result
 
 
-def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int | float], has_side_effect: bool):
+def ffi_custom_call(
+    ctx,
+    target: str,
+    operands,
+    *,
+    attributes: dict[str, int | float],
+    has_side_effect: bool,
+    operand_output_aliases: dict[int, int] | None = None,
+):
     """Emits a typed-FFI (api_version 4) custom call to ``target`` at the
     current insertion point, as ``jax.ffi.ffi_lowering`` does, but with
     operands beyond ``ctx.avals_in`` (of any type, passed as IR values):
     results are typed by ``ctx.avals_out``, every operand and result is laid
     out row-major, and ``attributes`` become int64 FFI attributes (a float:
-    float32). Returns the op's results."""
+    float32); ``operand_output_aliases`` maps an operand's index to the
+    result that is its buffer. Returns the op's results."""
     result_types = [_aval_to_ir_type(ctx, a) for a in ctx.avals_out]
 
     def row_major(t):
@@ -262,6 +272,7 @@ def ffi_custom_call(ctx, target: str, operands, *, attributes: dict[str, int | f
             for k, v in attributes.items()
         },
         has_side_effect=has_side_effect,
+        operand_output_aliases=operand_output_aliases,
         api_version=4,
         operand_layouts=[row_major(v.type) for v in operands],
         result_layouts=[row_major(t) for t in result_types],

@@ -185,7 +185,11 @@ def _decide(aval, axes) -> _Decision | str | None:
     fused, ``_policy.UNFUSED`` (jax_arx.psum, then the add and the norm in
     jax), or None (jax.lax)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    comm = _policy.decide(OP, aval, axes, None, lane_bytes=lambda world: partial_bytes)
+    comm = _policy.decide(OP, aval, axes, None, lane_bytes=lambda world: partial_bytes, announce=True)
+    if isinstance(comm, _policy.Notice):
+        # Outside the envelope: jax_arx.psum falls back too, after its
+        # notice (jax_arx/_notice.py), then the add and the norm in jax.
+        return _policy.UNFUSED
     return comm if comm is None or comm is _policy.UNFUSED else _Decision(comm.comm_id)
 
 

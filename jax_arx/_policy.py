@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -141,15 +142,31 @@ def check_axes_bound(op: Op, axes: tuple) -> None:
             )
 
 
+class Notice(NamedTuple):
+    """``decide``'s answer, where asked for (``announce``), for a call that
+    jax.lax runs because its operand is outside the plan's envelope here:
+    a peer whose operand is within it runs jax_arx, and would wait for this
+    rank until the timeout while this rank waits in jax.lax's collective
+    for as long as that takes. So the call first tells its peers over
+    ``comm_id`` (jax_arx/_notice.py): a peer that decided otherwise raises a
+    mismatch, and so does this rank, before jax.lax's collective starts."""
+
+    comm_id: int
+
+
 def decide(
-    op: Op, aval, axes: tuple, axis_index_groups, *, lane_bytes: Callable[[int], int]
-) -> _registry.Communicator | str | None:
+    op: Op, aval, axes: tuple, axis_index_groups, *, lane_bytes: Callable[[int], int], announce: bool = False
+) -> _registry.Communicator | Notice | str | None:
     """The communicator to run ``op`` on ``aval`` over ``axes`` with, or
     None for jax.lax (after ``fallback`` for a reason the user should know
     about), or ``UNFUSED``, after ``planned``, where the plan runs a fused
     op as its unfused form (which its caller traces with jax_arx's ops).
     ``lane_bytes(world)``: the bytes one rank moves, what the plan's
-    envelope is about (a psum's partial, a bulk collective's slice)."""
+    envelope is about (a psum's partial, a bulk collective's slice).
+    ``announce``: a call outside the envelope gets a ``Notice`` instead of
+    None (its caller runs jax.lax after ``_notice.announce``): the one
+    fallback that ranks running the same program may take apart, since
+    their operands' sizes may differ."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(mesh.manual_axes)
     ours = [a for a in axes if a in manual]
@@ -180,7 +197,8 @@ def decide(
         return None
     algorithm, why_not = comm.plan(op.name, lane_bytes(world))
     if not algorithm:
-        return fallback(op, ("size", axis), f"{aval.str_short()}: {why_not}")
+        fallback(op, ("size", axis), f"{aval.str_short()}: {why_not}")
+        return Notice(comm.comm_id) if announce else None
     if algorithm == ALGORITHM_UNFUSED:
         planned(op, why_not)  # why_not holds the plan's reason here
         return UNFUSED

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jax_arx import _compat, _ordering, _policy
+from jax_arx import _compat, _notice, _ordering, _policy
 
 FFI_TARGET = "jax_arx_psum"
 
@@ -138,7 +138,8 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
         # A constant is the same on every device: jax.lax.psum turns it into
         # size * x without communicating.
         decision = _decide(jax.typeof(leaf), axes, axis_index_groups) if isinstance(leaf, _compat.Tracer) else None
-        if decision is None:
+        if decision is None or isinstance(decision, _policy.Notice):
+            leaf = _notice.announce(leaf, decision, OP)
             out[i] = jax.lax.psum(leaf, axes, axis_index_groups=axis_index_groups)
         else:
             ours.setdefault(decision, []).append(i)
@@ -194,12 +195,13 @@ class _Decision(NamedTuple):
     comm_id: int
 
 
-def _decide(aval, axes, axis_index_groups) -> _Decision | None:
+def _decide(aval, axes, axis_index_groups) -> _Decision | _policy.Notice | None:
     """How to run a psum of ``aval`` over ``axes``: a decision to run it with
-    jax_arx, or None for jax.lax.psum (``_policy.decide``)."""
+    jax_arx, or None for jax.lax.psum, or a ``_policy.Notice`` for
+    jax.lax.psum after a notice (``_policy.decide``, jax_arx/_notice.py)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    comm = _policy.decide(OP, aval, axes, axis_index_groups, lane_bytes=lambda world: partial_bytes)
-    return None if comm is None else _Decision(comm.comm_id)
+    comm = _policy.decide(OP, aval, axes, axis_index_groups, lane_bytes=lambda world: partial_bytes, announce=True)
+    return comm if comm is None or isinstance(comm, _policy.Notice) else _Decision(comm.comm_id)
 
 
 ### rules
@@ -326,8 +328,8 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
     ours: dict[_Decision, list[int]] = {}
     for i, (v, d) in enumerate(zip(vals_in, dims_in, strict=True)):
         decision = _Decision(comm_id) if d is None else _decide(jax.typeof(v), axes, None)
-        if decision is None:
-            out[i] = _compat.lax_psum_bind(v, axes=axes, invariant=invariant)
+        if decision is None or isinstance(decision, _policy.Notice):
+            out[i] = _compat.lax_psum_bind(_notice.announce(v, decision, OP), axes=axes, invariant=invariant)
         else:
             ours.setdefault(decision, []).append(i)
     for decision, idx in ours.items():

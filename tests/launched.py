@@ -175,9 +175,11 @@ class MeshWorker:
         self.seconds[record_as or case.__name__[len("case_") :]] = round(time.monotonic() - start, 2)
 
     def calls(self, f, *args, target="jax_arx_"):
-        """The custom calls to ``target*`` in ``f``'s lowering for ``args``."""
+        """The custom calls to ``target*`` in ``f``'s lowering for ``args``,
+        fallbacks' notices (jax_arx/_notice.py: a psum marked notice = 1)
+        left out: the calls the program's own collectives lowered to."""
         text = f.lower(*args).as_text()
-        return [line for line in text.splitlines() if f"custom_call @{target}" in line]
+        return [line for line in text.splitlines() if f"custom_call @{target}" in line and "notice = 1" not in line]
 
 
 def error_text(e: BaseException) -> str:

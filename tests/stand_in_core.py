@@ -27,7 +27,7 @@ import pytest
 
 import jax_arx
 import needs
-from jax_arx import _bulk, _bulk_endpoints, _compat, _native, _policy, _psum
+from jax_arx import _bulk, _bulk_endpoints, _compat, _native, _notice, _policy, _psum
 
 # This process's jax on 4 CPU devices, set in jax's configuration before its
 # backend starts (at the first device query): never in the environment,
@@ -103,9 +103,12 @@ def lax_lowering():
 
     for prim in (_psum.psum_p, _psum.psum_invariant_p):
         _compat.register_lowering(prim, counting)
+    # A fallback's notice: its operand, with no call the stand-in cannot run.
+    _compat.register_lowering(_notice.notice_p, lambda ctx, x, **params: [x], cacheable=False)
     yield count
     for prim in (_psum.psum_p, _psum.psum_invariant_p):
         _compat.register_lowering(prim, _psum._psum_lowering)
+    _compat.register_lowering(_notice.notice_p, _notice._notice_lowering, cacheable=False)
 
 
 @pytest.fixture

@@ -24,6 +24,14 @@ each test launches this file as its worker, ``--worker SUITE``):
   lateness (host/steps.h, HostPoll): both must return the exact sum, never
   a timeout naming rank 0 (which a wait counting the clock gives on its
   first look after the resume).
+- ``straddle:CARRIER:FIRST`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): one
+  psum call site whose operand is within jax_arx's size envelope on rank 0
+  (64K float32) and past it on rank 1 (1M float32), where rank 1 falls
+  back to jax.lax.psum (gloo). The fallback's notice (jax_arx/_notice.py)
+  must make both ranks raise a mismatch naming the other within the
+  timeout plus 5 s, never rank 1 waiting in gloo; with ``FIRST=lax``, after
+  a jax.lax.psum (gloo set up) and a fallback both ranks take alike (its
+  notices agree: the exact sum).
 - ``killed_in_initialize`` and ``failed_initialize`` (shm, 2 processes): a
   process SIGKILLed inside ``initialize()`` (held in its endpoint's
   connect() by a stand-in core module), and processes whose
@@ -64,6 +72,7 @@ TIMEOUT_S = 5  # JAX_ARX_TIMEOUT_S of the stopped-peer suite
 # once it has timed the call and shutdown): far past every bound below.
 STOPPED_S = 30
 WAITER_TIMEOUT_S = 3  # JAX_ARX_TIMEOUT_S of the stopped-waiter suite
+STRADDLE_TIMEOUT_S = 3  # JAX_ARX_TIMEOUT_S of the straddle suite
 
 
 # --- the tests (tests/test_gpu_failures.py runs the same on GPUs) ---------------
@@ -97,6 +106,32 @@ def test_a_rank_stopped_while_it_waits_does_not_blame_its_peer(core_built, tmp_p
     # The stopped rank's call ends after its resume, with the sum rank 0's
     # data completed, not with a timeout that names the healthy rank 0.
     assert stopped["exact"] and not stopped["error"], results
+
+
+@pytest.mark.parametrize(
+    "transport,first",
+    [
+        ("shm", "none"),
+        ("tcp", "lax"),
+        pytest.param("shm", "lax", marks=pytest.mark.slow),
+        pytest.param("tcp", "none", marks=pytest.mark.slow),
+    ],
+)
+def test_ranks_that_straddle_the_size_envelope_raise_on_every_rank(core_built, tmp_path, transport, first):
+    results = _run(
+        f"straddle:{first}", transport, tmp_path, {"JAX_ARX_TIMEOUT_S": str(STRADDLE_TIMEOUT_S)}, None, timeout=300
+    )
+    for rank in (0, 1):
+        r = results[rank]
+        if first == "lax":
+            assert r["lax_exact"] and r["same_fallback_exact"], results
+        # Both raise, in about the time a notice takes (the bound is the
+        # issue's: the timeout plus 5 s), naming the other rank's collective.
+        assert r["error"], results
+        assert r["seconds"] <= STRADDLE_TIMEOUT_S + 5, results
+        assert "issued a different collective" in r["error"] and f"rank {1 - rank} " in r["error"], results
+    # Rank 1 fell back (and said so), rank 0 ran jax_arx.
+    assert results[1]["fallbacks"] >= 1 and results[0]["fallbacks"] == (1 if first == "lax" else 0), results
 
 
 @pytest.mark.parametrize("suite", ["killed_in_initialize", "failed_initialize"])
@@ -472,6 +507,46 @@ def _suite_stopped_waiter():
     return report
 
 
+def _suite_straddle(first):
+    jax, jax_arx, mesh, sharded, P = _setup()
+    me = jax.process_index()
+    jax_arx.initialize(mesh)
+    report = {}
+
+    def fallbacks():
+        return sum(jax_arx.stats()["fallbacks"].get("psum", {}).values())
+
+    def rows(n, per_rank):
+        return jax.make_array_from_callback((2 * n,), sharded, lambda idx: per_rank(idx[0].start // n, n))
+
+    def psum_of(x, with_lax=False):
+        op = jax.lax.psum if with_lax else jax_arx.psum
+        f = jax.jit(jax.shard_map(lambda v: op(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+        return np.asarray(f(x).addressable_data(0))
+
+    def ramp(r, n):
+        return (np.arange(n) % 251 + 1000 * r).astype(np.float32)
+
+    big, small = 1 << 20, 1 << 16  # past and within the envelope (JAX_ARX_SLOT_BYTES's default)
+    if first == "lax":
+        got = psum_of(rows(8, ramp), with_lax=True)
+        report["lax_exact"] = bool((got == ramp(0, 8) + ramp(1, 8)).all())
+        got = psum_of(rows(big, ramp))  # both ranks fall back, alike
+        report["same_fallback_exact"] = bool((got == ramp(0, big) + ramp(1, big)).all())
+    n = small if me == 0 else big
+    x = jax.make_array_from_callback((2 * n,), sharded, lambda idx: ramp(me, n))
+    start = time.monotonic()
+    try:
+        psum_of(x)
+        report["error"] = ""
+    except Exception as e:
+        report["error"] = launched.error_text(e)
+    report["seconds"] = round(time.monotonic() - start, 2)
+    report["fallbacks"] = fallbacks()
+    jax_arx.shutdown()
+    return report
+
+
 def _until_stopped(pid: int, within_s: float, state_is_stopped: bool = True) -> bool:
     """Polls until process ``pid`` is stopped (state T in /proc/PID/stat),
     or runs again where ``state_is_stopped`` is False; whether it was within
@@ -553,6 +628,8 @@ def _worker_main(argv):
         report = _suite_stopped_peer(suite.split(":")[1])
     elif suite.startswith("stopped_waiter:"):
         report = _suite_stopped_waiter()
+    elif suite.startswith("straddle:"):
+        report = _suite_straddle(suite.split(":")[1])
     else:
         report = {
             "stranger": _suite_stranger,

@@ -152,6 +152,31 @@ def test_lowering_for_other_devices_falls_back(mesh4, caplog):
     assert "has devices (3, 2, 1, 0) where jax_arx.initialize set axis 'tp' up for devices (0, 1, 2, 3)" in caplog.text
 
 
+@needs_4_devices
+def test_a_psum_past_the_envelope_announces_its_fallback_before_the_all_reduce(fake_core, monkeypatch):
+    """jax_arx/_notice.py: the notice is a jax_arx psum of one float32 (in
+    the chain of jax_arx calls, marked notice = 1), whose tag carries the
+    operand's shape; jax.lax's all-reduce reads arx_after's result, which
+    waits for the notice (a data path: XLA's CPU runtime orders nothing else)."""
+    monkeypatch.setenv("JAX_ARX_SLOT_BYTES", "64")
+    mesh4 = auto_mesh((4,), ("tp",))
+    jax_arx.initialize(mesh4)
+
+    def lowered(rows):
+        f = jax.jit(jax.shard_map(lambda x: jax_arx.psum(x, "tp"), mesh=mesh4, in_specs=P("tp"), out_specs=P()))
+        return f.lower(jnp.ones((4 * rows, 4), jnp.float32)).as_text()
+
+    assert "notice = 1" not in lowered(4) and "arx_after" not in lowered(4)  # 64 bytes per device: jax_arx
+    text = lowered(8)  # 128 bytes: jax.lax, after a notice
+    (notice,) = _ffi_calls(text)
+    assert "notice = 1" in notice[2] and "tensor<1xf32>" in notice[2]
+    after = re.search(r"(%[\w]+) = stablehlo.custom_call @arx_after\(([^)]*)\)", text)
+    assert after and notice[0] in after.group(2).split(", ")
+    assert re.search(r"stablehlo.all_reduce\S*\(" + re.escape(after.group(1)) + r"\)", text), text
+    # Another shape past the envelope: another notice, which a peer's does not match.
+    assert _site(notice[2]) != _site(_ffi_calls(lowered(16))[0][2])
+
+
 # --- prefetch: a hint for the CUDA handler, dropped everywhere else -------------------
 
 

@@ -339,3 +339,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_add_norm_host);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_all_gather_host);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_scatter_host);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_host);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_after_host);

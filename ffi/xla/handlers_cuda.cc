@@ -153,6 +153,20 @@ ffi::Error moe_combine_psum_scatter_cuda(cudaStream_t stream, int32_t device_ord
       cuda::launch_moe_combine(*ep, m, static_cast<uint16_t*>(out->untyped_data()), (uint64_t)site * 64, stream));
 }
 
+// y = x, after the dependency operands (the CPU handler's contract, host
+// handlers): y aliases x, so there is nothing to launch unless XLA chose
+// otherwise.
+ffi::Error after_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto x = args.get<ffi::AnyBuffer>(0);
+  auto y = rets.get<ffi::AnyBuffer>(0);
+  if (x.has_error() || y.has_error() || rets.size() != 1 || x->size_bytes() != (*y)->size_bytes())
+    return ffi::Error::InvalidArgument("jax_arx: arx_after takes x and dependency operands, and returns x");
+  if (x->untyped_data() == (*y)->untyped_data()) return ffi::Error::Success();
+  return launched(
+      "fallback notice", -1,
+      cudaMemcpyAsync((*y)->untyped_data(), x->untyped_data(), x->size_bytes(), cudaMemcpyDeviceToDevice, stream));
+}
+
 }  // namespace
 
 void add_cuda_registrations(nanobind::dict& d) {
@@ -161,6 +175,7 @@ void add_cuda_registrations(nanobind::dict& d) {
   d["jax_arx_all_gather"] = capsule(arx_all_gather_cuda);
   d["jax_arx_psum_scatter"] = capsule(arx_psum_scatter_cuda);
   d["jax_arx_moe_combine_psum_scatter"] = capsule(arx_moe_combine_psum_scatter_cuda);
+  d["arx_after"] = capsule(arx_after_cuda);
 }
 
 }  // namespace arx::xla
@@ -207,4 +222,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_cuda, arx::xla::moe_c
                                   .Attr<int64_t>("comm_id")    // comm_id
                                   .Attr<int64_t>("site")       // site: the call site's tag
                                   .Attr<int64_t>("scaled"),    // scaled: 1 if y is e4m3 with y_scale
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_after_cuda, arx::xla::after_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .RemainingArgs()                                // x, dependency operands
+                                  .RemainingRets(),                               // y, x's buffer
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -20,3 +20,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_add_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_all_gather_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_psum_scatter_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(arx_after_cuda);

@@ -171,6 +171,21 @@ ffi::Error moe_combine_psum_scatter_host(int32_t device_ordinal, ffi::RemainingA
   return ffi::Error::Success();
 }
 
+// y = x, after the dependency operands that follow x: a fallback's notice
+// (jax_arx/_notice.py) orders the jax.lax collective that reads y after the
+// jax_arx call that announced it. The CPU runtime orders calls by the buffers
+// they read and write, so a data path is what makes the order; y aliases x
+// (output_operand_aliases), so there is nothing to move unless XLA chose
+// otherwise.
+ffi::Error after_host(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto x = args.get<ffi::AnyBuffer>(0);
+  auto y = rets.get<ffi::AnyBuffer>(0);
+  if (x.has_error() || y.has_error() || rets.size() != 1 || x->size_bytes() != (*y)->size_bytes())
+    return ffi::Error::InvalidArgument("jax_arx: arx_after takes x and dependency operands, and returns x");
+  if (x->untyped_data() != (*y)->untyped_data()) std::memcpy((*y)->untyped_data(), x->untyped_data(), x->size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace arx::xla
 
@@ -202,3 +217,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_moe_combine_psum_scatter_host, arx::xla::moe_c
                                   .Attr<int64_t>("comm_id")        // comm_id
                                   .Attr<int64_t>("site")           // site: the call site's tag
                                   .Attr<int64_t>("scaled"));       // scaled: 1 if y is e4m3 with y_scale
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(arx_after_host, arx::xla::after_host,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()    // x, dependency operands
+                                  .RemainingRets());  // y, x's buffer

@@ -210,6 +210,7 @@ NB_MODULE(_core, m) {
         cpu["jax_arx_all_gather"] = arx::xla::capsule(arx_all_gather_host);
         cpu["jax_arx_psum_scatter"] = arx::xla::capsule(arx_psum_scatter_host);
         cpu["jax_arx_moe_combine_psum_scatter"] = arx::xla::capsule(arx_moe_combine_psum_scatter_host);
+        cpu["arx_after"] = arx::xla::capsule(arx_after_host);
         platforms["cpu"] = cpu;
 #if ARX_HAVE_CUDA
         nb::dict gpu;

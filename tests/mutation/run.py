@@ -134,6 +134,13 @@ MUTATIONS = [
         (BULK, "-k", "falls_back"),
     ),
     M(
+        "a psum past the envelope falls back without its notice",
+        "jax_arx/_notice.py",
+        "    if not isinstance(decision, _policy.Notice) or not isinstance(x, _compat.Tracer):",
+        "    if True:",
+        ("tests/test_psum_lowering.py", "-k", "announces"),
+    ),
+    M(
         "a partially manual shard_map runs jax_arx",
         "jax_arx/_policy.py",
         "    if auto:\n",

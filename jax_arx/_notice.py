@@ -1,0 +1,84 @@
+"""A fallback's notice: a call that ``jax.lax`` runs because its operand is
+outside the plan's envelope on this rank tells its peers so first, over
+jax_arx's own channel, before jax.lax's collective starts.
+
+Ranks running one program may still size an operand differently (a batch
+or a sequence length of their own). A rank within the envelope runs
+jax_arx's collective and waits for its peers up to the timeout; a rank
+outside it would enter jax.lax's collective (gloo on the CPU, NCCL on
+GPUs), which waits for the others without bound. With the notice, the rank
+outside the envelope first issues a jax_arx psum of one float32 zero whose
+call-site tag (``_ordering.call_site_tag``) names the call and its operand's
+shape and dtype. At that sequence number a peer that runs jax_arx's
+collective sees a different collective and raises a mismatch on every rank
+(comm/wait.h), and the notice itself fails the same way, so the jax.lax
+collective never starts. Ranks that all fell back with the same operand
+send equal notices, which complete in a few microseconds, and then run
+jax.lax's collective; ranks that fell back with operands of different
+sizes send different notices, and raise instead of handing jax.lax
+collectives that disagree.
+
+The order: jax.lax's collective reads ``announce``'s result, which the
+``arx_after`` target returns as its operand's own buffer (aliased) once the
+notice's result is in. XLA's CPU runtime runs independent ops at once and
+orders them only by the buffers they share, so only such a data path makes
+the notice come first.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import numpy as np
+
+from jax_arx import _compat, _ordering, _policy
+
+PSUM_TARGET = "jax_arx_psum"  # the notice is a psum, on the psum family's sequence
+# The notice's psum carries the attribute notice = 1, which the handlers
+# ignore: it tells a notice from the program's own sums in a lowering.
+AFTER_TARGET = "arx_after"  # y = x once the dependency operands are in (ffi/xla/handlers_host.cc)
+
+
+def announce(x, decision, op: _policy.Op):
+    """``x``, after a notice that this call of ``op`` falls back to jax.lax,
+    where ``decision`` is a ``_policy.Notice``; else ``x`` itself."""
+    if not isinstance(decision, _policy.Notice) or not isinstance(x, _compat.Tracer):
+        return x
+    return notice_p.bind(x, comm_id=decision.comm_id, op=op.name)
+
+
+def _notice_lowering(ctx, x, *, comm_id, op):
+    if _policy.lowering_refusal(ctx, comm_id, ("notice",)) is not None:
+        return [x]  # the axis was shut down since tracing: nobody to tell
+    one = jax.core.ShapedArray((1,), np.float32)
+    zero = _compat.ir_constant(np.zeros(1, np.float32))
+    # The tag: the call site, and (through ctx.avals_in) the operand's shape
+    # and dtype, so that ranks whose fallbacks differ in size disagree too.
+    site = _ordering.call_site_tag(ctx, "fallback notice", op)
+    (done,) = _ordering.emit_ordered_call(
+        ctx.replace(avals_in=[one], avals_out=[one]), PSUM_TARGET, [zero], dict(comm_id=comm_id, site=site, notice=1)
+    )
+    return _compat.ffi_custom_call(
+        ctx, AFTER_TARGET, [x, done], attributes={}, has_side_effect=False, operand_output_aliases={0: 0}
+    )
+
+
+def _notice_jvp(primals, tangents, *, comm_id, op):
+    # The tangent needs no notice of its own: its jax.lax collective runs
+    # after the primal's, which waited for the notice.
+    return notice_p.bind(primals[0], comm_id=comm_id, op=op), tangents[0]
+
+
+def _notice_batcher(axis_data, vals_in, dims_in, *, comm_id, op):
+    return notice_p.bind(vals_in[0], comm_id=comm_id, op=op), dims_in[0]
+
+
+notice_p = _compat.Primitive("jax_arx_fallback_notice")
+notice_p.def_impl(partial(_compat.apply_primitive, notice_p))
+notice_p.def_abstract_eval(lambda aval, **params: aval)
+# cacheable=False: as psum's (jax_arx/_psum.py), the rule runs for every call.
+_compat.register_lowering(notice_p, _notice_lowering, cacheable=False)
+_compat.deflinear2(notice_p, lambda ct, x, **params: [ct])
+_compat.register_jvp(notice_p, _notice_jvp)
+_compat.register_batcher(notice_p, _notice_batcher)
