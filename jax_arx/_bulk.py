@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jax_arx import _bulk_endpoints, _compat, _ordering, _policy
+from jax_arx import _bulk_endpoints, _compat, _notice, _ordering, _policy
 
 ALL_GATHER_TARGET = "jax_arx_all_gather"
 PSUM_SCATTER_TARGET = "jax_arx_psum_scatter"
@@ -175,8 +175,8 @@ def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
         aval = jax.typeof(leaf)
         dim = dim_of(aval)
         decision = None if dim is None else decide(op, aval, axes, axis_index_groups, gathered=op is ALL_GATHER)
-        if decision is None:
-            return lax_op(leaf)
+        if decision is None or isinstance(decision, _policy.Notice):
+            return lax_op(_notice.announce(leaf, decision, op))
         return bind(_compat.pvary_to(leaf, axes), dim, axes, decision)
 
     return jax.tree.map(leaf_fn, x)
@@ -208,10 +208,11 @@ class Decision(NamedTuple):
     world: int
 
 
-def decide(op: _policy.Op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decision | None:
+def decide(op: _policy.Op, aval, axes, axis_index_groups, *, gathered, nbytes=None) -> Decision | _policy.Notice | None:
     """How to run ``op`` (all_gather, psum_scatter or the fused MoE combine)
     on ``aval`` over ``axes``: a decision to run it with jax_arx, or None
-    for jax.lax (``_policy.decide``). ``gathered``: the op's
+    for jax.lax, or a ``_policy.Notice`` for jax.lax after a notice
+    (``_policy.decide``, jax_arx/_notice.py). ``gathered``: the op's
     buffer is world times ``aval`` (all_gather), else ``aval`` itself;
     ``nbytes`` overrides. The plan's envelope is about one rank's lane: its
     slice of the gathered output, or of the scattered input."""
@@ -224,9 +225,12 @@ def decide(op: _policy.Op, aval, axes, axis_index_groups, *, gathered, nbytes=No
         )
         return total // world
 
-    comm = _policy.decide(op, aval, axes, axis_index_groups, lane_bytes=lane_bytes)
-    if comm is None or comm is _policy.UNFUSED:
-        return None  # jax.lax, or the plan's unfused pair (_moe: jax_arx.psum_scatter either way)
+    comm = _policy.decide(op, aval, axes, axis_index_groups, lane_bytes=lane_bytes, announce=True)
+    if comm is None or comm is _policy.UNFUSED or isinstance(comm, _policy.Notice):
+        # jax.lax, or the plan's unfused pair (_moe: jax_arx.psum_scatter
+        # either way), or jax.lax after a notice on the psum communicator
+        # (jax_arx/_notice.py: a fallback makes no bulk endpoints).
+        return comm if isinstance(comm, _policy.Notice) else None
     # The first bulk collective of the axis makes its endpoints (collective:
     # every process traces it; see _bulk_endpoints.py).
     bulk = _bulk_endpoints.communicator_for(comm, op.name)
@@ -298,8 +302,8 @@ def _batcher(op, lax_p, dim_name, gathered):
             d += 1 if gathered else -1
         new = dict(params, **{dim_name: dim})
         decision = decide(op, jax.typeof(x), params["axis_name"], None, gathered=gathered)
-        if decision is None:
-            return lax_p.bind(x, **_lax_params(new)), d
+        if decision is None or isinstance(decision, _policy.Notice):
+            return lax_p.bind(_notice.announce(x, decision, op), **_lax_params(new)), d
         return own_p.bind(x, **dict(new, comm_id=decision.comm_id)), d
 
     return batcher

@@ -119,8 +119,10 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
         _policy.fallback(OP, *why)
         return unfused()
     decision = _bulk.decide(OP, aval, axes, None, gathered=False, nbytes=tpad * H * 2)
-    if decision is None:
-        return unfused()  # a fallback, or the plan's choice of the unfused pair (_policy.planned)
+    if decision is None or isinstance(decision, _policy.Notice):
+        # A fallback (whose psum_scatter decides again, and announces its
+        # own fallback), or the plan's choice of the unfused pair (_policy.planned).
+        return unfused()
     operands = [y] + ([y_scale] if y_scale is not None else []) + [pos, w, shared]
     return moe_combine_p.bind(
         *[_compat.pvary_to(v, axes) for v in operands],

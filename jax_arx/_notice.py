@@ -12,7 +12,11 @@ call-site tag (``_ordering.call_site_tag``) names the call and its operand's
 shape and dtype. At that sequence number a peer that runs jax_arx's
 collective sees a different collective and raises a mismatch on every rank
 (comm/wait.h), and the notice itself fails the same way, so the jax.lax
-collective never starts. Ranks that all fell back with the same operand
+collective never starts. A bulk collective's notice is a psum too, on the
+axis's psum communicator: a fallback makes no bulk endpoints (whose lanes
+pin memory), so a peer running jax_arx's all_gather there waits on the bulk
+communicator and this rank on the psum one, and both give up within the
+timeout, each naming the other. Ranks that all fell back with the same operand
 send equal notices, which complete in a few microseconds, and then run
 jax.lax's collective; ranks that fell back with operands of different
 sizes send different notices, and raise instead of handing jax.lax
@@ -34,10 +38,11 @@ import numpy as np
 
 from jax_arx import _compat, _ordering, _policy
 
-PSUM_TARGET = "jax_arx_psum"  # the notice is a psum, on the psum family's sequence
-# The notice's psum carries the attribute notice = 1, which the handlers
-# ignore: it tells a notice from the program's own sums in a lowering.
+PSUM_TARGET = "jax_arx_psum"  # the notice is a psum, on the psum communicator's sequence
 AFTER_TARGET = "arx_after"  # y = x once the dependency operands are in (ffi/xla/handlers_host.cc)
+# A notice's psum carries the attribute notice = 1: stats() leaves it out of
+# the psum calls (ffi/xla/handlers.h), and a lowering's reader tells it
+# from the program's own sums by it.
 
 
 def announce(x, decision, op: _policy.Op):
@@ -51,11 +56,11 @@ def announce(x, decision, op: _policy.Op):
 def _notice_lowering(ctx, x, *, comm_id, op):
     if _policy.lowering_refusal(ctx, comm_id, ("notice",)) is not None:
         return [x]  # the axis was shut down since tracing: nobody to tell
-    one = jax.core.ShapedArray((1,), np.float32)
-    zero = _compat.ir_constant(np.zeros(1, np.float32))
     # The tag: the call site, and (through ctx.avals_in) the operand's shape
     # and dtype, so that ranks whose fallbacks differ in size disagree too.
     site = _ordering.call_site_tag(ctx, "fallback notice", op)
+    one = jax.core.ShapedArray((1,), np.float32)
+    zero = _compat.ir_constant(np.zeros(1, np.float32))
     (done,) = _ordering.emit_ordered_call(
         ctx.replace(avals_in=[one], avals_out=[one]), PSUM_TARGET, [zero], dict(comm_id=comm_id, site=site, notice=1)
     )
@@ -64,14 +69,14 @@ def _notice_lowering(ctx, x, *, comm_id, op):
     )
 
 
-def _notice_jvp(primals, tangents, *, comm_id, op):
+def _notice_jvp(primals, tangents, **params):
     # The tangent needs no notice of its own: its jax.lax collective runs
     # after the primal's, which waited for the notice.
-    return notice_p.bind(primals[0], comm_id=comm_id, op=op), tangents[0]
+    return notice_p.bind(primals[0], **params), tangents[0]
 
 
-def _notice_batcher(axis_data, vals_in, dims_in, *, comm_id, op):
-    return notice_p.bind(vals_in[0], comm_id=comm_id, op=op), dims_in[0]
+def _notice_batcher(axis_data, vals_in, dims_in, **params):
+    return notice_p.bind(vals_in[0], **params), dims_in[0]
 
 
 notice_p = _compat.Primitive("jax_arx_fallback_notice")

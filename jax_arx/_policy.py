@@ -149,7 +149,8 @@ class Notice(NamedTuple):
     rank until the timeout while this rank waits in jax.lax's collective
     for as long as that takes. So the call first tells its peers over
     ``comm_id`` (jax_arx/_notice.py): a peer that decided otherwise raises a
-    mismatch, and so does this rank, before jax.lax's collective starts."""
+    mismatch, and so does this rank, before jax.lax's collective starts.
+    ``comm_id``: the axis's psum communicator, for every op."""
 
     comm_id: int
 

@@ -176,8 +176,8 @@ class MeshWorker:
 
     def calls(self, f, *args, target="jax_arx_"):
         """The custom calls to ``target*`` in ``f``'s lowering for ``args``,
-        fallbacks' notices (jax_arx/_notice.py: a psum marked notice = 1)
-        left out: the calls the program's own collectives lowered to."""
+        fallbacks' notices (jax_arx/_notice.py, psums marked notice = 1) left
+        out: the calls the program's own collectives lowered to."""
         text = f.lower(*args).as_text()
         return [line for line in text.splitlines() if f"custom_call @{target}" in line and "notice = 1" not in line]
 

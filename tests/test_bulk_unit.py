@@ -232,16 +232,18 @@ def test_vmap_batches_decide_again(fake_core, monkeypatch):
 # --- fallbacks: one log line per reason, or JaxArxFallbackError -----------------------------
 
 
-def _falls_back(monkeypatch, caplog, trace, reason, lax_op, op=None):
+def _falls_back(monkeypatch, caplog, trace, reason, lax_op, op=None, notice=False):
     """``trace()`` (it traces a program) falls back: the program holds no
-    jax_arx primitive, one log line (of ``op``'s, where given) says
-    ``reason`` and names ``lax_op`` (a second trace logs nothing more); with
-    JAX_ARX_FALLBACK=error it raises JaxArxFallbackError saying the same."""
+    jax_arx primitive (``notice``, a fallback past the size envelope: but
+    its notice, jax_arx/_notice.py), one log line (of ``op``'s, where given)
+    says ``reason`` and names ``lax_op`` (a second trace logs nothing more);
+    with JAX_ARX_FALLBACK=error it raises JaxArxFallbackError saying the same."""
     with caplog.at_level(logging.WARNING, logger="jax_arx"):
         caplog.clear()
         prims = trace()
         trace()
-    assert not any(p.startswith("jax_arx_") for p in prims), prims
+    ours = [p for p in prims if p.startswith("jax_arx_")]
+    assert ours == (["jax_arx_fallback_notice"] if notice else []), prims
     lines = [
         r.getMessage()
         for r in caplog.records
@@ -401,6 +403,7 @@ def test_the_envelope_is_the_prefill_slot(fake_core, monkeypatch, caplog, op, pe
         rf"jax_arx.{op}: float32\[{per_device + 4}\]\S*: {op} moves \d+ bytes per rank, \d+ for all 4 "
         rf"ranks, more than JAX_ARX_PREFILL_SLOT_BYTES={PREFILL}",
         lax_op,
+        notice=True,
     )
     settings = dict(re.findall(r"(JAX_ARX_\w+)=(\w+)", line.split("; set ", 1)[1]))
     assert set(settings) == {"JAX_ARX_PREFILL_SLOT_BYTES"}, line
@@ -462,6 +465,7 @@ def test_moe_steps_aside_for_the_unfused_pair_by_default(fake_core, monkeypatch,
         "moe_combine_psum_scatter moves",
         "jax.lax.psum_scatter",
         op="moe_combine_psum_scatter",
+        notice=True,
     )
 
 
@@ -482,6 +486,7 @@ def test_moe_runs_fused_within_its_envelope(fake_core, monkeypatch, caplog):
         rf"moe_combine_psum_scatter moves {(at + 4) * H * 2 // 4} bytes per rank",
         "jax.lax.psum_scatter",
         op="moe_combine_psum_scatter",
+        notice=True,
     )
 
 

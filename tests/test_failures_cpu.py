@@ -24,10 +24,11 @@ each test launches this file as its worker, ``--worker SUITE``):
   lateness (host/steps.h, HostPoll): both must return the exact sum, never
   a timeout naming rank 0 (which a wait counting the clock gives on its
   first look after the resume).
-- ``straddle:CARRIER:FIRST`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): one
-  psum call site whose operand is within jax_arx's size envelope on rank 0
-  (64K float32) and past it on rank 1 (1M float32), where rank 1 falls
-  back to jax.lax.psum (gloo). The fallback's notice (jax_arx/_notice.py)
+- ``straddle:FIRST:OP`` (2 processes, ``JAX_ARX_TIMEOUT_S=3``): one psum
+  (or all_gather) call site whose operand is within jax_arx's size envelope
+  on rank 0 (64K float32; 16K) and past it on rank 1 (1M; 256K), where
+  rank 1 falls back to jax.lax (gloo). The fallback's notice (jax_arx/_notice.py;
+  a bulk op's, on the psum communicator, makes both time out instead)
   must make both ranks raise a mismatch naming the other within the
   timeout plus 5 s, never rank 1 waiting in gloo; with ``FIRST=lax``, after
   a jax.lax.psum (gloo set up) and a fallback both ranks take alike (its
@@ -109,18 +110,19 @@ def test_a_rank_stopped_while_it_waits_does_not_blame_its_peer(core_built, tmp_p
 
 
 @pytest.mark.parametrize(
-    "transport,first",
+    "op,transport,first",
     [
-        ("shm", "none"),
-        ("tcp", "lax"),
-        pytest.param("shm", "lax", marks=pytest.mark.slow),
-        pytest.param("tcp", "none", marks=pytest.mark.slow),
+        ("psum", "shm", "none"),
+        ("psum", "tcp", "lax"),
+        ("all_gather", "tcp", "none"),
+        pytest.param("psum", "shm", "lax", marks=pytest.mark.slow),
+        pytest.param("psum", "tcp", "none", marks=pytest.mark.slow),
+        pytest.param("all_gather", "shm", "lax", marks=pytest.mark.slow),
     ],
 )
-def test_ranks_that_straddle_the_size_envelope_raise_on_every_rank(core_built, tmp_path, transport, first):
-    results = _run(
-        f"straddle:{first}", transport, tmp_path, {"JAX_ARX_TIMEOUT_S": str(STRADDLE_TIMEOUT_S)}, None, timeout=300
-    )
+def test_ranks_that_straddle_the_size_envelope_raise_on_every_rank(core_built, tmp_path, op, transport, first):
+    env = {"JAX_ARX_TIMEOUT_S": str(STRADDLE_TIMEOUT_S), "JAX_ARX_PREFILL_SLOT_BYTES": "1M"}
+    results = _run(f"straddle:{first}:{op}", transport, tmp_path, env, None, timeout=300)
     for rank in (0, 1):
         r = results[rank]
         if first == "lax":
@@ -129,7 +131,9 @@ def test_ranks_that_straddle_the_size_envelope_raise_on_every_rank(core_built, t
         # issue's: the timeout plus 5 s), naming the other rank's collective.
         assert r["error"], results
         assert r["seconds"] <= STRADDLE_TIMEOUT_S + 5, results
-        assert "issued a different collective" in r["error"] and f"rank {1 - rank} " in r["error"], results
+        assert f"rank {1 - rank}" in r["error"], results
+        if op == "psum":  # a bulk op's peers wait on different communicators until the timeout
+            assert "issued a different collective" in r["error"], results
     # Rank 1 fell back (and said so), rank 0 ran jax_arx.
     assert results[1]["fallbacks"] >= 1 and results[0]["fallbacks"] == (1 if first == "lax" else 0), results
 
@@ -507,42 +511,47 @@ def _suite_stopped_waiter():
     return report
 
 
-def _suite_straddle(first):
+def _suite_straddle(first, op):
     jax, jax_arx, mesh, sharded, P = _setup()
     me = jax.process_index()
     jax_arx.initialize(mesh)
     report = {}
 
-    def fallbacks():
-        return sum(jax_arx.stats()["fallbacks"].get("psum", {}).values())
-
     def rows(n, per_rank):
         return jax.make_array_from_callback((2 * n,), sharded, lambda idx: per_rank(idx[0].start // n, n))
 
-    def psum_of(x, with_lax=False):
-        op = jax.lax.psum if with_lax else jax_arx.psum
-        f = jax.jit(jax.shard_map(lambda v: op(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+    def run(x, with_lax=False):
+        if op == "psum" or with_lax:
+            fn, out = (jax.lax.psum if with_lax else jax_arx.psum), P()
+        else:
+            fn, out = lambda v, axis: jax_arx.all_gather(v, axis, tiled=True), P("x")
+        f = jax.jit(jax.shard_map(lambda v: fn(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=out))
         return np.asarray(f(x).addressable_data(0))
 
     def ramp(r, n):
         return (np.arange(n) % 251 + 1000 * r).astype(np.float32)
 
-    big, small = 1 << 20, 1 << 16  # past and within the envelope (JAX_ARX_SLOT_BYTES's default)
+    def want(n):
+        return ramp(0, n) + ramp(1, n) if op == "psum" else np.concatenate([ramp(0, n), ramp(1, n)])
+
+    # Per rank, past and within the envelope: JAX_ARX_SLOT_BYTES's default
+    # (psum); JAX_ARX_PREFILL_SLOT_BYTES=1M for the two ranks' 4 bytes each.
+    big, small = (1 << 20, 1 << 16) if op == "psum" else (1 << 18, 1 << 14)
     if first == "lax":
-        got = psum_of(rows(8, ramp), with_lax=True)
+        got = run(rows(8, ramp), with_lax=True)
         report["lax_exact"] = bool((got == ramp(0, 8) + ramp(1, 8)).all())
-        got = psum_of(rows(big, ramp))  # both ranks fall back, alike
-        report["same_fallback_exact"] = bool((got == ramp(0, big) + ramp(1, big)).all())
+        got = run(rows(big, ramp))  # both ranks fall back, alike
+        report["same_fallback_exact"] = bool(np.array_equal(got, want(big)))
     n = small if me == 0 else big
     x = jax.make_array_from_callback((2 * n,), sharded, lambda idx: ramp(me, n))
     start = time.monotonic()
     try:
-        psum_of(x)
+        run(x)
         report["error"] = ""
     except Exception as e:
         report["error"] = launched.error_text(e)
     report["seconds"] = round(time.monotonic() - start, 2)
-    report["fallbacks"] = fallbacks()
+    report["fallbacks"] = sum(jax_arx.stats()["fallbacks"].get(op, {}).values())
     jax_arx.shutdown()
     return report
 
@@ -629,7 +638,7 @@ def _worker_main(argv):
     elif suite.startswith("stopped_waiter:"):
         report = _suite_stopped_waiter()
     elif suite.startswith("straddle:"):
-        report = _suite_straddle(suite.split(":")[1])
+        report = _suite_straddle(*suite.split(":")[1:])
     else:
         report = {
             "stranger": _suite_stranger,

@@ -129,8 +129,8 @@ std::string Endpoint::describe_recorded_failure() const {
       return strf(
           "jax_arx: %s: at %s rank %llu issued a different collective: %s, where this rank issued %s. "
           "Every rank must issue the same collectives in the same order with the same shapes (a rank whose "
-          "operand is outside jax_arx's size envelope falls back to jax.lax and issues a psum of 1 f32 element "
-          "there to say so: jax_arx.stats()[\"fallbacks\"] on it tells why)",
+          "operand is outside jax_arx's size envelope falls back to jax.lax and issues a psum of 1 f32 "
+          "element there to say so: jax_arx.stats()[\"fallbacks\"] on it tells why)",
           label_.c_str(), what.c_str(), (unsigned long long)load_relaxed(&ctl->failed_src), peer.c_str(), mine.c_str());
     }
     case FailureKind::kAborted:

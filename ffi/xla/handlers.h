@@ -71,8 +71,10 @@ inline ffi::Error failed_call(Endpoint& ep, Stats::Kind kind, ffi::Error e) {
 // the last ones, are weights to prefetch; default 0). Taken as a dictionary,
 // so that attributes a lowering adds later do not break it. `args` and
 // `rets`: the operand and result counts, checked against prefetch.
+// notice: 1 for a fallback's notice (jax_arx/_notice.py), a psum of one
+// float that stats() does not count as the program's psum.
 struct PsumAttributes {
-  int64_t comm_id = 0, site = 0, prefetch = 0;
+  int64_t comm_id = 0, site = 0, prefetch = 0, notice = 0;
 };
 
 inline ffi::Error psum_attributes(const ffi::Dictionary& attrs, size_t args, size_t rets, PsumAttributes& at) {
@@ -85,7 +87,8 @@ inline ffi::Error psum_attributes(const ffi::Dictionary& attrs, size_t args, siz
     out = *v;
     return ffi::Error::Success();
   };
-  for (auto [name, out] : {std::pair{"comm_id", &at.comm_id}, {"site", &at.site}, {"prefetch", &at.prefetch}})
+  for (auto [name, out] :
+       {std::pair{"comm_id", &at.comm_id}, {"site", &at.site}, {"prefetch", &at.prefetch}, {"notice", &at.notice}})
     if (ffi::Error e = get(name, *out); e.failure()) return e;
   if (at.prefetch < 0 || args < rets + (size_t)at.prefetch)
     return ffi::Error::InvalidArgument(strf("jax_arx.psum: %zu operands for %zu results and %lld prefetch operands",

@@ -79,7 +79,7 @@ ffi::Error psum_cuda(cudaStream_t stream, int32_t device_ordinal, ffi::Remaining
     if (ffi::Error e = psum_pair(args, rets, i, p); e.failure()) return e;
     const Plan plan = plan_psum(*ep, p.bytes);
     if (plan.algorithm == Algorithm::kNone) return refused("psum", plan);
-    count_call(*ep, Stats::kPsum, p.bytes, plan);
+    if (!at.notice) count_call(*ep, Stats::kPsum, p.bytes, plan);
     // Leaves of one call are told apart by their position, as on the host.
     const cudaError_t e = cuda::launch_psum(*ep, plan, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i,
                                             i == 0 ? pf : cuda::Prefetch{}, stream);

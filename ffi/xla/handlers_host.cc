@@ -76,7 +76,7 @@ ffi::Error psum_host(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     PsumPair p;
     if (ffi::Error e = psum_pair(args, rets, i, p); e.failure()) return e;
     const Plan plan = plan_psum(*ep, p.bytes);
-    count_call(*ep, Stats::kPsum, p.bytes, plan);
+    if (!at.notice) count_call(*ep, Stats::kPsum, p.bytes, plan);
     // Leaves of one call are told apart by their position.
     const Status s = host::psum(*ep, plan, p.dtype, p.in, p.out, p.count, (uint64_t)at.site * 64 + i);
     if (!s.ok()) {
