@@ -22,6 +22,10 @@ there is one. JAX_ARX_TIMEOUT_S=3 and XLA command buffers forced on.
   collective". Then, on fresh endpoints, rank 0 calls alone: NaN after the
   timeout and within 2x it, and jax_arx.check() names ranks 1 and 2.
 
+- ``test_a_rank_stopped_mid_stream``: tests/test_stopped_rank_cpu.py's
+  episodes with the ranks sharing the GPU (a stopped rank's launched
+  kernels run on; a failed call gives NaN, jax_arx.check() the error).
+
 On the CPU (``--cpu-smoke``) a failed call raises instead of giving NaN, and
 the timings are not checked: they are this machine's, not the GPU's.
 """
@@ -37,6 +41,7 @@ import pytest
 
 import gpu_common
 import test_failures_cpu as failures_cpu
+import test_stopped_rank_cpu as stopped_rank
 from gpu_common import AXIS, CMDBUF_ON
 
 pytestmark = pytest.mark.gpu
@@ -272,3 +277,12 @@ def test_a_stopped_peer_fails_the_call_and_shutdown_within_the_timeout(tmp_path,
 @pytest.mark.parametrize("suite", ["killed_in_initialize", "failed_initialize"])
 def test_no_shared_memory_left_after_failed_set_ups(tmp_path, suite):
     failures_cpu.check_no_shared_memory_left(tmp_path, suite, gpus=gpu_common.require_gpus(1))
+
+
+# tests/test_stopped_rank_cpu.py on GPUs: the last rank stopped mid-stream
+# while its kernels may still run; every rank raises or every rank
+# completes, the stopped one never blames a healthy one, the completed calls
+# differ by at most one, never a wrong value (ARX_STOP_EPISODES=N for more).
+@pytest.mark.parametrize("transport,nprocs", [("tcp", 2), ("shm", 2), ("tcp", 3)])
+def test_a_rank_stopped_mid_stream(tmp_path, summary_line, transport, nprocs):
+    stopped_rank.check_stopped_mid_stream(tmp_path, summary_line, transport, nprocs, gpus=gpu_common.require_gpus(1))

@@ -1,6 +1,7 @@
 """A rank stopped mid-stream (SIGSTOP, as a debugger or a frozen host does),
-on the CPU backend across processes: the attack of docs/failures.md's
-second case, repeated to hit its races.
+on the CPU backend across processes (tests/test_gpu_failures.py runs the
+same on GPUs, where a failed call gives NaN and jax_arx.check() raises):
+the attack of docs/failures.md's second case, repeated to hit its races.
 
 Every rank calls jax_arx.psum and jax_arx.all_gather on one mesh axis in
 turn, back to back, each result checked exactly; the last rank stops
@@ -49,13 +50,25 @@ EPISODES = int(os.environ.get("ARX_STOP_EPISODES", "1"))
 @pytest.mark.slow
 @pytest.mark.parametrize("transport,nprocs", [("tcp", 2), ("shm", 2), ("tcp", 3)])
 def test_a_rank_stopped_mid_stream(core_built, tmp_path, summary_line, transport, nprocs):
+    check_stopped_mid_stream(tmp_path, summary_line, transport, nprocs, gpus=None)
+
+
+def check_stopped_mid_stream(tmp_path, summary_line, transport, nprocs, gpus):
+    """The episodes on ``nprocs`` ranks over ``transport``, on the CPU backend
+    or, with ``gpus``, sharing those GPUs (tests/test_gpu_failures.py)."""
+    env = {"JAX_ARX_TIMEOUT_S": str(TIMEOUT_S)}
+    if gpus:
+        import gpu_common
+
+        env = gpu_common.gpu_env(gpus, nprocs, env)
     results = launched.run_suite(
         THIS,
         f"episodes:{EPISODES}",
         nprocs,
         transport,
         tmp_path,
-        env={"JAX_ARX_TIMEOUT_S": str(TIMEOUT_S)},
+        cpu_devices=None if gpus else 1,
+        env=env,
         timeout=120 + EPISODES * (STOP_S + 6 * TIMEOUT_S),
     )
     stopped = nprocs - 1
@@ -80,7 +93,8 @@ def test_a_rank_stopped_mid_stream(core_built, tmp_path, summary_line, transport
         done = [e["done"] for e in eps]
         assert max(done) - min(done) <= 1, "the ranks' completed calls differ by more than one: " + where
         tally["differ by one call"] += max(done) != min(done)
-    summary_line(f"stopped mid-stream, {transport} x{nprocs}, {EPISODES} episodes: {tally}")
+    on = "GPU" if gpus else "CPU"
+    summary_line(f"stopped mid-stream, {on}, {transport} x{nprocs}, {EPISODES} episodes: {tally}")
 
 
 # --- the worker -------------------------------------------------------------------------
@@ -107,6 +121,11 @@ def _episode(jax, jax_arx, mesh, client, k, fns, x, wants):
         i = report["done"] % len(fns)
         try:
             got = np.asarray(fns[i](x).addressable_data(0))
+            if np.isnan(got).all():
+                # On GPUs a failed call's kernel gives NaN, and the error
+                # comes from jax_arx.check() (on the CPU the call raises).
+                jax_arx.check()
+                raise AssertionError("NaN from a call jax_arx.check() finds nothing wrong with")
         except Exception as e:
             report["error"] = launched.error_text(e)
             break
@@ -142,4 +161,8 @@ def _worker(episodes):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     suite = sys.argv[sys.argv.index("--worker") + 1]
+    if os.environ.get("ARX_TEST_GPUS"):
+        import gpu_common
+
+        gpu_common.place_rank()  # before jax starts its backend
     print(launched.RESULT + json.dumps(_worker(int(suite.split(":")[1]))), flush=True)
