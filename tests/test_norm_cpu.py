@@ -317,50 +317,55 @@ def _norm_jnp(jnp, h, wt, b, kind, eps):
 def case_grad(w):
     """jax.grad with respect to x and residual against jax.grad of the same
     function written without collectives, on one device: the sum over
-    ranks of each rank's loss, with the partials as rows of one array."""
-    for spec in GRAD_SPECS:
-        for check_vma in (True, False):
-            _grad_one(w, spec, check_vma)
-
-
-def _grad_one(w, spec, check_vma):
+    ranks of each rank's loss, with the partials as rows of one array.
+    Every spec in one program per check_vma (the loss is their sum, so each
+    spec's gradient is its own): two compiles, not one per spec."""
     jax, jnp, P = w.jax, w.jax.numpy, w.P
     n = w.world
-    shape, _, kind, _ = spec
-    parts, res, wt, b = ref.inputs(n, spec)
-    rng = np.random.default_rng(zlib.crc32(repr(spec).encode()) + 1)
-    c, c2 = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    datas, cs = [], []
+    for spec in GRAD_SPECS:
+        datas.append(ref.inputs(n, spec))
+        rng = np.random.default_rng(zlib.crc32(repr(spec).encode()) + 1)
+        cs.append([rng.standard_normal(spec[0]).astype(np.float32) for _ in range(2)])
 
-    def whole(xs, r):
-        h = xs.sum(0) + r
-        return n * ((_norm_jnp(jnp, h, wt, b, kind, EPS[kind]) * c).sum() + (h * c2).sum())
+    def whole(*ops):  # (parts, residual) per spec
+        total = 0.0
+        for k, ((_, _, kind, _), (_, _, wt, b), (c, c2)) in enumerate(zip(GRAD_SPECS, datas, cs, strict=True)):
+            h = ops[2 * k].sum(0) + ops[2 * k + 1]
+            total = total + n * ((_norm_jnp(jnp, h, wt, b, kind, EPS[kind]) * c).sum() + (h * c2).sum())
+        return total
 
-    want = [np.asarray(g) for g in jax.jit(jax.grad(whole, argnums=(0, 1)))(parts, res)]
+    flat = [a for p, r, _, _ in datas for a in (p, r)]
+    argnums = tuple(range(len(flat)))
+    want = [np.asarray(g) for g in jax.jit(jax.grad(whole, argnums=argnums))(*flat)]
 
-    def body(x, r):
-        normed, hidden = _call(w.jax_arx, x[0], r, wt, b, kind)
-        return ((normed * c).sum() + (hidden * c2).sum()).reshape(1)
+    def body(*ops):
+        out = []
+        for k, ((_, _, kind, _), (_, _, wt, b), (c, c2)) in enumerate(zip(GRAD_SPECS, datas, cs, strict=True)):
+            normed, hidden = _call(w.jax_arx, ops[2 * k][0], ops[2 * k + 1], wt, b, kind)
+            out.append(((normed * c).sum() + (hidden * c2).sum()).reshape(1))
+        return sum(out[1:], out[0])
 
-    f = w.smap(body, (P("tp"), P()), P("tp"), check_vma=check_vma)
-
-    def loss(x, r):
-        return f(x, r).sum()
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    if TARGET not in grad.lower(w.put(parts), w.rep(res)).as_text():
-        w.fail("grad", f"{spec}: the gradient's primal is not the fused call")
-    got = grad(w.put(parts), w.rep(res))
-    for a, whole_g, what in ((got[0], want[0], "d/dx"), (got[1], want[1], "d/dresidual")):
-        for shard in a.addressable_shards:
-            g, ref_s = np.asarray(shard.data), whole_g[shard.index]
-            ok = np.allclose(g, ref_s, rtol=1e-4, atol=1e-5 * np.abs(ref_s).max())
-            w.record(
-                "grad",
-                None
-                if ok
-                else f"{spec} check_vma={check_vma} {what}: max |diff| "
-                f"{np.abs(g - ref_s).max():.3g}, max |ref| {np.abs(ref_s).max():.3g}",
-            )
+    args = [w.put(a) if i % 2 == 0 else w.rep(a) for i, a in enumerate(flat)]
+    for check_vma in (True, False):
+        f = w.smap(body, (P("tp"), P()) * len(GRAD_SPECS), P("tp"), check_vma=check_vma)
+        lowered = jax.jit(jax.grad(lambda *ops, f=f: f(*ops).sum(), argnums=argnums)).lower(*args)
+        fused = lowered.as_text().count(f"custom_call @{TARGET}")
+        if fused != len(GRAD_SPECS):
+            w.fail("grad", f"check_vma={check_vma}: {fused} fused calls in the gradient for {len(GRAD_SPECS)} specs")
+        got = lowered.compile()(*args)
+        for i, (a, whole_g) in enumerate(zip(got, want, strict=True)):
+            spec, what = GRAD_SPECS[i // 2], ("d/dx", "d/dresidual")[i % 2]
+            for shard in a.addressable_shards:
+                g, ref_s = np.asarray(shard.data), whole_g[shard.index]
+                ok = np.allclose(g, ref_s, rtol=1e-4, atol=1e-5 * np.abs(ref_s).max())
+                w.record(
+                    "grad",
+                    None
+                    if ok
+                    else f"{spec} check_vma={check_vma} {what}: max |diff| "
+                    f"{np.abs(g - ref_s).max():.3g}, max |ref| {np.abs(ref_s).max():.3g}",
+                )
 
 
 def case_fallback(w):
