@@ -111,6 +111,9 @@ Status VerbsTransport::put(int peer, int root, const void* src, uint64_t offset,
       sge[k] = ibv_sge{(uint64_t)(uintptr_t)(s + sent), (uint32_t)n, lkey};
       wr[k] = ibv_send_wr{};
       wr[k].opcode = IBV_WR_RDMA_WRITE;
+      // Small writes (headers, a line or two) inline: the bytes are read
+      // now, by this thread, after the trigger that said they are in place.
+      if (n <= l.inline_max) wr[k].send_flags = IBV_SEND_INLINE;
       wr[k].wr.rdma.remote_addr = l.remote_base + offset + sent;
       wr[k].wr.rdma.rkey = data_rkey;
       sent += n;

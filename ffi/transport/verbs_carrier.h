@@ -69,7 +69,10 @@ namespace arx {
 constexpr int kRnrRetry = 7;  // 7 = retry forever; no receive WRs are ever involved
 constexpr int kMinRnrTimer = 12;
 constexpr uint32_t kSqDepth = 512;  // WRs per QP; a put takes 2 (1 without data)
-constexpr int kChain = 16;          // WRs per ibv_post_send call
+// Inline bytes asked of each QP: a put's header (32 bytes) and the few LL
+// lines of a small psum fit; ConnectX takes more, soft-RoCE 400.
+constexpr uint32_t kInlineWanted = 256;
+constexpr int kChain = 16;  // WRs per ibv_post_send call
 constexpr uint64_t kMaxChunk = 1ull << 30;
 constexpr int kMaxDevices = 2 * kRoots;  // a ring: two ports, a device per root on each
 
@@ -144,6 +147,10 @@ class VerbsTransport final : public Transport {
     uint64_t remote_base = 0, inbox_lo = 0, inbox_hi = 0, bulk_lo = 0, bulk_hi = 0, relay_lo = 0, relay_hi = 0;
     uint32_t rkey = 0, bulk_rkey = 0, relay_rkey = 0, remote_qpn = 0;
     int path_mtu = 0;
+    // Writes of up to this many bytes go inline (IBV_SEND_INLINE): the
+    // driver copies them into the work request as it posts, so the NIC
+    // need not read them from host memory; what the QP was given.
+    uint32_t inline_max = 0;
     std::string remote;  // "rank 1 (rxe1 port 1, GID 198.51.100.2, QP 0x12)", for messages
   };
 

@@ -186,13 +186,22 @@ Status VerbsTransport::create_link(int slot, int root) {
   ia.cap.max_recv_wr = 1;
   ia.cap.max_send_sge = 1;
   ia.cap.max_recv_sge = 1;
-  ia.cap.max_inline_data = 64;  // the flag (8 bytes) goes inline
+  // The flag (8 bytes) goes inline, and so do the headers and small lines
+  // where the device takes kInlineWanted; a device that refuses that many
+  // gets the 64 bytes every RoCE device takes.
+  ia.cap.max_inline_data = kInlineWanted;
   errno = 0;
-  if (!(l.qp = api_.create_qp(pd_[dev], &ia)))
+  if (!(l.qp = api_.create_qp(pd_[dev], &ia))) {
+    ia.cap.max_inline_data = 64;
+    errno = 0;
+    l.qp = api_.create_qp(pd_[dev], &ia);
+  }
+  if (!l.qp)
     return labelled(
         strf("jax_arx: ibv_create_qp (RC, %llu send WRs, 64 B inline) on %s for rank %d failed: %s; "
              "the device may be out of queue pairs or locked memory (ulimit -l)",
              (unsigned long long)sq_depth_, where(dev).c_str(), l.peer, verbs::error_text(-1).c_str()));
+  l.inline_max = ia.cap.max_inline_data;
   if (ia.cap.max_inline_data < 8)
     return labelled(
         strf("jax_arx: %s gives queue pairs %u bytes of inline data; the verbs carrier needs 8 for "
@@ -346,9 +355,9 @@ Status VerbsTransport::bring_up(int slot, int root, const Wire& p) {
       IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
       "RTR->RTS", "JAX_ARX_IB_TIMEOUT and JAX_ARX_IB_RETRY_CNT"));
   if (ctx_.config->verbose)
-    fprintf(stderr, "jax_arx verbs: %s: root %d %s QP 0x%x <-> %s: path MTU %d (ours %d, peer's %d)\n",
+    fprintf(stderr, "jax_arx verbs: %s: root %d %s QP 0x%x <-> %s: path MTU %d (ours %d, peer's %d), inline %u B\n",
             ctx_.label.c_str(), root, where(l.dev).c_str(), l.qp->qp_num, l.remote.c_str(), l.path_mtu,
-            verbs::mtu_bytes(d.port_attr.active_mtu), verbs::mtu_bytes(pr.mtu));
+            verbs::mtu_bytes(d.port_attr.active_mtu), verbs::mtu_bytes(pr.mtu), l.inline_max);
   return Status::Ok();
 }
 
