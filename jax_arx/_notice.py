@@ -70,8 +70,12 @@ def _notice_lowering(ctx, x, *, comm_id, op):
 
 
 def _notice_jvp(primals, tangents, **params):
-    # The tangent needs no notice of its own: its jax.lax collective runs
-    # after the primal's, which waited for the notice.
+    # The tangent's collective, and the cotangent's (the transpose is the
+    # identity), get no notice of their own: they are the same size on
+    # every rank exactly when the primal's are, whose notice fails a program
+    # whose ranks straddle. What that leaves unordered: a tangent or
+    # cotangent sum that depends on no value computed after the notice (a
+    # linear program's), which XLA may start first.
     return notice_p.bind(primals[0], **params), tangents[0]
 
 
