@@ -189,6 +189,22 @@ MUTATIONS = [
         cpp=True,
     ),
     M(
+        "a stop within a wait counts as the peer's lateness",
+        "ffi/host/steps.h",
+        "    if (gap > kNotRunning) {",
+        "    if (false) {",
+        ("test_poll",),
+        cpp=True,
+    ),
+    M(
+        "work between two waits of a collective counts as not running",
+        "ffi/host/steps.h",
+        "(now - ended) - std::chrono::nanoseconds(thread_cpu_ns() - ended_cpu);",
+        "(now - ended);",
+        ("test_poll",),
+        cpp=True,
+    ),
+    M(
         "a stop between two waits of a collective counts as the next peer's lateness",
         "ffi/host/steps.h",
         "    if (off > kNotRunning) {",
