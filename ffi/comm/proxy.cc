@@ -26,23 +26,35 @@ using Clock = std::chrono::steady_clock;
 // collective and idle_spin_ms after it. No wake is lost: a ring after the
 // proxy's last look at the bell either changes it before the futex wait
 // (which then returns at once) or finds `asleep` set (and wakes the wait);
-// and were one lost, the nap still ends in idle_nap_us.
+// and were one lost, the nap still ends in idle_nap_us. The ring comes as
+// the collective begins, before its first trigger (the device side copies
+// first): so after a ring the proxy does not nap again until it has taken
+// work, or kRungSpin has passed, whatever idle_spin_ms says (with 0 it
+// would wake, find nothing yet, and nap through the collective).
 struct IdleNap {
+  // Far longer than a collective takes from its beginning to its first
+  // trigger, on a loaded host or under ThreadSanitizer.
+  static constexpr Clock::duration kRungSpin = std::chrono::milliseconds(500);
   Clock::duration spin;
   std::chrono::microseconds nap;
   std::atomic<uint32_t>& bell;
   std::atomic<bool>& asleep;
   Clock::time_point last = Clock::now();
-  uint32_t heard;  // the bell's value at the last look
+  Clock::time_point rung{};  // the last ring not yet followed by work
+  uint32_t heard;            // the bell's value at the last look
   IdleNap(int64_t spin_ms, int64_t nap_us, std::atomic<uint32_t>& b, std::atomic<bool>& a)
       : spin(std::chrono::milliseconds(spin_ms)), nap(nap_us), bell(b), asleep(a), heard(b.load()) {}
-  void busy() { last = Clock::now(); }
+  void busy() {
+    last = Clock::now();
+    rung = {};
+  }
   void idle() {
     const uint32_t b = bell.load();
+    const Clock::time_point now = Clock::now();
     if (b != heard) {
       heard = b;
-      busy();
-    } else if (nap.count() > 0 && Clock::now() - last > spin) {
+      last = rung = now;
+    } else if (nap.count() > 0 && now - last > spin && now - rung > kRungSpin) {
       asleep.store(true);
       const timespec ts{(time_t)(nap.count() / 1000000), (long)(nap.count() % 1000000) * 1000};
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell), FUTEX_WAIT_PRIVATE, b, &ts, nullptr, 0);
