@@ -48,13 +48,14 @@ struct IdleNap {
     last = Clock::now();
     rung = {};
   }
+  // Idle past idle_spin_ms, and past kRungSpin since an unanswered ring.
+  bool drowsy(Clock::time_point now) const { return now - last > spin && now - rung > kRungSpin; }
   void idle() {
     const uint32_t b = bell.load();
-    const Clock::time_point now = Clock::now();
     if (b != heard) {
       heard = b;
-      last = rung = now;
-    } else if (nap.count() > 0 && now - last > spin && now - rung > kRungSpin) {
+      last = rung = Clock::now();
+    } else if (nap.count() > 0 && drowsy(Clock::now())) {
       asleep.store(true);
       const timespec ts{(time_t)(nap.count() / 1000000), (long)(nap.count() % 1000000) * 1000};
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell), FUTEX_WAIT_PRIVATE, b, &ts, nullptr, 0);
