@@ -48,7 +48,6 @@ TRIGGER = ("src", "len", "dst", "flag", "value", "dest", "family", "tag")  # lay
 RING = 256  # layout.h, kRing: the trigger ring's entries
 TIMEOUT, MISMATCH, ABORTED = 1, 2, 3  # layout.h, FailureKind
 LL_LINE, LL_PAYLOAD = 16, 8  # layout.h, kLLLineBytes, kLLLinePayload
-LL_HEAD = 4  # layout.h, kLLHeadLines: a slot's first lines, the sender's exact Descriptor
 TRIGGER_HEADER = 1 << 8  # layout.h, kTriggerHeader: a piece-0 trigger puts the staged header first
 NO_FLAG = M64  # layout.h, kTriggerNoFlag: a put with no flag word (LL lines)
 # base/words.h, "The flag page": kPsumWords + kMaxWorld x kMaxPieces x kRoots bulk
@@ -108,16 +107,6 @@ def lines_of(data: np.ndarray, flag_lo: int, flag_hi: int, hi_garbage=False) -> 
     lines = np.zeros((len(words), 4), np.uint32)
     lines[:, 0], lines[:, 2] = words[:, 0], (0xFFFFFFFF if hi_garbage else words[:, 1])
     lines[:, 1], lines[:, 3] = flag_lo, flag_hi
-    return lines
-
-
-def head_of(desc, flag) -> np.ndarray:
-    """An LL slot's head: ``desc.words`` as lines, a word per line (its low
-    half in the first half), every half with ``flag``."""
-    words = np.array(desc.words, np.uint64)
-    lines = np.zeros((LL_HEAD, 4), np.uint32)
-    lines[:, 0], lines[:, 2] = (words & 0xFFFFFFFF).astype(np.uint32), (words >> np.uint64(32)).astype(np.uint32)
-    lines[:, 1], lines[:, 3] = flag, flag
     return lines
 
 
@@ -222,12 +211,8 @@ class FakePeer:
                     == 0
                 )
 
-    def slot_lines_at(self, seq, src):
-        """src's LL slot of seq's parity: its head, then its partial's lines."""
-        return self.ll_recv + ((seq & 1) * self.world + src) * self.ll_slot
-
     def lines_at(self, seq, src):
-        return self.slot_lines_at(seq, src) + LL_HEAD * LL_LINE
+        return self.ll_recv + ((seq & 1) * self.world + src) * self.ll_slot
 
     def write_lines(self, seq, src, data: np.ndarray, flag, halves=(True, True), hi_garbage=False):
         """data as src's LL lines of seq, with the flag in the halves asked
@@ -238,11 +223,6 @@ class FakePeer:
         self.write(
             self.lines_at(seq, src), raw(lines_of(data, flag if halves[0] else 0, flag if halves[1] else 0, hi_garbage))
         )
-
-    def write_head(self, seq, src, desc, flag):
-        """src's head of seq (head_of), as write_lines writes lines."""
-        self.write(self.slot_lines_at(seq, src), raw(head_of(desc, 0)))
-        self.write(self.slot_lines_at(seq, src), raw(head_of(desc, flag)))
 
     def fail(self, message):
         assert self.lib.arx_testing_fail(self._id, 0, message.encode()) == 0
@@ -257,9 +237,6 @@ class FakePeer:
 
     def read_lines(self, seq, src, n) -> np.ndarray:
         return np.frombuffer(self.read(self.lines_at(seq, src), LL_LINE * n), np.uint32).reshape(n, 4)
-
-    def read_head(self, seq, src) -> np.ndarray:
-        return np.frombuffer(self.read(self.slot_lines_at(seq, src), LL_LINE * LL_HEAD), np.uint32).reshape(LL_HEAD, 4)
 
     def control(self) -> dict:
         w = (ctypes.c_uint64 * 32)()

@@ -29,24 +29,23 @@ One-shot and two-shot, rank 0 of 2 over the proxy channel (LL off) unless said:
 - ``two_shot``: both halves, the all-gather's late, past the slot.
 
 The LL one-shot, over the direct channel looped back:
-- ``ll_on_time_torn_stale``: seq 1 on time (the sum; the lines and their
-  head sent, no psum word, the peer's lines and head zeroed), seq 2 late with
-  torn lines first (second halves without their flag and with wrong data:
-  never taken), seq 3 with seq 1's lines again (stale): NaN after the
-  timeout;
+- ``ll_on_time_torn_stale``: seq 1 on time (the sum; the lines sent, the
+  announcement, the peer's lines zeroed), seq 2 late with torn lines first
+  (second halves without their flag and with wrong data: never taken), seq 3
+  with seq 1's lines again (stale): NaN after the timeout;
 - ``ll_rank1_tails_blocks``: rank 1; float16 aliased with a 2-byte tail,
   float32 with a 4-byte tail, bfloat16 at the LL cap (128 KiB, many blocks);
-- ``ll_mismatch_ll`` / ``ll_mismatch_oneshot`` / ``ll_mismatch_hash``: the
-  peer ran another LL psum (another size), or a one-shot, or sent a head
-  whose flag agrees and whose exact descriptor does not (a 24-bit hash
-  collision): NaN at once, the peer's descriptor in the record;
-- ``ll_no_head``: every line on time, no head: NaN after the timeout;
+- ``ll_mismatch_ll`` / ``ll_mismatch_oneshot``: the peer ran another LL
+  psum (another size), or a one-shot: NaN at once;
+- ``ll_no_announcement``: every line on time, no announcement: NaN after
+  the timeout;
 - ``ll_abort``: the host fails the endpoint while the kernel waits.
 
 The LL one-shot over the proxy channel (a carrier that puts whole words):
-- ``ll_proxy_sent_mismatch``: seq 1 on time (the sum; the head and the
-  lines staged once and published as the one trigger, without a flag word,
-  the peer's lines zeroed); seq 2, the peer ran a one-shot: NaN at once.
+- ``ll_proxy_sent_mismatch``: seq 1 on time (the sum; the announcement as
+  trigger 0, the lines staged once and published as trigger 1 without a
+  flag word, the peer's lines zeroed); seq 2, the peer ran a one-shot: NaN
+  at once.
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ CASES = (
     "ll_rank1_tails_blocks",
     "ll_mismatch_ll",
     "ll_mismatch_oneshot",
-    "ll_mismatch_hash",
-    "ll_no_head",
+    "ll_no_announcement",
     "ll_abort",
     "ll_proxy_sent_mismatch",
 )
@@ -398,7 +396,7 @@ def case_two_shot(c):
 
 def _ll_on_time(c, peer, tag, seed):
     """Seq 1 of an LL psum of 1001 bf16 (251 lines, the last with 6 bytes of
-    padding) against `peer`, whose lines and head are on time: checks
+    padding) against `peer`, whose lines and announcement are on time: checks
     the plan and the sum; returns what the case goes on with."""
     from gpu_fake_peer import ll_flag
 
@@ -408,26 +406,25 @@ def _ll_on_time(c, peer, tag, seed):
     mine, theirs = _inputs("bfloat16", n, seed)
     f = _psum(tag, _dev(mine))
     peer.write_lines(1, 1, theirs, ll_flag(1, desc))
-    peer.write_head(1, 1, desc, ll_flag(1, desc))
+    peer.signal(1, 1, desc)  # the announcement: the peer's psum word (1, piece 0)
     c.expect("on_time_sum", _same(np.asarray(f(_dev(mine))), _sum(mine, theirs)))
     return n, nbytes, -(-nbytes // 8), desc, mine, theirs, f
 
 
 def case_ll_on_time_torn_stale(c):
-    from gpu_fake_peer import FakePeer, head_of, lines_of, ll_flag
+    from gpu_fake_peer import FakePeer, flag_word, lines_of, ll_flag
 
     peer = FakePeer(9101, 0, timeout_s=SHORT_S, direct=True)
     n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9101, 21)
-    # Looped back: its lines for rank 1 are in its own ll_recv[1][0], after their head.
+    # Looped back: its lines for rank 1 are in its own ll_recv[1][0], its announcement in its own word.
     c.expect(
         "sent_lines", np.array_equal(peer.read_lines(1, 0, lines), lines_of(mine, ll_flag(1, desc), ll_flag(1, desc)))
     )
-    c.expect("sent_head", np.array_equal(peer.read_head(1, 0), head_of(desc, ll_flag(1, desc))))
-    c.expect("no_psum_word", peer.read_word(peer.word(0, 0)) == 0)
-    c.expect("consumed_zeroed", not peer.read_lines(1, 1, lines).any() and not peer.read_head(1, 1).any())
+    c.expect("announced", peer.read_word(peer.word(0, 0)) == flag_word(1, desc))
+    c.expect("consumed_zeroed", not peer.read_lines(1, 1, lines).any())
 
     mine2, theirs2 = _inputs("bfloat16", n, 22)
-    peer.write_head(2, 1, desc, ll_flag(2, desc))
+    peer.signal(1, 2, desc)
     y = f(_dev(mine2))
     c.expect("late_kernel_waiting", _until(lambda: peer.waiting(2), SHORT_S / 2))
     # Torn: first halves complete, second halves with wrong data and no flag.
@@ -435,12 +432,11 @@ def case_ll_on_time_torn_stale(c):
     c.expect("torn_not_taken", peer.waiting(2))
     peer.write_lines(2, 1, theirs2, ll_flag(2, desc))
     c.expect("late_sum", _same(np.asarray(y), _sum(mine2, theirs2)))
-    c.expect("late_zeroed", not peer.read_lines(2, 1, lines).any() and not peer.read_head(2, 1).any())
+    c.expect("late_zeroed", not peer.read_lines(2, 1, lines).any())
 
-    # Seq 3 shares seq 1's slot: lines with seq 1's flag are stale, never
-    # taken (its head is on time).
+    # Seq 3 shares seq 1's slot: lines with seq 1's flag are stale, never taken.
     peer.write_lines(3, 1, theirs, ll_flag(1, desc))
-    peer.write_head(3, 1, desc, ll_flag(3, desc))
+    peer.signal(1, 3, desc)
     got, seconds = _timed(f, mine)
     _timed_out(c, peer, got, seconds, 3)
     peer.close()
@@ -458,40 +454,33 @@ def case_ll_rank1_tails_blocks(c):
         c.expect(f"plan_{name}", peer.plan(nbytes)[0] == "ll", plan=peer.plan(nbytes))
         desc = peer.ll_desc(name, n)
         peer.write_lines(seq, 0, theirs, ll_flag(seq, desc))
-        peer.write_head(seq, 0, desc, ll_flag(seq, desc))
+        peer.signal(0, seq, desc)
         got = np.asarray(_psum(9102, _dev(mine), alias)(_dev(mine)))
         c.expect(f"sum_{name}_{n}", _same(got, _sum(theirs, mine)))
         c.expect(f"zeroed_{name}_{n}", not peer.read_lines(seq, 0, -(-nbytes // 8)).any())
-        c.expect(f"head_zeroed_{name}_{n}", not peer.read_head(seq, 0).any())
     c.expect("control", peer.control()["done"] == 3, control=peer.control())
     peer.close()
 
 
 def _ll_mismatch(c, comm_id, other):
-    from gpu_fake_peer import MISMATCH, Desc, FakePeer, flag_word, ll_flag
+    from gpu_fake_peer import MISMATCH, FakePeer, flag_word, ll_flag
 
     peer = FakePeer(comm_id, 0, timeout_s=LONG_S, direct=True)
     n = 512
     mine, theirs = _inputs("float32", n, 40)
-    if other == "ll":  # another LL psum (two more elements): its lines and head never match
+    if other == "ll":  # another LL psum (two more elements): its lines never match, its announcement neither
         d = peer.ll_desc("float32", n + 2)
         peer.write_lines(1, 1, np.concatenate([theirs, theirs[:2]]), ll_flag(1, d))
-        peer.write_head(1, 1, d, ll_flag(1, d))
-    elif other == "hash":  # this rank's flag, another tag in the exact descriptor
-        ours = peer.ll_desc("float32", n)
-        d = Desc(int(ours), (*ours.words[:3], ours.words[3] ^ 1))
-        peer.write_lines(1, 1, theirs, ll_flag(1, ours))
-        peer.write_head(1, 1, d, ll_flag(1, ours))
-    else:  # a one-shot: no lines, its piece-0 flag word and header, which an LL seq never signals
+    else:  # a one-shot: no lines, its piece-0 flag word where the LL announcement goes
         d = peer.oneshot_desc("float32", n, 1)
-        peer.signal(1, 1, d)
+    peer.signal(1, 1, d)
     got, seconds = _timed(_psum(comm_id, _dev(mine)), mine)
     _at_once(c, peer, got, seconds, MISMATCH, failed_src=1, failed_flag=flag_word(1, d))
     c.expect("message", "different collective" in peer.failure(), message=peer.failure())
     peer.close()
 
 
-def case_ll_no_head(c):
+def case_ll_no_announcement(c):
     from gpu_fake_peer import FakePeer, ll_flag
 
     peer = FakePeer(9106, 0, timeout_s=SHORT_S, direct=True)
@@ -514,13 +503,12 @@ def case_ll_abort(c):
 def case_ll_proxy_sent_mismatch(c):
     from gpu_fake_peer import (
         EVERY_PEER,
-        LL_HEAD,
         LL_LINE,
         MISMATCH,
         NO_FLAG,
+        TRIGGER_HEADER,
         FakePeer,
         flag_word,
-        head_of,
         lines_of,
         ll_flag,
     )
@@ -528,21 +516,33 @@ def case_ll_proxy_sent_mismatch(c):
     peer = FakePeer(9107, 0, timeout_s=LONG_S)
     n, nbytes, lines, desc, mine, theirs, f = _ll_on_time(c, peer, 9107, 26)
     staged = peer.send + peer.send_bytes  # parity 1, lane 0
-    want = {
-        "src": staged,
-        "len": LL_LINE * (LL_HEAD + lines),
-        "dst": peer.slot_lines_at(1, 0),
-        "flag": NO_FLAG,
-        "value": flag_word(1, desc),
-        "dest": EVERY_PEER,
-        "family": 0,
-        "tag": 1,
-    }
-    c.expect("one_trigger", peer.trigger(0) == want, trigger_0=peer.trigger(0), want=want)
-    sent = np.frombuffer(peer.read(staged, LL_LINE * (LL_HEAD + lines)), np.uint32).reshape(LL_HEAD + lines, 4)
-    f1 = ll_flag(1, desc)
-    c.expect("staged_lines", np.array_equal(sent, np.concatenate([head_of(desc, f1), lines_of(mine, f1, f1)])))
-    c.expect("consumed_zeroed", not peer.read_lines(1, 1, lines).any() and not peer.read_head(1, 1).any())
+    wants = [
+        {
+            "src": staged,
+            "len": 0,
+            "dst": peer.slot_at(1, 0),
+            "flag": peer.word(0, 0),
+            "value": flag_word(1, desc),
+            "dest": EVERY_PEER,
+            "family": TRIGGER_HEADER,
+            "tag": 1,
+        },
+        {
+            "src": staged,
+            "len": LL_LINE * lines,
+            "dst": peer.lines_at(1, 0),
+            "flag": NO_FLAG,
+            "value": flag_word(1, desc),
+            "dest": EVERY_PEER,
+            "family": 0,
+            "tag": 2,
+        },
+    ]
+    for k, want in enumerate(wants):
+        c.expect(f"trigger_{k}", peer.trigger(k) == want, **{f"trigger_{k}": peer.trigger(k), f"want_{k}": want})
+    sent = np.frombuffer(peer.read(staged, LL_LINE * lines), np.uint32).reshape(lines, 4)
+    c.expect("staged_lines", np.array_equal(sent, lines_of(mine, ll_flag(1, desc), ll_flag(1, desc))))
+    c.expect("consumed_zeroed", not peer.read_lines(1, 1, lines).any())
     ctl = peer.control()
     c.expect("on_time_control", ctl["done"] == 1 and ctl["failed_seq"] == 0, control=ctl)
 
@@ -562,7 +562,6 @@ def worker():
     run = {
         "ll_mismatch_ll": lambda c: _ll_mismatch(c, 9103, "ll"),
         "ll_mismatch_oneshot": lambda c: _ll_mismatch(c, 9104, "oneshot"),
-        "ll_mismatch_hash": lambda c: _ll_mismatch(c, 9108, "hash"),
     }
     cases = {}
     for name in CASES:

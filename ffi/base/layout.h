@@ -162,21 +162,10 @@ static_assert(sizeof(RelayRecord) == 64, "RelayRecord crosses the wire: keep its
 // descriptor fills bits 8-31); bits 1-7 hold seq / 2 (the same slot's
 // previous uses). Readers zero every line they consumed (the proof that a
 // polled line holds 0 or the line of this seq is in ll.cu).
-//
-// A slot's first kLLHeadLines lines carry the sender's exact Descriptor, a
-// word per line, with the same flag; the partial's lines follow. So the one
-// put of a sender's lines tells the receiver what it sent (ll.cu,
-// "Mismatch"): no header and no flag word of their own.
 constexpr uint64_t kLLLineBytes = 16;
 constexpr uint64_t kLLLinePayload = 8;
-constexpr uint64_t kLLHeadLines = kDescriptorWords;
-constexpr uint64_t kLLMaxPayload = 128 << 10;  // the largest LL partial (its lines take twice its size)
-// The bytes of one sender's lines for a partial of `bytes` bytes: its head
-// and its partial's lines, the last padded.
-ARX_HD constexpr uint64_t ll_put_bytes(uint64_t bytes) {
-  return ((bytes + kLLLinePayload - 1) / kLLLinePayload + kLLHeadLines) * kLLLineBytes;
-}
-constexpr uint64_t kLLSlotBytes = (ll_put_bytes(kLLMaxPayload) + kPage - 1) / kPage * kPage;
+constexpr uint64_t kLLMaxPayload = 128 << 10;  // the largest LL partial: a slot holds its lines, twice its size
+constexpr uint64_t kLLSlotBytes = kLLMaxPayload / kLLLinePayload * kLLLineBytes;
 // The payload one block of the LL kernel owns at most (cuda/ll.cu): a fused
 // call's rows are normed by the block that holds them (comm/plan.cc).
 constexpr uint64_t kLLBlockPayload = 8 << 10;

@@ -95,9 +95,7 @@ ARX_HD uint64_t describe(const Descriptor& d) {
 // Heard: where the flag words that kernels wait on live in GPU memory (psum
 // inboxes in GPU memory), the host cannot read them; the kernels store the
 // seq they finished into the peers' heard words too (relaxed), so the stall
-// report and the failure messages can say what each peer last sent. The LL
-// one-shot through the proxy signals no flag word: its kernel stores the
-// seq it took from each peer into its own page's heard word (cuda/ll.cu).
+// report and the failure messages can say what each peer last sent.
 // Headers: the flag word's 24-bit descriptor is a hash, so two different
 // collectives could pass for one. Every signal also puts the sender's exact
 // Descriptor into the receiver's header slot (family, parity, sender), before

@@ -19,8 +19,8 @@
 //                  one ordered channel per root.
 // The LL one-shot's lines, which carry their flags, go over either medium
 // as a channel of their own whose inbox is ll_recv (make_*_channel with
-// `ll_lines`), with the exact Descriptor in the lines of the slot's head:
-// their bytes are announced with publish(), no flag word (cuda/ll.cu).
+// `ll_lines`): their bytes are announced with publish(), no flag word
+// (cuda/ll.cu).
 //
 // The protocol both carry, per family (psum; the bulk collectives):
 //   1. seq s of the family, parity s & 1; every rank issues the family's

@@ -55,7 +55,8 @@ bool ll_runs(const Endpoint& ep, uint64_t bytes, uint64_t row_bytes) {
   if (row_bytes && bytes > kLLBlockPayload && (row_bytes > kLLBlockPayload || row_bytes % kLLLinePayload)) return false;
   if (ep.route().direct) return true;
   const Layout& L = ep.layout();
-  return ep.transport()->whole_words() && !L.topo.relays() && ll_put_bytes(bytes) <= L.send_bytes;
+  const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload * kLLLineBytes;
+  return ep.transport()->whole_words() && !L.topo.relays() && lines <= L.send_bytes;
 }
 
 int psum_pieces(const Endpoint& ep, uint64_t bytes) {

@@ -143,17 +143,12 @@ Status post(Endpoint& ep, Relay& relay, const Trigger& t) {
     if (t.family & kTriggerHeader)
       ARX_RETURN_IF_ERROR(carrier->put(peer, 0, header, L.flag_offset(header_word(family, par, rank)),
                                        8 * kDescriptorWords, kNoFlag, 0));
-    // LL lines (no flag word) go whole on root 0: one write per peer, and
-    // each line carries its own flag, so no split orders anything.
-    if (t.flag == kTriggerNoFlag) {
-      ARX_RETURN_IF_ERROR(carrier->put(peer, 0, ep.base() + t.src, t.dst, t.len, kNoFlag, t.value));
-      continue;
-    }
     for (int root = 0; root < roots; ++root) {
       uint64_t off, len;
       root_split(t.len, root, roots, off, len);
       ARX_RETURN_IF_ERROR(carrier->put(peer, root, ep.base() + t.src + off, t.dst + off, len,
-                                       L.flag_offset((int)t.flag + root), t.value));
+                                       t.flag == kTriggerNoFlag ? kNoFlag : L.flag_offset((int)t.flag + root),
+                                       t.value));
     }
   }
   return Status::Ok();
@@ -366,8 +361,7 @@ void Proxy::loop(uint64_t consumed) {
     Status s = ep_.transport()->poll();
     Trigger t{};
     if (s.ok() && take(ctl, ring, consumed, t)) {
-      if (t.family & kTriggerHeader || t.flag == kTriggerNoFlag)
-        ARX_STAMP(ep_.trace(), t.family & 0xff, flag_seq(t.value), kTaken, trace_now());
+      if (t.family & kTriggerHeader) ARX_STAMP(ep_.trace(), t.family & 0xff, flag_seq(t.value), kTaken, trace_now());
       s = post(ep_, relay, t);
       ARX_STAMP(ep_.trace(), t.family & 0xff, flag_seq(t.value), kPosted, trace_now());
       nap.busy();

@@ -65,11 +65,10 @@ struct Grid {
 };
 
 // The LL one-shot's channels (ll.cu), of one medium: its lines, which carry
-// their flags, and the head of its slot, which carries its exact
-// Descriptor, over `lines` (a channel whose inbox is ll_recv: comm/
-// channel.h, `ll_lines`); `psum`, the psum family's channel, where it only
-// looks at each peer's piece-0 word (a peer that ran another algorithm at
-// the same seq shows up there as a mismatch).
+// their flags, over `lines` (a channel whose inbox is ll_recv: comm/
+// channel.h, `ll_lines`), and its announcement over `psum`, the psum
+// family's piece-0 word (so a peer that ran another algorithm at the same
+// seq shows up there as a mismatch).
 template <typename Ch>
 struct LLChannel {
   Ch psum;

