@@ -246,7 +246,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if ((int)blockIdx.x == blocks) {
     // The announcement: release, so that it orders everything this rank did
     // before it, its earlier kernels' zeroing of their lines included (the
-    // kernel boundary orders those before this thread).
+    // kernel boundary orders those before this thread). It goes out as the
+    // kernel begins, ahead of the lines, so the peers' waits for it are over
+    // before the lines come: carried in the lines' own put instead, it was
+    // slower (docs/performance.md, "One put per peer").
     if (threadIdx.x == 0 && !s.prior) {
       announce.signal(kEveryPeer, 0, 0, 0);
       note_published(g, Family::kPsum, s);
