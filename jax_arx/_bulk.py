@@ -175,7 +175,7 @@ def _per_leaf(op, x, axis_name, axis_index_groups, lax_op, dim_of, bind):
         aval = jax.typeof(leaf)
         dim = dim_of(aval)
         decision = None if dim is None else decide(op, aval, axes, axis_index_groups, gathered=op is ALL_GATHER)
-        if decision is None or isinstance(decision, _policy.Notice):
+        if _policy.falls_back(decision):
             return lax_op(_notice.announce(leaf, decision, op))
         return bind(_compat.pvary_to(leaf, axes), dim, axes, decision)
 
@@ -226,11 +226,12 @@ def decide(op: _policy.Op, aval, axes, axis_index_groups, *, gathered, nbytes=No
         return total // world
 
     comm = _policy.decide(op, aval, axes, axis_index_groups, lane_bytes=lane_bytes, announce=True)
-    if comm is None or comm is _policy.UNFUSED or isinstance(comm, _policy.Notice):
-        # jax.lax, or the plan's unfused pair (_moe: jax_arx.psum_scatter
-        # either way), or jax.lax after a notice on the psum communicator
-        # (jax_arx/_notice.py: a fallback makes no bulk endpoints).
-        return comm if isinstance(comm, _policy.Notice) else None
+    if comm is _policy.UNFUSED:
+        return None  # the plan's unfused pair (_moe: jax_arx.psum_scatter)
+    if _policy.falls_back(comm):
+        # jax.lax, after a notice on the psum communicator where there is
+        # one (jax_arx/_notice.py: a fallback makes no bulk endpoints).
+        return comm
     # The first bulk collective of the axis makes its endpoints (collective:
     # every process traces it; see _bulk_endpoints.py).
     bulk = _bulk_endpoints.communicator_for(comm, op.name)
@@ -302,7 +303,7 @@ def _batcher(op, lax_p, dim_name, gathered):
             d += 1 if gathered else -1
         new = dict(params, **{dim_name: dim})
         decision = decide(op, jax.typeof(x), params["axis_name"], None, gathered=gathered)
-        if decision is None or isinstance(decision, _policy.Notice):
+        if _policy.falls_back(decision):
             return lax_p.bind(_notice.announce(x, decision, op), **_lax_params(new)), d
         return own_p.bind(x, **dict(new, comm_id=decision.comm_id)), d
 

@@ -119,7 +119,7 @@ def moe_combine_psum_scatter(y, pos, w, shared, axis_name, *, y_scale=None, padd
         _policy.fallback(OP, *why)
         return unfused()
     decision = _bulk.decide(OP, aval, axes, None, gathered=False, nbytes=tpad * H * 2)
-    if decision is None or isinstance(decision, _policy.Notice):
+    if _policy.falls_back(decision):
         # A fallback (whose psum_scatter decides again, and announces its
         # own fallback), or the plan's choice of the unfused pair (_policy.planned).
         return unfused()

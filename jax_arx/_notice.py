@@ -16,9 +16,9 @@ collective never starts. A bulk collective's notice is a psum too, on the
 axis's psum communicator: a fallback makes no bulk endpoints (whose lanes
 pin memory), so a peer running jax_arx's all_gather there waits on the bulk
 communicator and this rank on the psum one, and both give up within the
-timeout, each naming the other. Ranks that all fell back with the same operand
-send equal notices, which complete in a few microseconds, and then run
-jax.lax's collective; ranks that fell back with operands of different
+timeout, each naming the other. Ranks that all fell back with the same
+operand send equal notices, which complete in a few microseconds, and then
+run jax.lax's collective; ranks that fell back with operands of different
 sizes send different notices, and raise instead of handing jax.lax
 collectives that disagree.
 

@@ -155,6 +155,12 @@ class Notice(NamedTuple):
     comm_id: int
 
 
+def falls_back(decision) -> bool:
+    """Whether a caller's decision runs jax.lax: None, or a ``Notice``
+    (which ``_notice.announce`` sends first)."""
+    return decision is None or isinstance(decision, Notice)
+
+
 def decide(
     op: Op, aval, axes: tuple, axis_index_groups, *, lane_bytes: Callable[[int], int], announce: bool = False
 ) -> _registry.Communicator | Notice | str | None:

@@ -138,7 +138,7 @@ def psum(x, axis_name, *, axis_index_groups=None, prefetch=None):
         # A constant is the same on every device: jax.lax.psum turns it into
         # size * x without communicating.
         decision = _decide(jax.typeof(leaf), axes, axis_index_groups) if isinstance(leaf, _compat.Tracer) else None
-        if decision is None or isinstance(decision, _policy.Notice):
+        if _policy.falls_back(decision):
             leaf = _notice.announce(leaf, decision, OP)
             out[i] = jax.lax.psum(leaf, axes, axis_index_groups=axis_index_groups)
         else:
@@ -201,7 +201,7 @@ def _decide(aval, axes, axis_index_groups) -> _Decision | _policy.Notice | None:
     jax.lax.psum after a notice (``_policy.decide``, jax_arx/_notice.py)."""
     partial_bytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
     comm = _policy.decide(OP, aval, axes, axis_index_groups, lane_bytes=lambda world: partial_bytes, announce=True)
-    return comm if comm is None or isinstance(comm, _policy.Notice) else _Decision(comm.comm_id)
+    return comm if _policy.falls_back(comm) else _Decision(comm.comm_id)
 
 
 ### rules
@@ -328,7 +328,7 @@ def _psum_batcher(prim, axis_data, vals_in, dims_in, *, axes, comm_id, prefetch)
     ours: dict[_Decision, list[int]] = {}
     for i, (v, d) in enumerate(zip(vals_in, dims_in, strict=True)):
         decision = _Decision(comm_id) if d is None else _decide(jax.typeof(v), axes, None)
-        if decision is None or isinstance(decision, _policy.Notice):
+        if _policy.falls_back(decision):
             out[i] = _compat.lax_psum_bind(_notice.announce(v, decision, OP), axes=axes, invariant=invariant)
         else:
             ours.setdefault(decision, []).append(i)

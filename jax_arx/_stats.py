@@ -44,8 +44,9 @@ def stats() -> dict:
       ran (a psum of a pytree is one per leaf jax_arx sums; on GPUs, a
       program replayed from a CUDA graph runs no handler and is not
       counted; nor is a fallback's notice, the one-float psum a call past
-      the size envelope sends before jax.lax runs it); ``bytes``, their bytes per rank (a psum's partial, an
-      all_gather's input, a psum_scatter's or the combine's output);
+      the size envelope sends before jax.lax runs it); ``bytes``, their
+      bytes per rank (a psum's partial, an all_gather's input, a
+      psum_scatter's or the combine's output);
       ``failed``, the calls whose handler failed (in ``calls`` too, but for
       one refused because another collective was running on the endpoint,
       which counts here only; the CPU backend: on GPUs a kernel's failure
