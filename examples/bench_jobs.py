@@ -461,12 +461,15 @@ def run_world(args, world, bench, scratch):
             **bench["job"],
         )
         tag = f"bench_{bench['name']}_world{world}_job{i}"
-        left = args.timeout if args.deadline is None else min(args.timeout, args.deadline - time.monotonic())
-        if left < 1:
-            why = f"not started: the run's --max-seconds {args.max_seconds:g} had passed"
-            print(f"[{tag}] {', '.join(job['configs'])}: {why}", flush=True)
-            outputs.append((job, (None, [], why)))
-            continue
+        left = args.timeout
+        if args.deadline is not None:
+            # Under a second of the run left: a job would only be stopped.
+            if args.deadline - time.monotonic() < 1:
+                why = f"not started: the run's --max-seconds {args.max_seconds:g} had passed"
+                print(f"[{tag}] {', '.join(job['configs'])}: {why}", flush=True)
+                outputs.append((job, (None, [], why)))
+                continue
+            left = min(left, args.deadline - time.monotonic())
         outputs.append((job, run_job(bench["script"], job, configs, scratch, tag, left)))
     doc = dict(
         meta=dict(

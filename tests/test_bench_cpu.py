@@ -147,8 +147,10 @@ def test_a_run_cut_short_fails(tmp_path):
     --max-seconds are not started; each is named, the exit status is 1 and
     no check is claimed that did not run."""
     args = ["--cpu", "--configs", "arx-shm,nccl", "--sizes", "8KB", "--out", str(tmp_path)]
+    # A job is two processes that each import jax (over half a CPU-second):
+    # none ends within 0.3 s, however fast the machine.
     for limit, said in (
-        (["--timeout", "2"], "after the 2 s limit"),
+        (["--timeout", "0.3"], "after the 0.3 s limit"),
         (["--max-seconds", "0.01"], "not started: the run's --max-seconds 0.01 had passed"),
     ):
         p = run_bench("bench_psum.py", args + limit, tmp_path)
