@@ -120,6 +120,8 @@ ARX_CONFIGS = {
     "arx-shm": arx_config(SHM),
     "arx-shm-host": arx_config(dict(SHM, JAX_ARX_CUDA_PEER_MEMORY="0"), gpu_only=True),
     "arx-shm-proxy": arx_config(dict(SHM, JAX_ARX_CUDA_DIRECT="0"), gpu_only=True),
+    # The shm carrier's copy on the proxy thread alone (no copy helpers).
+    "arx-shm-proxy-1copy": arx_config(dict(SHM, JAX_ARX_CUDA_DIRECT="0"), {"shm_copy_threads": 0}, gpu_only=True),
     "arx-tcp": arx_config(TCP),
     "arx-shm-ring": arx_config(dict(SHM, **_RING), needs={"topology": "ring"}),
     "arx-tcp-ring": arx_config(dict(TCP, **_RING), needs={"topology": "ring"}),

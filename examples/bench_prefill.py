@@ -48,15 +48,17 @@ Series (per configuration):
                                  driver (examples/pinned_copy.py): what a
                                  collective through host memory cannot beat
 
-Configurations (--configs; default: every one but arx-tcp-ring; all:
-every one). Each is a job of its own processes (NCCL reads its environment
-once per process):
+Configurations (--configs; default: every one but arx-tcp-ring and
+arx-shm-proxy-1copy; all: every one). Each is a job of its own processes
+(NCCL reads its environment once per process):
 
   arx-shm        jax_arx over the shm carrier, as it comes: inboxes in GPU
                  memory where every rank can map every peer's (NVLink here)
   arx-shm-host   the inboxes in pinned host memory (JAX_ARX_CUDA_PEER_MEMORY=0;
                  the GB10 path)
   arx-shm-proxy  through the proxy (JAX_ARX_CUDA_DIRECT=0), as over RoCE
+  arx-shm-proxy-1copy  the same, the proxy thread copying alone (_tuning
+                 shm_copy_threads=0: no copy helpers; not in the default)
   arx-tcp        the tcp carrier
   arx-shm-ring   the ring topology (JAX_ARX_TOPOLOGY=ring), over shm;
                  arx-tcp-ring over tcp (see bench_psum.py)
@@ -136,7 +138,7 @@ CONFIGS = {
     **bj.NCCL_CONFIGS,
     "floor": bj.floor_config(),
 }
-DEFAULT = [c for c in CONFIGS if c != "arx-tcp-ring"]
+DEFAULT = [c for c in CONFIGS if c not in ("arx-tcp-ring", "arx-shm-proxy-1copy")]
 RATIOS = [
     *(
         (f"{op}: jax_arx (GPU inboxes) over NCCL as it comes", ("arx-shm", op), ("nccl", op), 1.0)

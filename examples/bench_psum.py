@@ -37,6 +37,8 @@ environment of their own in one job), in this order:
                     (JAX_ARX_CUDA_PEER_MEMORY=0; the GB10 path)
   arx-shm-proxy     the kernels publish and the proxy copies
                     (JAX_ARX_CUDA_DIRECT=0), as over tcp or verbs
+  arx-shm-proxy-1copy  the same, the proxy thread copying alone (_tuning
+                    shm_copy_threads=0: no copy helpers)
   arx-tcp           the tcp carrier
   arx-shm-ring      the ring topology (JAX_ARX_TOPOLOGY=ring: links to the
                     previous and next rank only, relays at world 4; through

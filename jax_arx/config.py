@@ -83,7 +83,8 @@ Sizes accept a plain byte count or a binary suffix: ``65536``, ``64K``,
 Settings that benchmarks decided are no user settings: the pieces a psum is
 cut into on GPUs, how far the LL one-shot goes, how the verbs carrier splits
 its writes, the pieces of a bulk collective on the CPU, whether the fused MoE
-combine runs where the plan steps aside for its unfused pair. Tests and
+combine runs where the plan steps aside for its unfused pair, how many
+threads the shm carrier copies with. Tests and
 benchmarks that must reach a path the defaults take only at other sizes (or
 not at all) pass them to ``jax_arx.initialize(mesh, _tuning={...})``
 (``TUNING_KEYS``). The variables that used to set them
@@ -118,7 +119,17 @@ MAX_RING_WORLD = 4
 # moe_fused=1: the fused MoE combine runs wherever it fits (the plan would
 # otherwise run its unfused pair: ffi/comm/plan.cc, plan_moe_combine);
 # norm_fused=1: psum_add_norm's fused kernels, likewise (plan_add_norm).
-TUNING_KEYS = ("cuda_chunk_bytes", "cuda_ll_max_bytes", "ib_chunk_bytes", "bulk_piece_bytes", "moe_fused", "norm_fused")
+# shm_copy_threads: the shm carrier's copy helpers per rank (-1: by the
+# host's cores; 0: the proxy thread copies alone: ffi/transport/copy_pool.h).
+TUNING_KEYS = (
+    "cuda_chunk_bytes",
+    "cuda_ll_max_bytes",
+    "ib_chunk_bytes",
+    "bulk_piece_bytes",
+    "moe_fused",
+    "norm_fused",
+    "shm_copy_threads",
+)
 # Variables of earlier releases whose settings benchmarks have decided.
 RETIRED = ("JAX_ARX_CUDA_PIPELINE", "JAX_ARX_CUDA_CHUNK_BYTES", "JAX_ARX_CUDA_LL_MAX_BYTES", "JAX_ARX_IB_CHUNK_BYTES")
 # Every variable load() reads (tests/test_config_unit.py checks this against

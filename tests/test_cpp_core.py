@@ -119,7 +119,15 @@ def test_bulk(core_build, carrier, size):
 # What the tsan suite builds and runs: the tests whose ranks and carriers are
 # threads of one process. The rest of tests/cpp runs one thread per process
 # (test_region forks), where ThreadSanitizer has nothing to see.
-TSAN_TESTS = ("test_core", "test_bulk", "test_tcp_transport", "test_tcp_faults", "test_tcp_auth", "test_tcp_fuzz")
+TSAN_TESTS = (
+    "test_core",
+    "test_bulk",
+    "test_copy_pool",
+    "test_tcp_transport",
+    "test_tcp_faults",
+    "test_tcp_auth",
+    "test_tcp_fuzz",
+)
 
 
 @pytest.mark.tsan
@@ -132,6 +140,7 @@ def test_core_under_thread_sanitizer(tsan_build):
     assert "ThreadSanitizer" not in out, out[-6000:]
     assert "tcp: ok" in out
     for cmd in (
+        ["test_copy_pool", "--quick"],
         ["test_tcp_transport"],
         ["test_tcp_faults"],
         ["test_tcp_auth", "--quick"],
@@ -155,6 +164,11 @@ def test_plan(core_build):
 def test_poll(core_build):
     out = _run([str(core_build / "test_poll")], timeout=120)
     assert "poll: ok" in out
+
+
+def test_copy_pool(core_build):
+    out = _run([str(core_build / "test_copy_pool")], timeout=300)
+    assert "test_copy_pool: all passed" in out
 
 
 def test_config(core_build):

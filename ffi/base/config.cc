@@ -104,6 +104,8 @@ Status Config::parse(const std::map<std::string, std::string>& kv, Config& out) 
       ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 1, c.moe_fused));
     else if (k == "norm_fused")
       ARX_RETURN_IF_ERROR(parse_range(k, v, 0, 1, c.norm_fused));
+    else if (k == "shm_copy_threads")
+      ARX_RETURN_IF_ERROR(parse_range(k, v, -1, 64, c.shm_copy_threads));
     else if (k == "cuda_ll_max_bytes")
       ARX_RETURN_IF_ERROR(parse_i64(k, v, c.cuda_ll_max_bytes));
     else if (k == "cuda_peer_memory")

@@ -62,6 +62,10 @@ struct Config {
   // and the norm in jax, where the fused kernels or host side lose
   // (comm/plan.cc, plan_add_norm).
   int64_t norm_fused = 0;
+  // tuning: the shm carrier's copy helpers per rank (transport/copy_pool.h);
+  // -1: as many as the host's cores allow (CopyPool::helpers_for); 0: the
+  // proxy thread copies alone.
+  int64_t shm_copy_threads = -1;
   // tuning: on the direct channel, a one-shot psum up to this size goes LL,
   // its flags inside the data (cuda/ll.cu). -1: built in; 0: never.
   int64_t cuda_ll_max_bytes = -1;

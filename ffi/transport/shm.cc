@@ -1,10 +1,17 @@
 // The shm carrier: every rank of the communicator is on this host, and the
 // endpoint has mapped its peers' regions (base/windows.h). A put is a copy
 // into the peer's mapped inbox and a release store of the flag word: the
-// peer's acquire load of the flag then sees the copied bytes.
+// peer's acquire load of the flag then sees the copied bytes. The copy runs
+// on the proxy thread and the carrier's copy helpers (transport/copy_pool.h),
+// as a NIC's engines move a write, so that a route through the proxy here
+// measures the protocol rather than one core's memcpy.
+#include <sched.h>
+
 #include <cstring>
+#include <thread>
 
 #include "base/atomics.h"
+#include "transport/copy_pool.h"
 #include "transport/transport.h"
 
 namespace arx {
@@ -28,6 +35,15 @@ class ShmTransport final : public Transport {
     if (!ctx_.windows || !ctx_.windows->mapped())
       return Status::Error(
           strf("jax_arx: %s: the shm carrier needs the peers' regions mapped first", ctx_.label.c_str()));
+    const Config defaults;
+    const Config& cfg = ctx_.config ? *ctx_.config : defaults;
+    // Every rank of the communicator is on this host (the shm carrier's
+    // premise): they share the cores this process may run on.
+    cpu_set_t set;
+    const unsigned cores =
+        sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : std::thread::hardware_concurrency();
+    const int helpers = CopyPool::helpers_for(cfg.shm_copy_threads, ctx_.world, cores);
+    if (helpers > 0) pool_ = std::make_unique<CopyPool>(helpers, cfg.idle_spin_ms);
     return Status::Ok();
   }
 
@@ -55,17 +71,22 @@ class ShmTransport final : public Transport {
   void copy(uint8_t* dst, const void* src, uint64_t offset, uint64_t len) const {
     const Layout& L = ctx_.layout;
     if (offset < L.ll_recv || offset >= L.send || (offset | len | (uintptr_t)src) % 8) {
-      std::memcpy(dst, src, len);
+      if (pool_)
+        pool_->copy(dst, src, len);
+      else
+        std::memcpy(dst, src, len);
       return;
     }
     const uint64_t* from = static_cast<const uint64_t*>(src);
     uint64_t* to = reinterpret_cast<uint64_t*>(dst);
     for (uint64_t i = 0; i < len / 8; ++i) store_relaxed(to + i, from[i]);
   }
-  void close() override {}
+  // The proxy, put()'s only caller, has stopped (comm/endpoint.cc, close).
+  void close() override { pool_.reset(); }
 
  private:
   TransportContext ctx_;
+  std::unique_ptr<CopyPool> pool_;  // none on a host without cores to spare
 };
 
 }  // namespace

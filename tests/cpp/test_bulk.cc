@@ -27,6 +27,7 @@
 #include "host_calls.h"
 #include "reference.h"
 #include "rig.h"
+#include "transport/copy_pool.h"
 
 using namespace arx;
 using namespace arx::testing;
@@ -317,6 +318,9 @@ void test_back_to_back(TransportKind kind, int world, int calls, int big_every =
 // A producer that publishes its triggers in any order of time, at fixed
 // ring indices, as the blocks of a GPU kernel do: the proxy takes them in
 // index order, and a piece's word always finds the piece's bytes in place.
+// With rows of `H` bf16 values and `cfg`: wide rows over shm with copy
+// helpers put each piece in parts on several threads
+// (transport/copy_pool.h), and the word still covers every part.
 struct NeverStop {
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   bool expired() const { return std::chrono::steady_clock::now() - start > std::chrono::seconds(20); }
@@ -325,15 +329,15 @@ struct NeverStop {
   void pause(uint32_t) const { std::this_thread::yield(); }
 };
 
-void test_out_of_order_producer(TransportKind kind, int world) {
+void test_out_of_order_producer(TransportKind kind, int world, uint64_t H = 24, const Config& cfg = test_config()) {
   Rig rig;
-  if (!bulk_rig(kind, world, rig)) {
+  if (!bulk_rig(kind, world, rig, cfg)) {
     EXPECT(false, "rig");
     return;
   }
-  const uint64_t per = 29, H = 24, row = H * 2;  // uneven row pieces
+  const uint64_t per = 29, row = H * 2;  // uneven row pieces
   const uint64_t seq = 1;
-  const Descriptor d = descriptor(OpCode::kMoeCombine, 2, 29 * 24, 7);
+  const Descriptor d = descriptor(OpCode::kMoeCombine, 2, per * H, 7);
   std::vector<int> bad(world, 0);
   on_ranks(world, [&](int r) {
     Endpoint& ep = *rig.eps[r];
@@ -546,6 +550,11 @@ int main(int argc, char** argv) {
       test_moe(k, world, moe);
       test_back_to_back(k, world, quick ? 100 : 600);
       test_out_of_order_producer(k, world);
+    }
+    if (k == TransportKind::kShm) {
+      Config helped = test_config();
+      helped.shm_copy_threads = CopyPool::kMaxHelpers;
+      test_out_of_order_producer(k, 2, 64 << 10, helped);  // puts of 192-256 KiB: 4 parts
     }
     test_timeout(k);
     test_mismatch(k);
