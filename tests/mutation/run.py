@@ -189,6 +189,14 @@ MUTATIONS = [
         cpp=True,
     ),
     M(
+        "the shm carrier's flag word goes before its copy helpers finish",
+        "ffi/transport/copy_pool.cc",
+        "    while (h.finished.load(std::memory_order_acquire) != want) std::this_thread::yield();",
+        "    (void)want;",
+        ("test_copy_pool",),
+        cpp=True,
+    ),
+    M(
         "a stop within a wait counts as the peer's lateness",
         "ffi/host/steps.h",
         "    if (gap > kNotRunning) {",
