@@ -121,7 +121,7 @@ Status attach(Endpoint& ep) {
     if (inboxes.mine) {
       use_gpu_inboxes(c, L, inboxes);
       st->peer_memory = std::move(inboxes.holder);
-      route.gpu_inboxes = true;
+      route.gpu_inboxes = c.gpu_inboxes = true;
     }
     c.ll_direct.psum = c.psum_direct;
   }

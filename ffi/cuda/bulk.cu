@@ -16,7 +16,8 @@
 //      last of the G blocks fences and signals the piece, for every
 //      destination (the flag words into the peers, or triggers at fixed ring
 //      positions, so the proxy sends them in piece order whichever block
-//      finished first).
+//      finished first); then, for all-gather, copies its share of this
+//      rank's own slice into `out`, which no peer waits for.
 // A consumer block
 //   3. waits for every peer's piece c (one thread per peer);
 //   4. moves its share of piece c into `out` (all-gather: the peers' slices;
@@ -47,8 +48,11 @@ namespace arx::cuda {
 namespace {
 
 // Bytes of a piece one block takes, about: more blocks per piece while the
-// pieces are big, up to the grid cap (Grid::max_blocks).
-constexpr uint64_t kShareBytes = 256 << 10;
+// pieces are big, up to the grid cap (Grid::max_blocks). With the inboxes
+// in GPU memory four times the blocks; through host memory more blocks
+// only add polls and reads on the bus, and were slower (bench_prefill.py,
+// docs/performance.md, "Blocks per piece").
+constexpr uint64_t kShareBytes = 256 << 10, kShareBytesGpuInboxes = 64 << 10;
 
 // Where byte p of a rank's part (contiguous on the wire) lies in the
 // [outer][world][block] tensor, from that rank's first row.
@@ -119,7 +123,29 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
   uint64_t done = lo;
   if (vec) {
     const uint64_t nvec = (hi - lo) / 16;
-    for (uint64_t i = (uint64_t)t; i < nvec; i += n) {
+    // kUnroll vectors per source in flight before the first add (the
+    // peers' are reads over the bus), up to kUnrollWorld sources: past it
+    // the registers would spill. Each element still read, then written,
+    // by one thread.
+    constexpr int kUnroll = 2, kUnrollWorld = 4;
+    uint64_t i = (uint64_t)t;
+    if (world <= kUnrollWorld)
+      for (; i + (kUnroll - 1) * (uint64_t)n < nvec; i += kUnroll * (uint64_t)n) {
+        uint4 part[kUnroll][kUnrollWorld];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const uint64_t p = lo + 16 * (i + u * (uint64_t)n);
+#pragma unroll
+          for (int src = 0; src < kUnrollWorld; ++src)
+            if (src < world)
+              part[u][src] =
+                  src == rank ? *reinterpret_cast<const uint4*>(own + o_at(p)) : ld_cv_v4(lane0 + src * lane + p);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          *reinterpret_cast<uint4*>(out + lo + 16 * (i + u * (uint64_t)n)) = sum_rank_order<D>(part[u], world);
+      }
+    for (; i < nvec; i += n) {
       const uint64_t p = lo + 16 * i;
       uint4 part[kMaxWorld];
 #pragma unroll
@@ -275,7 +301,6 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
     if (producer) {
       // 1. This block's share of piece c, destinations in send order.
       if (K == BulkKind::kGather) {
-        copy_part<false>(op.out + rank * op.block, true, op.in, false, lo, hi, op.block, op.stride);
         for (int i = 0; i < send.fanout(kEveryPeer); ++i)
           copy_part<false>(send.put_dst(kEveryPeer, i), false, op.in, false, lo, hi, op.block, op.stride);
       } else if (K == BulkKind::kScatter) {
@@ -304,6 +329,10 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
         }
         note_published(g, Family::kBulk, s);
       }
+      // This rank's own slice after the signal: the peers wait for the
+      // piece, no one for this copy (the kernel's end does).
+      if (K == BulkKind::kGather)
+        copy_part<false>(op.out + rank * op.block, true, op.in, false, lo, hi, op.block, op.stride);
     } else {
       // 3. Every peer's piece c: thread t waits for peer t. The MoE sum also
       // reads this rank's own rows, which the producers wrote: thread `rank`
@@ -350,16 +379,17 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
   });
 }
 
-// G producer blocks and G consumer blocks: one each per kShareBytes of a
-// piece, within the grid cap.
-int groups_for(const Grid& g, uint64_t piece_bytes) {
+// G producer blocks and G consumer blocks: one each per share of a piece,
+// within the grid cap.
+int groups_for(const Grid& g, const BulkOp& op) {
   const int cap = std::max(1, std::min(g.max_blocks, kMaxGridBlocks) / 2);
-  return (int)std::clamp<uint64_t>((piece_bytes + kShareBytes - 1) / kShareBytes, 1, (uint64_t)cap);
+  const uint64_t share = op.gpu_inboxes ? kShareBytesGpuInboxes : kShareBytes;
+  return (int)std::clamp<uint64_t>((op.piece_bytes + share - 1) / share, 1, (uint64_t)cap);
 }
 
 template <typename Ch, BulkKind K, DType D>
 cudaError_t launch_kind(const Grid& g, const Ch& ch, const BulkOp& op, cudaStream_t stream) {
-  const int groups = groups_for(g, op.piece_bytes);
+  const int groups = groups_for(g, op);
   bulk_kernel<Ch, K, D><<<2 * groups, kThreads, 0, stream>>>(g, ch, op, groups);
   return cudaGetLastError();  // may be an earlier kernel's error
 }

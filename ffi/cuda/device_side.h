@@ -123,6 +123,7 @@ struct DeviceState;
 struct Channels {
   Grid grid;
   bool direct = false;
+  bool gpu_inboxes = false;  // the direct channels' inboxes are in GPU memory (peer_memory.cc)
   DirectChannel psum_direct, bulk_direct;
   ProxyChannel psum_proxy, bulk_proxy;
   LLChannel<DirectChannel> ll_direct;

@@ -82,14 +82,15 @@ struct Elem<DType::kF16> : Elem16<DType::kF16> {};
 // sources: the fp32 sum in rank order from rank 0's element (not from +0.0,
 // which would turn a sum of negative zeros positive), rounded once -- every
 // rank gets the same bits, and the host side's sum_rank_order the same too.
-template <DType D>
-__device__ __forceinline__ uint4 sum_rank_order(const uint4 (&part)[kMaxWorld], int world) {
+// `part` may hold fewer than kMaxWorld sources (N >= world).
+template <DType D, int N>
+__device__ __forceinline__ uint4 sum_rank_order(const uint4 (&part)[N], int world) {
   using E = Elem<D>;
   float acc[E::kPerVec];
 #pragma unroll
   for (int k = 0; k < E::kPerVec; ++k) acc[k] = E::get(part[0], k);
 #pragma unroll
-  for (int src = 1; src < kMaxWorld; ++src)
+  for (int src = 1; src < N; ++src)
     if (src < world)
 #pragma unroll
       for (int k = 0; k < E::kPerVec; ++k) acc[k] = __fadd_rn(acc[k], E::get(part[src], k));

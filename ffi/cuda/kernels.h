@@ -47,6 +47,7 @@ struct BulkOp {
   MoeCombine moe;
   uint64_t rows_per_rank, row_bytes;
   uint64_t piece_bytes;  // about how much work one piece is (sizes the grid)
+  bool gpu_inboxes;      // the inboxes are in GPU memory (sizes the grid too)
 };
 template <typename Ch>
 cudaError_t launch_bulk(const Grid& g, const Ch& ch, const BulkOp& op, cudaStream_t stream);

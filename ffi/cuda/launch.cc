@@ -70,6 +70,7 @@ cudaError_t launch_all_gather(const Endpoint& ep, const void* in, void* out, uin
   op.out_bytes = bytes * world;
   op.piece_bytes = bytes / kMaxPieces + 16;
   const Channels& c = begin(ep);
+  op.gpu_inboxes = c.direct && c.gpu_inboxes;
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 
@@ -90,6 +91,7 @@ cudaError_t launch_reduce_scatter(const Endpoint& ep, DType dtype, const void* i
   // Each share goes to world - 1 peers and is summed from world sources.
   op.piece_bytes = op.slice / kMaxPieces * world + 16;
   const Channels& c = begin(ep);
+  op.gpu_inboxes = c.direct && c.gpu_inboxes;
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 
@@ -111,6 +113,7 @@ cudaError_t launch_moe_combine(const Endpoint& ep, const MoeCombine& a, uint16_t
   // Computing a row reads topk rows of y: a share is worth more blocks.
   op.piece_bytes = op.slice / kMaxPieces * world * std::max<uint64_t>(a.topk, 1) + 16;
   const Channels& c = begin(ep);
+  op.gpu_inboxes = c.direct && c.gpu_inboxes;
   return over(c, Family::kBulk, [&](const auto& ch) { return launch_bulk(c.grid, ch, op, stream); });
 }
 
