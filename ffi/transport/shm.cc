@@ -42,8 +42,8 @@ class ShmTransport final : public Transport {
     cpu_set_t set;
     const unsigned cores =
         sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : std::thread::hardware_concurrency();
-    const int helpers = CopyPool::helpers_for(cfg.shm_copy_threads, ctx_.world, cores);
-    if (helpers > 0) pool_ = std::make_unique<CopyPool>(helpers, cfg.idle_spin_ms);
+    helpers_ = CopyPool::helpers_for(cfg.shm_copy_threads, ctx_.world, cores);
+    idle_spin_ms_ = cfg.idle_spin_ms;
     return Status::Ok();
   }
 
@@ -68,9 +68,13 @@ class ShmTransport final : public Transport {
   // An LL slot's lines are polled while they land (base/layout.h, "The LL
   // one-shot"): they go in whole 8-byte stores, which memcpy does not
   // promise. Everything else is read only after its flag.
-  void copy(uint8_t* dst, const void* src, uint64_t offset, uint64_t len) const {
+  void copy(uint8_t* dst, const void* src, uint64_t offset, uint64_t len) {
     const Layout& L = ctx_.layout;
     if (offset < L.ll_recv || offset >= L.send || (offset | len | (uintptr_t)src) % 8) {
+      // The helpers start at the first put they would share: on the direct
+      // route (GPUs writing their peers' inboxes) none ever comes.
+      if (!pool_ && helpers_ > 0 && len >= 2 * CopyPool::kMinPart)
+        pool_ = std::make_unique<CopyPool>(helpers_, idle_spin_ms_);
       if (pool_)
         pool_->copy(dst, src, len);
       else
@@ -86,7 +90,9 @@ class ShmTransport final : public Transport {
 
  private:
   TransportContext ctx_;
-  std::unique_ptr<CopyPool> pool_;  // none on a host without cores to spare
+  int helpers_ = 0;  // CopyPool::helpers_for this host, from connect()
+  int64_t idle_spin_ms_ = 0;
+  std::unique_ptr<CopyPool> pool_;  // from the first put it would share; the proxy thread's alone
 };
 
 }  // namespace
