@@ -120,6 +120,10 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
   auto o_at = [&](uint64_t p) { return own_rows ? row_at(p, op.block, op.stride) : p; };
   const bool vec = aligned16(own) && aligned16(out) && aligned16(lane0) && lane % 16 == 0 && lo % 16 == 0 &&
                    (!own_rows || op.stride == op.block || op.block % 16 == 0);
+  // Source src's vector at byte p: this rank's own, or a peer's past the caches.
+  auto load = [&](int src, uint64_t p) {
+    return src == rank ? *reinterpret_cast<const uint4*>(own + o_at(p)) : ld_cv_v4(lane0 + src * lane + p);
+  };
   uint64_t done = lo;
   if (vec) {
     const uint64_t nvec = (hi - lo) / 16;
@@ -137,9 +141,7 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
           const uint64_t p = lo + 16 * (i + u * (uint64_t)n);
 #pragma unroll
           for (int src = 0; src < kUnrollWorld; ++src)
-            if (src < world)
-              part[u][src] =
-                  src == rank ? *reinterpret_cast<const uint4*>(own + o_at(p)) : ld_cv_v4(lane0 + src * lane + p);
+            if (src < world) part[u][src] = load(src, p);
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
@@ -150,8 +152,7 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
       uint4 part[kMaxWorld];
 #pragma unroll
       for (int src = 0; src < kMaxWorld; ++src)  // every load in flight before the first add
-        if (src < world)
-          part[src] = src == rank ? *reinterpret_cast<const uint4*>(own + o_at(p)) : ld_cv_v4(lane0 + src * lane + p);
+        if (src < world) part[src] = load(src, p);
       *reinterpret_cast<uint4*>(out + p) = sum_rank_order<D>(part, world);
     }
     done = lo + 16 * nvec;
