@@ -94,12 +94,17 @@ def test_a_missing_rank_is_named_by_every_rank_that_came():
 
 
 def test_a_wrong_address_names_it():
-    right, wrong = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
-    out = {}
-    t = threading.Thread(target=lambda: out.update(zero=_run_ranks([0], right, 2, timeout_s=2.0)[0][0]))
-    t.start()
-    got, took = _run_ranks([1], wrong, 2, timeout_s=2.0)
-    t.join(20)
+    # The wrong port stays bound, never listening, for the whole test: a port
+    # only found free could be taken meanwhile (a parallel test's server did,
+    # in CI), and rank 1 would reach that instead of being refused.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        right, wrong = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{held.getsockname()[1]}"
+        out = {}
+        t = threading.Thread(target=lambda: out.update(zero=_run_ranks([0], right, 2, timeout_s=2.0)[0][0]))
+        t.start()
+        got, took = _run_ranks([1], wrong, 2, timeout_s=2.0)
+        t.join(20)
     assert "could not reach the coordinator at " + wrong in got[0] and "Connection refused" in got[0], got[0]
     assert took[0] < 2.0 + 3.0
     assert "rank 1 of 2 did not arrive" in out["zero"], out["zero"]
