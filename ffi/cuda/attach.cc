@@ -92,8 +92,12 @@ Status attach(Endpoint& ep) {
   Channels& c = st->channels;
   // The blocks of a two-shot grid wait for each other, so they must all be
   // resident: a quarter of the multiprocessors at most, one block each.
-  c.grid = Grid{st->words, reinterpret_cast<Control*>(base + L.control), (uint64_t)(ep.spec().config.timeout_s * 1e9),
-                std::clamp(sms / 4, 1, 32), nullptr};
+  c.grid = Grid{st->words,
+                reinterpret_cast<Control*>(base + L.control),
+                (uint64_t)(ep.spec().config.timeout_s * 1e9),
+                std::clamp(sms / 4, 1, 32),
+                std::max(sms, 1),
+                nullptr};
   if (ep.trace()) {
     uint8_t* trace = nullptr;
     e = map_host(*st, reinterpret_cast<uint8_t*>(ep.trace()), sizeof(TraceBuffer), trace);

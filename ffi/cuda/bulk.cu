@@ -5,19 +5,22 @@
 // captured the launch replays correctly.
 //
 // A collective goes out in kMaxPieces pieces (per destination), and the grid is
-// 2G blocks: G producer blocks, each producing share g of every piece in
-// order, and G consumer blocks, each waiting for and consuming share g of
-// every piece in order. A producer block
+// P producer blocks, each producing share g of every piece in order, then C
+// consumer blocks, each waiting for and consuming share g of every piece in
+// order (P = C but for the MoE rows, which take more: blocks_for). A
+// producer block
 //   1. produces its share of piece c: copies (all-gather, reduce-scatter) or
-//      computes (the MoE rows) it, for every destination in send order
-//      (rank + 1, rank + 2, ...), where the channel says (the peer's lane for
-//      this rank; or the staging buffer, for the proxy);
+//      computes (the MoE rows) it, for every peer in send order (rank + 1,
+//      rank + 2, ...), where the channel says (the peer's lane for this
+//      rank; or the staging buffer, for the proxy);
 //   2. arrives on the piece's counter (DeviceWords::piece_arrived[c]): the
-//      last of the G blocks fences and signals the piece, for every
+//      last of the P blocks fences and signals the piece, for every
 //      destination (the flag words into the peers, or triggers at fixed ring
 //      positions, so the proxy sends them in piece order whichever block
-//      finished first); then, for all-gather, copies its share of this
-//      rank's own slice into `out`, which no peer waits for.
+//      finished first); then produces its share of this rank's own part,
+//      into `out`: all-gather copies its slice, which no peer waits for; the
+//      MoE computes its own rows and arrives again (a second count of the
+//      same word), for this rank's consumers.
 // A consumer block
 //   3. waits for every peer's piece c (one thread per peer);
 //   4. moves its share of piece c into `out` (all-gather: the peers' slices;
@@ -53,6 +56,24 @@ namespace {
 // only add polls and reads on the bus, and were slower (bench_prefill.py,
 // docs/performance.md, "Blocks per piece").
 constexpr uint64_t kShareBytes = 256 << 10, kShareBytesGpuInboxes = 64 << 10;
+
+// The grid: `producers` blocks, then `consumers` (bulk_kernel). Producers
+// never wait, so one not yet resident runs once any block ends; the blocks
+// that wait, the consumers, are at most half the grid cap (an eighth of the
+// multiprocessors) per grid, so they never fill the GPU.
+struct Blocks {
+  int producers, consumers;
+};
+
+// MoE rows of a piece per producer block, about: two per warp. Not tuned
+// (docs/performance.md, "The fused MoE combine on the whole GPU").
+constexpr uint64_t kRowsPerProducer = 32;
+
+// The two counts of DeviceWords::piece_arrived[c] (grid.cuh, arrival
+// fields): producers done with the peers' part of piece c (the last one
+// signals it), and, for the MoE rows, done with this rank's own part too
+// (the consumers wait for it).
+constexpr int kPeersField = 0, kOwnField = 1;
 
 // Where byte p of a rank's part (contiguous on the wire) lies in the
 // [outer][world][block] tensor, from that rank's first row.
@@ -170,11 +191,21 @@ __device__ void reduce_part(const BulkOp& op, int rank, int world, const uint8_t
 // (e4m3 y: w[t, k] * scale, that product rounded first), each term added
 // as base/combine.h says, rounded once; zero past the tokens. The arithmetic of
 // ffi/host/bulk.cc's combine_row, term by term, so both device sides give
-// the same bits. A warp per row, its lanes over the columns.
-__device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, uint8_t* dst) {
+// the same bits. `warp` of `warps` takes every warps-th row, its lanes the
+// columns. A row's pos and w are read once, a term per lane (32 at a
+// time), and handed out by shuffles; the y rows of kTermsInFlight terms are
+// loaded before the first of their multiply-adds, which still run in k
+// order. y, pos, w and shared are the call's operands: nothing writes
+// them while the kernel runs, so they are read through the read-only path.
+// Four terms: the kernel spills more past that (ptxas -v for sm_90);
+// bench_prefill.py's cells (top-2) cannot tell it from two.
+constexpr int kTermsInFlight = 4;
+
+__device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, uint8_t* dst, int warp, int warps) {
   const MoeCombine& a = op.moe;
-  const uint64_t H = a.hidden;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const uint64_t H = a.hidden, topk = a.topk;
+  const int lane = threadIdx.x % 32;
+  const unsigned all = 0xffffffffu;
   const bool vec = H % 8 == 0 && aligned16(dst) && aligned16(a.shared) && (a.y_scale || aligned16(a.y));
   for (uint64_t r = r0 + warp; r < r1; r += warps) {
     const uint64_t t = (uint64_t)j * op.rows_per_rank + r;
@@ -189,48 +220,110 @@ __device__ void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64_t r1, 
       continue;
     }
     const uint16_t* sh = a.shared + t * H;
+    // Term q0 + lane's row of y (clamped, as jnp.take(mode="clip")) and
+    // weight; the first 32 terms' once per row.
+    auto term = [&](uint64_t q0, int64_t& p, float& wq) {
+      p = 0;
+      wq = 0.f;
+      if (q0 + lane < topk) {
+        p = __ldg(a.pos + t * topk + q0 + lane);
+        p = p < 0 ? 0 : (p >= (int64_t)a.rows ? (int64_t)a.rows - 1 : p);
+        wq = __ldg(a.w + t * topk + q0 + lane);
+      }
+    };
+    int64_t p0;
+    float w0;
+    term(0, p0, w0);
     // Columns in groups of 8 (one 16-byte vector of bf16), or one at a time.
     const uint64_t per = vec ? 8 : 1;
-    for (uint64_t h0 = lane * per; h0 < H; h0 += 32 * per) {
+    for (uint64_t h0 = lane * per; h0 < H + lane * per; h0 += 32 * per) {
+      // Every lane takes part in the shuffles below; only those with columns
+      // left compute.
+      const bool cols = h0 < H;
       float acc[8];
-      if (vec) {
-        const uint4 s = *reinterpret_cast<const uint4*>(sh + h0);
+      if (cols && vec) {
+        const uint4 s = __ldg(reinterpret_cast<const uint4*>(sh + h0));
 #pragma unroll
         for (int k = 0; k < 8; ++k) acc[k] = Elem<DType::kBF16>::get(s, k);
-      } else {
-        acc[0] = bf16_to_f32(sh[h0]);
+      } else if (cols) {
+        acc[0] = bf16_to_f32(__ldg(sh + h0));
       }
-      for (uint64_t q = 0; q < a.topk; ++q) {
-        int64_t p = a.pos[t * a.topk + q];
-        p = p < 0 ? 0 : (p >= (int64_t)a.rows ? (int64_t)a.rows - 1 : p);  // clamped, as jnp.take(mode="clip")
-        const float wq = a.w[t * a.topk + q];
-        if (a.y_scale) {
-          // The weight times the 128-column block's scale, rounded, then per
-          // element (8 columns never straddle a block: 128 % 8 == 0).
-          const WeightSplit f = split_weight(__fmul_rn(wq, a.y_scale[(uint64_t)p * (H / 128) + h0 / 128]));
-          const uint8_t* y8 = static_cast<const uint8_t*>(a.y) + (uint64_t)p * H + h0;
-          for (uint64_t k = 0; k < per; ++k) {
-            const float v = e4m3_to_f32(y8[k]);
-            acc[k] = __fmaf_rn(f.hi, v, acc[k]);
-            if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
-          }
-        } else {
-          const WeightSplit f = split_weight(wq);
-          const uint16_t* y = static_cast<const uint16_t*>(a.y) + (uint64_t)p * H + h0;
-          if (vec) {
-            const uint4 yv = *reinterpret_cast<const uint4*>(y);
+      for (uint64_t q0 = 0; q0 < topk; q0 += 32) {
+        int64_t my_p = p0;
+        float my_w = w0;
+        if (q0 > 0) term(q0, my_p, my_w);
+        const int terms = topk - q0 < 32 ? (int)(topk - q0) : 32;
+        for (int q1 = 0; q1 < terms; q1 += kTermsInFlight) {
+          // Term q1 + u's row of y and weight, from the lane that read them.
+          auto row_of = [&](int u) { return (uint64_t)__shfl_sync(all, my_p, (q1 + u) & 31); };
+          auto weight_of = [&](int u) { return __shfl_sync(all, my_w, (q1 + u) & 31); };
+          if (a.y_scale) {
+            // `per` e4m3 bytes per term, in 8 bytes: one load where aligned.
+            unsigned long long y8[kTermsInFlight];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              const float v = Elem<DType::kBF16>::get(yv, k);
-              acc[k] = __fmaf_rn(f.hi, v, acc[k]);
-              if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
+            for (int u = 0; u < kTermsInFlight; ++u) {
+              const uint8_t* src = static_cast<const uint8_t*>(a.y) + row_of(u) * H + h0;
+              if (!cols || q1 + u >= terms) continue;
+              if (vec && ((uintptr_t)src & 7) == 0) {
+                y8[u] = __ldg(reinterpret_cast<const unsigned long long*>(src));
+              } else {
+                y8[u] = 0;
+                for (uint64_t k = 0; k < per; ++k) y8[u] |= (unsigned long long)__ldg(src + k) << (8 * k);
+              }
+            }
+            // The weight times the 128-column block's scale, rounded, then per
+            // element (8 columns never straddle a block: 128 % 8 == 0).
+#pragma unroll
+            for (int u = 0; u < kTermsInFlight; ++u) {
+              const uint64_t pu = row_of(u);
+              const float wu = weight_of(u);
+              if (!cols || q1 + u >= terms) continue;
+              const WeightSplit f = split_weight(__fmul_rn(wu, __ldg(a.y_scale + pu * (H / 128) + h0 / 128)));
+              // Constant indices into acc (a loop to `per` would put it in
+              // local memory).
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                if (k > 0 && !vec) break;
+                const float v = e4m3_to_f32((uint32_t)(y8[u] >> (8 * k)) & 0xff);
+                acc[k] = __fmaf_rn(f.hi, v, acc[k]);
+                if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
+              }
+            }
+          } else if (vec) {
+            uint4 yv[kTermsInFlight];
+#pragma unroll
+            for (int u = 0; u < kTermsInFlight; ++u) {
+              const uint64_t pu = row_of(u);
+              if (cols && q1 + u < terms)
+                yv[u] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.y) + pu * H + h0));
+            }
+#pragma unroll
+            for (int u = 0; u < kTermsInFlight; ++u) {
+              const float wu = weight_of(u);
+              if (!cols || q1 + u >= terms) continue;
+              const WeightSplit f = split_weight(wu);
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                const float v = Elem<DType::kBF16>::get(yv[u], k);
+                acc[k] = __fmaf_rn(f.hi, v, acc[k]);
+                if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
+              }
             }
           } else {
-            acc[0] = __fmaf_rn(f.hi, bf16_to_f32(y[0]), acc[0]);
-            if (f.lo != 0.f) acc[0] = __fmaf_rn(f.lo, bf16_to_f32(y[0]), acc[0]);
+#pragma unroll
+            for (int u = 0; u < kTermsInFlight; ++u) {
+              const uint64_t pu = row_of(u);
+              const float wu = weight_of(u);
+              if (!cols || q1 + u >= terms) continue;
+              const WeightSplit f = split_weight(wu);
+              const float v = bf16_to_f32(__ldg(static_cast<const uint16_t*>(a.y) + pu * H + h0));
+              acc[0] = __fmaf_rn(f.hi, v, acc[0]);
+              if (f.lo != 0.f) acc[0] = __fmaf_rn(f.lo, v, acc[0]);
+            }
           }
         }
       }
+      if (!cols) continue;
       if (vec) {
         uint4 o;
 #pragma unroll
@@ -283,13 +376,14 @@ __host__ __device__ constexpr bool fan_out() {
 }
 
 template <typename Ch, BulkKind K, DType D>
-__global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp op, int groups) {
+__global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp op, Blocks b) {
   __shared__ int s_failed;
   DeviceWords* w = g.words;
   const SeqStart s = begin(g, Family::kBulk, op.d);
-  const int G = groups, rank = ch.rank, world = ch.world;
-  const bool producer = (int)blockIdx.x < G;
-  const int gi = producer ? (int)blockIdx.x : (int)blockIdx.x - G;
+  const int P = b.producers, rank = ch.rank, world = ch.world;
+  const bool producer = (int)blockIdx.x < P;
+  const int gi = producer ? (int)blockIdx.x : (int)blockIdx.x - P;
+  const int groups = producer ? P : b.consumers;
   const uint64_t lane = ch.in.lane_bytes;
   const auto send = ch.open(s.send(), fan_out<K>() ? Fan::kEveryPeer : Fan::kEachPeer, lane);
   if (blockIdx.x == 0) note_begun(g, Family::kBulk, s);
@@ -298,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
 
   for (int c = 0; c < kMaxPieces && !s.prior; ++c) {
     uint64_t lo, hi, r0, r1;
-    share_of<K>(op, c, gi, G, lo, hi, r0, r1);
+    share_of<K>(op, c, gi, groups, lo, hi, r0, r1);
     if (producer) {
       // 1. This block's share of piece c, destinations in send order.
       if (K == BulkKind::kGather) {
@@ -310,17 +404,14 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
           copy_part<false>(send.put_dst((uint64_t)j), false, op.in + j * op.block, true, lo, hi, op.block, op.stride);
         }
       } else {
-        // This rank's own rows last, into out, where the consumers sum them
-        // in place.
-        for (int step = 1; step <= world; ++step) {
+        for (int step = 1; step < world; ++step) {
           const int j = (rank + step) % world;
-          uint8_t* dst = j == rank ? op.out : send.put_dst((uint64_t)j);
-          combine_rows(op, j, r0, r1, dst + lo);
+          combine_rows(op, j, r0, r1, send.put_dst((uint64_t)j) + lo, threadIdx.x / 32, kThreads / 32);
         }
       }
       // 2. The last producer of piece c signals it; its signal carries
       // every producer's writes (last_to_arrive).
-      if (last_to_arrive(&w->piece_arrived[c], s.seq, G)) {
+      if (last_to_arrive(&w->piece_arrived[c], s.seq, P, kPeersField)) {
         uint64_t plo, phi;
         piece_of<K>(op, c, plo, phi);
         if (fan_out<K>()) {
@@ -334,16 +425,22 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
       // piece, no one for this copy (the kernel's end does).
       if (K == BulkKind::kGather)
         copy_part<false>(op.out + rank * op.block, true, op.in, false, lo, hi, op.block, op.stride);
+      // The MoE rows of this rank's own part after the signal too, into out,
+      // where the consumers sum them in place; they wait for this count.
+      if (K == BulkKind::kMoe) {
+        combine_rows(op, rank, r0, r1, op.out + lo, threadIdx.x / 32, kThreads / 32);
+        last_to_arrive(&w->piece_arrived[c], s.seq, P, kOwnField);
+      }
     } else {
       // 3. Every peer's piece c: thread t waits for peer t. The MoE sum also
       // reads this rank's own rows, which the producers wrote: thread `rank`
-      // waits for the piece's last producer (acquire).
+      // waits for every producer's count of them (acquire).
       const int t = (int)threadIdx.x;
       if (t < world && t != rank && !s_failed && !wait_for(g, ch, s, t, c)) s_failed = 1;
       if (K == BulkKind::kMoe && t == rank) {
         while (true) {
           const unsigned long long n = ld_acquire_gpu(&w->piece_arrived[c]);
-          if (n >> 16 > s.seq || (n >> 16 == s.seq && (int)(n & 0xffff) >= G)) break;
+          if (n >> 16 > s.seq || (n >> 16 == s.seq && arrivals(n, kOwnField) >= P)) break;
           // The producers never wait; this bound is for a grid whose
           // producers could not be scheduled at all.
           if (globaltimer() - s.start > g.timeout_ns || ld_acquire_gpu(&w->fail_any) != 0) {
@@ -380,18 +477,28 @@ __global__ void __launch_bounds__(kThreads, 1) bulk_kernel(Grid g, Ch ch, BulkOp
   });
 }
 
-// G producer blocks and G consumer blocks: one each per share of a piece,
-// within the grid cap.
-int groups_for(const Grid& g, const BulkOp& op) {
+// A consumer block per share of a piece, within the grid cap, and as many
+// producers; the MoE rows a producer per kRowsPerProducer rows of a piece
+// (every destination's), up to the multiprocessors the consumers leave:
+// computing them is the work the unfused pair gives a whole GPU.
+Blocks blocks_for(const Grid& g, const BulkOp& op, int world) {
   const int cap = std::max(1, std::min(g.max_blocks, kMaxGridBlocks) / 2);
   const uint64_t share = op.gpu_inboxes ? kShareBytesGpuInboxes : kShareBytes;
-  return (int)std::clamp<uint64_t>((op.piece_bytes + share - 1) / share, 1, (uint64_t)cap);
+  Blocks b;
+  b.consumers = b.producers = (int)std::clamp<uint64_t>((op.piece_bytes + share - 1) / share, 1, (uint64_t)cap);
+  if (op.kind == BulkKind::kMoe) {
+    const uint64_t rows = (op.rows_per_rank + kMaxPieces - 1) / kMaxPieces * (uint64_t)world;
+    const int most = std::max(b.consumers, std::min(g.sms, kMaxGridBlocks) - b.consumers);
+    b.producers = (int)std::clamp<uint64_t>((rows + kRowsPerProducer - 1) / kRowsPerProducer, (uint64_t)b.consumers,
+                                            (uint64_t)most);
+  }
+  return b;
 }
 
 template <typename Ch, BulkKind K, DType D>
 cudaError_t launch_kind(const Grid& g, const Ch& ch, const BulkOp& op, cudaStream_t stream) {
-  const int groups = groups_for(g, op);
-  bulk_kernel<Ch, K, D><<<2 * groups, kThreads, 0, stream>>>(g, ch, op, groups);
+  const Blocks b = blocks_for(g, op, ch.world);
+  bulk_kernel<Ch, K, D><<<b.producers + b.consumers, kThreads, 0, stream>>>(g, ch, op, b);
   return cudaGetLastError();  // may be an earlier kernel's error
 }
 

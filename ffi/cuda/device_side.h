@@ -50,7 +50,8 @@ struct DeviceWords {
   unsigned long long fail_theirs[kDescriptorWords];  // for a mismatch: the peer's exact Descriptor
   unsigned long long pad1[4];
   // The bulk collectives: per piece, the producer blocks done with their
-  // share of it: seq << 16 | count (the last one signals the piece).
+  // share of it: seq << 16 | counts (grid.cuh's arrival fields; bulk.cu:
+  // the last to finish the peers' part signals the piece).
   unsigned long long piece_arrived[kMaxPieces];
 };
 static_assert(sizeof(DeviceWords) == 4 * 64, "DeviceWords: four lines");
@@ -60,7 +61,8 @@ struct Grid {
   DeviceWords* words;
   Control* ctl;         // the Control block, as the device addresses it
   uint64_t timeout_ns;  // Config::timeout_s, measured with %globaltimer
-  int max_blocks;       // grid size cap
+  int max_blocks;       // grid size cap of the grids whose blocks wait
+  int sms;              // the device's multiprocessors
   TraceBuffer* trace;   // the stage timestamps, as the device addresses them (base/trace.h): null but in a trace build
 };
 

@@ -47,17 +47,24 @@ __device__ __forceinline__ unsigned long long tagged_arrive(unsigned long long* 
   return count_arrival(word, 1);
 }
 
+// Arrival fields: a word may count two kinds of arrival, 8 bits each (field
+// 0 bits 0-7, field 1 bits 8-15). A grid has at most kMaxGridBlocks (255)
+// blocks, each arriving once per field, so no count carries into the next
+// field or into the seq.
+__device__ __forceinline__ int arrivals(unsigned long long n, int field) { return (int)(n >> (8 * field) & 0xff); }
+
 // Whether this thread is thread 0 of the last of `blocks` blocks to arrive
-// on `word` for seq; every thread of each block calls it. Each block's
-// writes before the call reach system scope before its arrival (barrier,
-// fence, then the acq_rel count), so the last arrival's thread sees them
-// all and what it publishes next carries them.
-__device__ __forceinline__ bool last_to_arrive(unsigned long long* word, uint64_t seq, int blocks) {
+// on `word`'s `field` for seq; every thread of each block calls it. Each
+// block's writes before the call reach system scope before its arrival
+// (barrier, fence, then the acq_rel count), so the last arrival's thread
+// sees them all and what it publishes next carries them.
+__device__ __forceinline__ bool last_to_arrive(unsigned long long* word, uint64_t seq, int blocks, int field = 0) {
   __syncthreads();
   if (threadIdx.x != 0) return false;
   fence_acq_rel();
-  const unsigned long long n = tagged_arrive(word, seq);
-  return n >> 16 == seq && (int)(n & 0xffff) == blocks;
+  tag_arrivals(word, seq);  // same thread, same word: ordered before the add
+  const unsigned long long n = count_arrival(word, 1ull << (8 * field));
+  return n >> 16 == seq && arrivals(n, field) == blocks;
 }
 
 // The seq a kernel of family `f` runs, and what every block needs of it:
