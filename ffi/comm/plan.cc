@@ -213,11 +213,11 @@ Plan plan_moe_combine(const Endpoint& ep, uint64_t lane_bytes) {
   if (p.algorithm != Algorithm::kBulk || ep.spec().config.moe_fused) return p;
   // The fused kernel exists only to beat the pair it is defined by (jax's
   // combine writing its rows to memory, then the bulk psum_scatter reading
-  // them), and it loses to that pair on every route and size it was
-  // measured on (docs/performance.md): its producers compute the rows on the
-  // copy grid's few blocks, and a piece leaves only when every block has
-  // finished it. So it steps aside; the pair sums in the same rank order and
-  // gives the same bits. Every rank decides alike: the route and the config
+  // them), and it is slower than that pair on every route and size
+  // measured but one, which it won by 3-6 % (docs/performance.md, "The
+  // fused MoE combine on the whole GPU"), also since its rows are computed on
+  // every multiprocessor the consumers leave. So it steps aside; the pair
+  // sums in the same rank order and gives the same bits. Every rank decides alike: the route and the config
   // are the communicator's.
   Plan unfused;
   unfused.algorithm = Algorithm::kUnfused;
