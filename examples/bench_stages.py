@@ -11,7 +11,10 @@ Every rank runs --calls dependent psums of each size in one jitted program
 (as the benchmarks time them), --repeats times (--op add_norm: the fused
 jax_arx.psum_add_norm instead, RMSNorm over rows of 4096 bf16, its fused
 kernels forced as examples/bench_norm.py's fused series has them; the
-norm runs between "seen" and "end"), then reads its endpoint's
+norm runs between "seen" and "end"; --op all_gather or psum_scatter: the
+bulk collective over a per-rank slice of that size, as
+examples/bench_prefill.py chains it, its stamps those of the last of its
+pieces), then reads its endpoint's
 stamps (ffi/base/trace.h): the kernel's (or host side's) begin, its last
 signal, the proxy taking the first trigger and returning from its last put,
 the last peer's piece seen, the end. GPU stamps are moved onto the host's
@@ -46,6 +49,8 @@ AXIS = "x"
 # ffi/base/trace.h: TraceStage, kTraceSeqs, kFamilies.
 BEGIN, PUBLISHED, TAKEN, POSTED, ARRIVED, END, FLAG_SEEN, SEQ = range(8)
 SEQS, STAGES, FAMILIES = 4096, 8, 2
+PSUM_FAMILY, BULK_FAMILY = 0, 1  # ffi/base/words.h: Family
+BULK_OPS = ("all_gather", "psum_scatter")
 GPU_STAGES = (BEGIN, PUBLISHED, ARRIVED, END, FLAG_SEEN)
 
 # (name, (whose stamp, stage), (whose stamp, stage)): "me" is the rank that
@@ -107,7 +112,9 @@ def parse_args():
     p.add_argument("--calls", type=int, default=64, help="dependent psums per program")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the table to this file (rank 0)")
-    p.add_argument("--op", default="psum", choices=("psum", "add_norm"), help="the call traced (default psum)")
+    p.add_argument(
+        "--op", default="psum", choices=("psum", "add_norm", *BULK_OPS), help="the call traced (default psum)"
+    )
     args = p.parse_args()
     if args.op == "add_norm" and any(int(v) % (2 * HIDDEN // 1024) for v in args.sizes_kb.split(",")):
         p.error(f"--op add_norm: --sizes-kb in whole rows of {HIDDEN} bf16 (multiples of {2 * HIDDEN // 1024})")
@@ -130,9 +137,20 @@ def chain(mesh, calls, op):
         normed, hidden = jax_arx.psum_add_norm(x, r, w[0], AXIS)
         return (normed * 0.5).astype(x.dtype), hidden, w
 
-    if op == "psum":
+    def gather_body(i, x):  # [1, n] -> [1, world n] -> the middle n, halved
+        g = jax_arx.all_gather(x, AXIS, axis=1, tiled=True)
+        n = x.shape[1]
+        return (g[:, n // 2 : n // 2 + n] * 0.5).astype(x.dtype)
+
+    def scatter_body(i, x):  # [1, world n] -> [1, n] -> tiled back, over world
+        s = jax_arx.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)
+        return (jnp.tile(s, (1, world)) * (1.0 / world)).astype(x.dtype)
+
+    bodies = {"psum": body, "all_gather": gather_body, "psum_scatter": scatter_body}
+    if op in bodies:
+        step = bodies[op]
         return jax.jit(
-            jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, body, x), mesh=mesh, in_specs=spec, out_specs=spec)
+            jax.shard_map(lambda x: jax.lax.fori_loop(0, calls, step, x), mesh=mesh, in_specs=spec, out_specs=spec)
         )
 
     def loop(x):
@@ -145,12 +163,12 @@ def chain(mesh, calls, op):
     return jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
-def my_rows(endpoint, offset_ns):
-    """{seq: [stamp per stage, host ns, 0 where not reached]} of the psum family."""
+def my_rows(endpoint, family, offset_ns):
+    """{seq: [stamp per stage, host ns, 0 where not reached]} of ``family``."""
     from jax_arx import _core
 
     t = np.frombuffer(_core.trace(endpoint.comm_id, endpoint.device_ordinal), dtype=np.uint64)
-    t = t.reshape(FAMILIES, SEQS, STAGES)[0].astype(np.int64)
+    t = t.reshape(FAMILIES, SEQS, STAGES)[family].astype(np.int64)
     rows = {}
     for row in t:
         if row[SEQ] == 0:
@@ -169,7 +187,7 @@ def main():
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     world = mesh.shape[AXIS]
     jax_arx.initialize(mesh, _tuning={"norm_fused": 1} if args.op == "add_norm" else None)
-    from jax_arx import _comm, _core
+    from jax_arx import _comm, _core, _registry
 
     if not hasattr(_core, "trace"):
         sys.exit(
@@ -198,7 +216,8 @@ def main():
     client = _compat.distributed_client()
     table = {}
     for kb in [int(v) for v in args.sizes_kb.split(",")]:
-        elems = kb * 1024 // 2
+        # psum_scatter's input is world slices of the size.
+        elems = kb * 1024 // 2 * (world if args.op == "psum_scatter" else 1)
         # This process's rows only: a device_put of a global array would check it
         # across processes with an XLA collective (NCCL on GPUs, which refuses
         # ranks that share a GPU).
@@ -206,6 +225,12 @@ def main():
         x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, P(AXIS)), local)
         f = chain(mesh, args.calls, args.op)
         f(x).block_until_ready()
+        # The bulk collectives run on endpoints of their own, made at their
+        # first call (jax_arx/_bulk_endpoints.py).
+        traced = endpoint
+        if args.op in BULK_OPS:
+            (bulk,) = _registry.bulk_communicator(AXIS).endpoints
+            traced = bulk.endpoint
         barrier(f"bench_stages {kb}")
         before = clock_offset()[0] if gpu else None
         for _ in range(args.repeats):
@@ -216,7 +241,7 @@ def main():
         if gpu and rank0:
             print(f"bench_stages: {kb} KB: the clocks' offset moved {(after - before) / 1e3:+.2f} us", flush=True)
         barrier(f"bench_stages {kb} done")
-        rows = my_rows(endpoint, offset)
+        rows = my_rows(traced, BULK_FAMILY if args.op in BULK_OPS else PSUM_FAMILY, offset)
         key = f"bench_stages/{kb}"
         client.key_value_set_bytes(f"{key}/{jax.process_index()}", json.dumps(rows).encode())
         if rank0:
