@@ -10,6 +10,13 @@
 
 namespace arx::cuda {
 
+// One term of base/combine.h's sum: acc + hi * v, then + lo * v where lo
+// is nonzero, each rounded.
+__device__ __forceinline__ float add_term(float acc, const WeightSplit& f, float v) {
+  acc = __fmaf_rn(f.hi, v, acc);
+  return f.lo != 0.f ? __fmaf_rn(f.lo, v, acc) : acc;
+}
+
 // Rows [r0, r1) of destination j's part of the combined MoE output, bf16,
 // row r at dst + (r - r0) * row_bytes: for token t = j * rows_per_rank + r,
 //   acc = shared[t]; for k in order: acc += w[t, k] * y[pos[t, k]]
@@ -110,9 +117,7 @@ __device__ inline void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64
 #pragma unroll
               for (int k = 0; k < 8; ++k) {
                 if (k > 0 && !vec) break;
-                const float v = e4m3_to_f32((uint32_t)(y8[u] >> (8 * k)) & 0xff);
-                acc[k] = __fmaf_rn(f.hi, v, acc[k]);
-                if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
+                acc[k] = add_term(acc[k], f, e4m3_to_f32((uint32_t)(y8[u] >> (8 * k)) & 0xff));
               }
             }
           } else if (vec) {
@@ -129,11 +134,7 @@ __device__ inline void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64
               if (!cols || q1 + u >= terms) continue;
               const WeightSplit f = split_weight(wu);
 #pragma unroll
-              for (int k = 0; k < 8; ++k) {
-                const float v = Elem<DType::kBF16>::get(yv[u], k);
-                acc[k] = __fmaf_rn(f.hi, v, acc[k]);
-                if (f.lo != 0.f) acc[k] = __fmaf_rn(f.lo, v, acc[k]);
-              }
+              for (int k = 0; k < 8; ++k) acc[k] = add_term(acc[k], f, Elem<DType::kBF16>::get(yv[u], k));
             }
           } else {
 #pragma unroll
@@ -142,9 +143,7 @@ __device__ inline void combine_rows(const BulkOp& op, int j, uint64_t r0, uint64
               const float wu = weight_of(u);
               if (!cols || q1 + u >= terms) continue;
               const WeightSplit f = split_weight(wu);
-              const float v = bf16_to_f32(__ldg(static_cast<const uint16_t*>(a.y) + pu * H + h0));
-              acc[0] = __fmaf_rn(f.hi, v, acc[0]);
-              if (f.lo != 0.f) acc[0] = __fmaf_rn(f.lo, v, acc[0]);
+              acc[0] = add_term(acc[0], f, bf16_to_f32(__ldg(static_cast<const uint16_t*>(a.y) + pu * H + h0)));
             }
           }
         }
