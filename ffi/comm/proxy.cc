@@ -30,7 +30,12 @@ using Clock = std::chrono::steady_clock;
 // the collective begins, before its first trigger (the device side copies
 // first): so after a ring the proxy does not nap again until it has taken
 // work, or kRungSpin has passed, whatever idle_spin_ms says (with 0 it
-// would wake, find nothing yet, and nap through the collective).
+// would wake, find nothing yet, and nap through the collective). The bell
+// is heard at the top of every turn, before the ring is looked at: a ring
+// heard only after its collective's work was taken (a proxy woken from a
+// nap finds the triggers already there) would keep it spinning kRungSpin
+// for work that has come and gone, on every collective whose ring found it
+// asleep.
 struct IdleNap {
   // Far longer than a collective takes from its beginning to its first
   // trigger, on a loaded host or under ThreadSanitizer.
@@ -44,6 +49,14 @@ struct IdleNap {
   uint32_t heard;            // the bell's value at the last look
   IdleNap(int64_t spin_ms, int64_t nap_us, std::atomic<uint32_t>& b, std::atomic<bool>& a)
       : spin(std::chrono::milliseconds(spin_ms)), nap(nap_us), bell(b), asleep(a), heard(b.load()) {}
+  // Each turn, before the trigger ring is looked at.
+  void hear() {
+    const uint32_t b = bell.load();
+    if (b != heard) {
+      heard = b;
+      last = rung = Clock::now();
+    }
+  }
   void busy() {
     last = Clock::now();
     rung = {};
@@ -51,14 +64,12 @@ struct IdleNap {
   // Idle past idle_spin_ms, and past kRungSpin since an unanswered ring.
   bool drowsy(Clock::time_point now) const { return now - last > spin && now - rung > kRungSpin; }
   void idle() {
-    const uint32_t b = bell.load();
-    if (b != heard) {
-      heard = b;
-      last = rung = Clock::now();
-    } else if (nap.count() > 0 && drowsy(Clock::now())) {
+    if (nap.count() > 0 && drowsy(Clock::now())) {
+      // Against `heard`: a ring since this turn's hear() fails the wait at
+      // once, and the next turn hears it.
       asleep.store(true);
       const timespec ts{(time_t)(nap.count() / 1000000), (long)(nap.count() % 1000000) * 1000};
-      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell), FUTEX_WAIT_PRIVATE, b, &ts, nullptr, 0);
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell), FUTEX_WAIT_PRIVATE, heard, &ts, nullptr, 0);
       asleep.store(false, std::memory_order_relaxed);
       return;
     }
@@ -358,6 +369,7 @@ void Proxy::loop(uint64_t consumed) {
   bool failure_seen = false;
   uint64_t forwarded = 0;  // the peer's notice this endpoint failed by, passed on
   while (!stop_.load(std::memory_order_relaxed)) {
+    nap.hear();
     Status s = ep_.transport()->poll();
     Trigger t{};
     if (s.ok() && take(ctl, ring, consumed, t)) {

@@ -14,10 +14,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
@@ -194,6 +196,46 @@ void test_wake(TransportKind kind) {
   for (int r = 0; r < 2; ++r)
     EXPECT(took[r] < 1.5, "%s wake: rank %d's psum after the proxies fell asleep took %.3f s: the bell woke no proxy",
            transport_name(kind), r, took[r]);
+  for (auto& ep : rig.eps) ep->close();
+}
+
+// With idle_spin_ms 0 a proxy that a collective woke naps again once it
+// has taken the collective's work. A ring heard only after that work (the
+// proxy woken from its nap finds the triggers there) must not keep it
+// spinning through kRungSpin (comm/proxy.cc, IdleNap::hear): over the
+// pause after each call, the process's CPU time (its two proxies; the rank
+// threads sleep) stays far below one core's.
+void test_quiet_after_work(TransportKind kind) {
+  if (kind == TransportKind::kShm) return;  // no proxy on the host side's route
+  Config cfg = psum_config();
+  cfg.idle_nap_us = 3000000;
+  cfg.timeout_s = 30;
+  Rig rig;
+  if (!make_rig(kind, 2, rig, cfg)) {
+    EXPECT(false, "rig");
+    return;
+  }
+  const auto cpu_s = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+  };
+  constexpr double kPause = 0.3;
+  double busiest = 0;
+  for (int call = 0; call < 4; ++call) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // both proxies nap
+    on_ranks(2, [&](int r) {
+      std::vector<float> in(64, (float)(r + 1)), out(64);
+      const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 64, 0);
+      EXPECT(s.ok() && out[0] == 3.f, "%s quiet: rank %d psum: %s", transport_name(kind), r, s.message().c_str());
+    });
+    const double before = cpu_s();
+    std::this_thread::sleep_for(std::chrono::duration<double>(kPause));
+    busiest = std::max(busiest, cpu_s() - before);
+  }
+  EXPECT(busiest < kPause / 2,
+         "%s quiet: %.3f s of CPU in a %.1f s pause after a psum: a proxy spun on after its work (idle_spin_ms 0)",
+         transport_name(kind), busiest, kPause);
   for (auto& ep : rig.eps) ep->close();
 }
 
@@ -535,6 +577,7 @@ int main(int argc, char** argv) {
     }
     test_ring(k, quick);
     test_wake(k);
+    test_quiet_after_work(k);
     test_signed_zero(k);
     test_timeout(k, quick);
     test_mismatch(k);
