@@ -94,7 +94,15 @@ def test_on_failure_abort_ends_the_process_with_the_failure(core_built, tmp_path
     ended = time.time()
     out = p.stdout + p.stderr
     assert p.returncode == 1, out[-4000:]
-    assert "rank 0 failed first (exited with status 1)" in p.stderr, out[-4000:]
+    # Rank 0 ends with status 1. Rank 1 then loses jax's coordination
+    # service, which lives in rank 0's process, and exits with status 1
+    # too: on a loaded machine rank 0's many threads may take longer to
+    # end than rank 1 takes to notice, and the launcher then sees rank 1's
+    # end first. Rank 0's own abort is checked in its lines below.
+    first = re.search(r"\[launch\] rank (\d+) failed first \(([^)]*)\)", p.stderr)
+    assert first and first.group(2) == "exited with status 1", out[-4000:]
+    if first.group(1) != "0":
+        assert first.group(1) == "1" and "Socket closed" in p.stderr, out[-4000:]
     called = re.search(r"\[rank 0\] CALLING (\d+\.\d+)", p.stdout)
     assert called and "RETURNED" not in p.stdout, out[-4000:]
     # From the call to the launcher's end: the timeout, then the exit, then
