@@ -14,7 +14,10 @@ kernels forced as examples/bench_norm.py's fused series has them; the
 norm runs between "seen" and "end"; --op all_gather or psum_scatter: the
 bulk collective over a per-rank slice of that size, as
 examples/bench_prefill.py chains it, its stamps those of the last of its
-pieces), then reads its endpoint's
+pieces; --op moe: jax_arx.moe_combine_psum_scatter, its fused kernel
+forced as bench_prefill.py's fused series has it, over a per-rank output
+of that size in rows of 512 bf16, two experts a token; the combine runs
+between "begin" and "published"), then reads its endpoint's
 stamps (ffi/base/trace.h): the kernel's (or host side's) begin, its last
 signal, the proxy taking the first trigger and returning from its last put,
 the last peer's piece seen, the end. GPU stamps are moved onto the host's
@@ -50,7 +53,7 @@ AXIS = "x"
 BEGIN, PUBLISHED, TAKEN, POSTED, ARRIVED, END, FLAG_SEEN, SEQ = range(8)
 SEQS, STAGES, FAMILIES = 4096, 8, 2
 PSUM_FAMILY, BULK_FAMILY = 0, 1  # ffi/base/words.h: Family
-BULK_OPS = ("all_gather", "psum_scatter")
+BULK_OPS = ("all_gather", "psum_scatter", "moe")
 GPU_STAGES = (BEGIN, PUBLISHED, ARRIVED, END, FLAG_SEEN)
 
 # (name, (whose stamp, stage), (whose stamp, stage)): "me" is the rank that
@@ -116,6 +119,8 @@ def parse_args():
         "--op", default="psum", choices=("psum", "add_norm", *BULK_OPS), help="the call traced (default psum)"
     )
     args = p.parse_args()
+    if args.op == "moe" and any(int(v) % (2 * MOE_HIDDEN // 1024) for v in args.sizes_kb.split(",")):
+        p.error(f"--op moe: --sizes-kb in whole rows of {MOE_HIDDEN} bf16")
     if args.op == "add_norm" and any(int(v) % (2 * HIDDEN // 1024) for v in args.sizes_kb.split(",")):
         p.error(f"--op add_norm: --sizes-kb in whole rows of {HIDDEN} bf16 (multiples of {2 * HIDDEN // 1024})")
     return args
@@ -123,6 +128,8 @@ def parse_args():
 
 # --op add_norm: the rows' width, as examples/bench_norm.py's.
 HIDDEN = 4096
+# --op moe: the rows' width and the experts per token, as bench_prefill.py's.
+MOE_HIDDEN, MOE_TOPK = 512, 2
 
 
 def chain(mesh, calls, op):
@@ -146,6 +153,18 @@ def chain(mesh, calls, op):
         s = jax_arx.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)
         return (jnp.tile(s, (1, world)) * (1.0 / world)).astype(x.dtype)
 
+    def moe_body(i, a):  # this rank's combined rows fed back into its shared rows
+        y, pos, w, shared = a
+        out = jax_arx.moe_combine_psum_scatter(y, pos, w, shared, AXIS)
+        return y, pos, w, jax.lax.dynamic_update_slice_in_dim(shared, (out * 0.5).astype(shared.dtype), 0, axis=0)
+
+    if op == "moe":
+        return jax.jit(
+            jax.shard_map(
+                lambda *a: jax.lax.fori_loop(0, calls, moe_body, a)[3], mesh=mesh, in_specs=(spec,) * 4, out_specs=spec
+            )
+        )
+
     bodies = {"psum": body, "all_gather": gather_body, "psum_scatter": scatter_body}
     if op in bodies:
         step = bodies[op]
@@ -161,6 +180,21 @@ def chain(mesh, calls, op):
         return out.reshape(1, -1)
 
     return jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def moe_operands(kb, world):
+    """This process's blocks of the fused combine's y, pos, w and shared
+    (one device a process): ``kb`` KB of output rows a rank, every token's
+    experts among the rank's rows, weights that keep the sums bounded."""
+    rows = kb * 1024 // 2 // MOE_HIDDEN
+    tokens = world * rows
+    rng = np.random.default_rng(jax.process_index())
+    return (
+        rng.standard_normal((rows + 1, MOE_HIDDEN)).astype(jnp.bfloat16),
+        rng.integers(0, rows + 1, (tokens, MOE_TOPK)).astype(np.int32),
+        np.full((tokens, MOE_TOPK), 0.25, np.float32),
+        rng.standard_normal((tokens, MOE_HIDDEN)).astype(jnp.bfloat16),
+    )
 
 
 def my_rows(endpoint, family, offset_ns):
@@ -186,7 +220,8 @@ def main():
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     world = mesh.shape[AXIS]
-    jax_arx.initialize(mesh, _tuning={"norm_fused": 1} if args.op == "add_norm" else None)
+    tuning = {"add_norm": {"norm_fused": 1}, "moe": {"moe_fused": 1}}.get(args.op)
+    jax_arx.initialize(mesh, _tuning=tuning)
     from jax_arx import _comm, _core, _registry
 
     if not hasattr(_core, "trace"):
@@ -221,10 +256,14 @@ def main():
         # This process's rows only: a device_put of a global array would check it
         # across processes with an XLA collective (NCCL on GPUs, which refuses
         # ranks that share a GPU).
-        local = np.ones((len(jax.local_devices()), elems), jnp.bfloat16)
-        x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, P(AXIS)), local)
+        sharded = jax.sharding.NamedSharding(mesh, P(AXIS))
+        if args.op == "moe":
+            x = [jax.make_array_from_process_local_data(sharded, a) for a in moe_operands(kb, world)]
+        else:
+            local = np.ones((len(jax.local_devices()), elems), jnp.bfloat16)
+            x = [jax.make_array_from_process_local_data(sharded, local)]
         f = chain(mesh, args.calls, args.op)
-        f(x).block_until_ready()
+        f(*x).block_until_ready()
         # The bulk collectives run on endpoints of their own, made at their
         # first call (jax_arx/_bulk_endpoints.py).
         traced = endpoint
@@ -234,7 +273,7 @@ def main():
         barrier(f"bench_stages {kb}")
         before = clock_offset()[0] if gpu else None
         for _ in range(args.repeats):
-            y = f(x)
+            y = f(*x)
         y.block_until_ready()
         after = clock_offset()[0] if gpu else None
         offset = (before + after) // 2 if gpu else None
