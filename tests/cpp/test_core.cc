@@ -169,6 +169,23 @@ void test_back_to_back(TransportKind kind, int world, int calls, const Config& c
   for (auto& ep : rig.eps) ep->close();
 }
 
+// Two ranks whose proxies nap 3 s a turn once idle (idle_spin_ms 0).
+bool make_napping_rig(TransportKind kind, Rig& rig) {
+  Config cfg = psum_config();
+  cfg.idle_nap_us = 3000000;
+  cfg.timeout_s = 30;
+  if (make_rig(kind, 2, rig, cfg)) return true;
+  EXPECT(false, "rig");
+  return false;
+}
+
+// A psum of 64 floats on rank r of a 2-rank rig, its result checked.
+void psum_of_two(TransportKind kind, Rig& rig, int r, const char* what) {
+  std::vector<float> in(64, (float)(r + 1)), out(64);
+  const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 64, 0);
+  EXPECT(s.ok() && out[0] == 3.f, "%s %s: rank %d psum: %s", transport_name(kind), what, r, s.message().c_str());
+}
+
 // A collective that begins wakes a napping proxy (comm/proxy.h, wake): with
 // naps of 3 s, a psum through the proxies after they fell asleep returns in
 // far less than a nap. Without the bell each proxy would take its first
@@ -176,22 +193,14 @@ void test_back_to_back(TransportKind kind, int world, int calls, const Config& c
 // without its proxy: nothing to wake there.
 void test_wake(TransportKind kind) {
   if (kind == TransportKind::kShm) return;
-  Config cfg = psum_config();
-  cfg.idle_nap_us = 3000000;
-  cfg.timeout_s = 30;
   Rig rig;
-  if (!make_rig(kind, 2, rig, cfg)) {
-    EXPECT(false, "rig");
-    return;
-  }
+  if (!make_napping_rig(kind, rig)) return;
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // both proxies nap (set-up is over)
   std::vector<double> took(2);
   on_ranks(2, [&](int r) {
-    std::vector<float> in(64, (float)(r + 1)), out(64);
     const auto t0 = std::chrono::steady_clock::now();
-    const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 64, 0);
+    psum_of_two(kind, rig, r, "wake");
     took[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT(s.ok() && out[0] == 3.f, "%s wake: rank %d psum: %s", transport_name(kind), r, s.message().c_str());
   });
   for (int r = 0; r < 2; ++r)
     EXPECT(took[r] < 1.5, "%s wake: rank %d's psum after the proxies fell asleep took %.3f s: the bell woke no proxy",
@@ -207,14 +216,8 @@ void test_wake(TransportKind kind) {
 // threads sleep) stays far below one core's.
 void test_quiet_after_work(TransportKind kind) {
   if (kind == TransportKind::kShm) return;  // no proxy on the host side's route
-  Config cfg = psum_config();
-  cfg.idle_nap_us = 3000000;
-  cfg.timeout_s = 30;
   Rig rig;
-  if (!make_rig(kind, 2, rig, cfg)) {
-    EXPECT(false, "rig");
-    return;
-  }
+  if (!make_napping_rig(kind, rig)) return;
   const auto cpu_s = [] {
     timespec ts{};
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
@@ -224,11 +227,7 @@ void test_quiet_after_work(TransportKind kind) {
   double busiest = 0;
   for (int call = 0; call < 4; ++call) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // both proxies nap
-    on_ranks(2, [&](int r) {
-      std::vector<float> in(64, (float)(r + 1)), out(64);
-      const Status s = testing::psum(*rig.eps[r], DType::kF32, in.data(), out.data(), 64, 0);
-      EXPECT(s.ok() && out[0] == 3.f, "%s quiet: rank %d psum: %s", transport_name(kind), r, s.message().c_str());
-    });
+    on_ranks(2, [&](int r) { psum_of_two(kind, rig, r, "quiet"); });
     const double before = cpu_s();
     std::this_thread::sleep_for(std::chrono::duration<double>(kPause));
     busiest = std::max(busiest, cpu_s() - before);
