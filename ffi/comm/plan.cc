@@ -215,10 +215,11 @@ Plan plan_moe_combine(const Endpoint& ep, uint64_t lane_bytes) {
   // combine writing its rows to memory, then the bulk psum_scatter reading
   // them), and it is slower than that pair on every route and size
   // measured but one, which it won by 3-6 % (docs/performance.md, "The
-  // fused MoE combine on the whole GPU"), also since its rows are computed on
-  // every multiprocessor the consumers leave. So it steps aside; the pair
-  // sums in the same rank order and gives the same bits. Every rank decides alike: the route and the config
-  // are the communicator's.
+  // fused MoE combine on the whole GPU" and "... stage by stage"), also
+  // since its rows are computed on every multiprocessor the consumers
+  // leave. So it steps aside; the pair sums in the same rank order and
+  // gives the same bits. Every rank decides alike: the route and the
+  // config are the communicator's.
   Plan unfused;
   unfused.algorithm = Algorithm::kUnfused;
   unfused.reason = "the fused combine measured slower than its unfused pair on this route (" + moe_route(ep) +
